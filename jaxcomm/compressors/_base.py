@@ -1,0 +1,340 @@
+"""The compressor contract, exact wire accounting and the registry.
+
+A compressor Q is two pure per-array functions,
+
+    compress(x, key, state=None) -> (payload, new_state)
+    decompress(payload)          -> x_hat            (same shape and dtype as x)
+
+plus metadata (``name``, ``unbiased``, ``strategy``). The payload is the wire
+format: its arrays are exactly what would be transmitted, and
+:func:`wire_bits` counts them exactly (GRACE, Sec. III-A, counts one byte per
+sign and int64 per index; we bit-pack, so our volumes are the true ones).
+
+Every :class:`Compressor` is also an optax gradient transformation whose
+``update`` is the local lossy round trip ``g -> Q^{-1}(Q(g))`` applied leaf by
+leaf, so ``optax.chain(jaxcomm.compressors.topk(0.01), optax.sgd(0.1))`` works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, ClassVar, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+Array = jax.Array
+PRNGKey = jax.Array
+
+__all__ = [
+    "Compressor",
+    "CompressorState",
+    "Payload",
+    "DensePayload",
+    "wire_bits",
+    "register",
+    "make",
+    "names",
+    "check_float_input",
+    "check_ratio",
+    "check_positive_int",
+    "check_finite_scalar",
+]
+
+STRATEGIES = ("allreduce", "allgather")
+
+
+# --------------------------------------------------------------------------- #
+# Payloads
+# --------------------------------------------------------------------------- #
+class Payload:
+    """Base class of every payload (a pytree whose array leaves are sent).
+
+    Subclasses are ``@payload_dataclass`` records. Static metadata (the
+    original ``shape`` and ``dtype``, counts known at trace time) are pytree
+    aux data and are *not* sent: both ends know the tensor's shape from the
+    model. ``summable`` names the fields that an ``allreduce`` strategy may sum
+    element-wise across workers (the others must be identical on every
+    worker, e.g. a shared PRNG key).
+    """
+
+    summable: ClassVar[tuple[str, ...]] = ()
+
+    def wire_bits(self):
+        """Exact bits on the wire; default: every array leaf at its dtype width."""
+        return _leaf_bits(self)
+
+
+def _leaf_bits(tree) -> int:
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, Payload):  # pragma: no cover - nested payloads flatten
+            total += leaf.wire_bits()
+        else:
+            total += int(np.prod(np.shape(leaf), dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize * 8
+    return total
+
+
+def payload_dataclass(cls):
+    """Register ``cls`` as a frozen dataclass pytree.
+
+    Fields declared with ``dataclasses.field(metadata={"static": True})`` are aux
+    data (not traced, not sent); all others are array leaves.
+    """
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    fields = dataclasses.fields(cls)
+    data = [f.name for f in fields if not f.metadata.get("static", False)]
+    meta = [f.name for f in fields if f.metadata.get("static", False)]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def static_field(**kwargs):
+    """A payload field that is static metadata (shape, dtype, capacity)."""
+    return dataclasses.field(metadata={"static": True}, **kwargs)
+
+
+@payload_dataclass
+class DensePayload(Payload):
+    """A dense array sent as it is (possibly cast), e.g. by ``none`` and ``fp16``.
+
+    Attributes:
+      data: the transmitted array, shape ``shape``, dtype = wire dtype.
+      dtype: dtype to restore on decompression (static).
+    """
+
+    data: Array
+    dtype: Any = static_field()
+    summable: ClassVar[tuple[str, ...]] = ("data",)
+
+
+def wire_bits(payload) -> int | Array:
+    """Exact number of bits a payload (or a pytree of payloads) puts on the wire.
+
+    Packed sign/ternary codes count their packed bytes, indices their integer
+    width, scalars 32 bits. Static metadata (shape, dtype) is not counted: both
+    ends know the model. For fixed-size payloads the result is a Python ``int``;
+    for count-based payloads (threshold methods with a fixed-capacity buffer) it
+    is a traced ``int32`` scalar computed from the count, exact below 2**31 bits.
+
+    Args:
+      payload: a :class:`Payload`, or any pytree containing payloads.
+    Returns:
+      bits: ``int`` or scalar ``jax.Array`` (int32).
+    """
+    if isinstance(payload, Payload):
+        return payload.wire_bits()
+    parts = jax.tree_util.tree_leaves(payload, is_leaf=lambda n: isinstance(n, Payload))
+    total: Any = 0
+    for p in parts:
+        total = total + (p.wire_bits() if isinstance(p, Payload) else _leaf_bits(p))
+    return total
+
+
+# --------------------------------------------------------------------------- #
+# Input validation shared by the factories
+# --------------------------------------------------------------------------- #
+def check_float_input(x, name: str = "x") -> None:
+    """Raise ``TypeError`` unless ``x`` has a real floating dtype."""
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{name} must have a real floating dtype (float16/bfloat16/float32/float64); got {dtype}. "
+            "Compressors act on gradients, which are real floating point."
+        )
+
+
+def check_ratio(ratio, name: str = "ratio") -> float:
+    """Validate a fraction in (0, 1]."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a real number in (0, 1]; got {type(ratio).__name__}")
+    ratio = float(ratio)
+    if not math.isfinite(ratio) or not 0.0 < ratio <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1]; got {ratio}")
+    return ratio
+
+
+def check_positive_int(value, name: str, minimum: int = 1) -> int:
+    """Validate an integer >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    return int(value)
+
+
+def check_finite_scalar(value, name: str, positive: bool = False, nonnegative: bool = False) -> float:
+    """Validate a finite real scalar hyper-parameter."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0; got {value}")
+    if nonnegative and value < 0:
+        raise ValueError(f"{name} must be >= 0; got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------- #
+# The compressor
+# --------------------------------------------------------------------------- #
+class CompressorState(NamedTuple):
+    """optax state of a compressor used as a gradient transformation.
+
+    Attributes:
+      key: PRNG key (raw ``uint32[2]``), split once per step.
+      leaf_states: tuple, one per-array compressor state per gradient leaf (in
+        ``jax.tree.leaves`` order); ``()`` for stateless compressors.
+    """
+
+    key: Array
+    leaf_states: tuple
+
+
+def _no_state(x):
+    del x
+    return ()
+
+
+class Compressor(optax.GradientTransformationExtraArgs):
+    """A lossy operator Q with per-array primitives and optax ``init``/``update``.
+
+    Construct with :meth:`Compressor.create`. As a tuple it *is* an optax
+    ``GradientTransformationExtraArgs`` (``init``, ``update``), whose update is
+    ``g -> decompress(compress(g))`` per leaf with per-leaf state and a PRNG key
+    split per step and per leaf.
+
+    Attributes:
+      name: the registry name (``"topk"``, ...).
+      compress: ``(x, key, state=None) -> (payload, new_state)``.
+      decompress: ``payload -> x_hat`` (shape and dtype of ``x``).
+      init_state: ``x -> state`` for one array (``()`` if stateless).
+      unbiased: ``E[decompress(compress(x))] == x`` for every x.
+      strategy: ``"allreduce"`` when payloads can be summed as they are
+        (fields ``Payload.summable``), else ``"allgather"``.
+      compress_allreduce: optional ``(x, key, state, comm) -> (payload, state)``
+        for multi-round methods (PowerSGD): runs the collectives itself through
+        the communicator ``comm`` (``comm.sum(a)``, ``comm.size``), and returns a
+        payload whose ``decompress`` is the *sum* over workers.
+      params: the hyper-parameters the factory was called with.
+    """
+
+    name: str
+    unbiased: bool
+    strategy: str
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        name: str,
+        compress: Callable,
+        decompress: Callable,
+        unbiased: bool,
+        strategy: str,
+        init_state: Optional[Callable] = None,
+        compress_allreduce: Optional[Callable] = None,
+        seed: int = 0,
+        params: Optional[dict] = None,
+    ) -> "Compressor":
+        """Build a compressor from its per-array primitives (see class docstring)."""
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
+        seed = check_positive_int(seed, "seed", minimum=0)
+        init_state = init_state or _no_state
+
+        def checked_compress(x, key=None, state=None):
+            check_float_input(x, "x")
+            x = jnp.asarray(x)
+            if state is None:
+                state = init_state(x)
+            if key is None:
+                key = jax.random.PRNGKey(0)
+            return compress(x, key, state)
+
+        def init(params_tree):
+            leaves = jax.tree_util.tree_leaves(params_tree)
+            for leaf in leaves:
+                check_float_input(leaf, "params")
+            return CompressorState(
+                key=jax.random.PRNGKey(seed),
+                leaf_states=tuple(init_state(jnp.asarray(leaf)) for leaf in leaves),
+            )
+
+        def update(updates, state, params_tree=None, **extra_args):
+            del params_tree, extra_args
+            leaves, treedef = jax.tree_util.tree_flatten(updates)
+            if len(leaves) != len(state.leaf_states):
+                raise ValueError(
+                    f"updates has {len(leaves)} leaves but the compressor state was initialised "
+                    f"for {len(state.leaf_states)}; init and update must see the same tree"
+                )
+            key, step_key = jax.random.split(state.key)
+            keys = jax.random.split(step_key, max(len(leaves), 1))
+            out, new_states = [], []
+            for i, (g, s) in enumerate(zip(leaves, state.leaf_states)):
+                payload, s = checked_compress(g, keys[i], s)
+                out.append(decompress(payload))
+                new_states.append(s)
+            return jax.tree_util.tree_unflatten(treedef, out), CompressorState(key, tuple(new_states))
+
+        self = super().__new__(cls, init, update)
+        self.name = name
+        self.compress = checked_compress
+        self.decompress = decompress
+        self.init_state = init_state
+        self.unbiased = bool(unbiased)
+        self.strategy = strategy
+        self.compress_allreduce = compress_allreduce
+        self.seed = seed
+        self.params = dict(params or {})
+        return self
+
+    def roundtrip(self, x, key=None, state=None):
+        """``decompress(compress(x))``: the local lossy round trip of one array."""
+        payload, state = self.compress(x, key, state)
+        return self.decompress(payload), state
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"jaxcomm.compressors.{self.name}({args})"
+
+
+# --------------------------------------------------------------------------- #
+# Registry
+# --------------------------------------------------------------------------- #
+_REGISTRY: dict[str, Callable[..., Compressor]] = {}
+
+
+def register(name: str):
+    """Decorator: register a compressor factory under ``name``."""
+
+    def deco(factory):
+        if name in _REGISTRY:
+            raise ValueError(f"compressor {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def make(name: str, **kwargs) -> Compressor:
+    """Build a registered compressor by name: ``make("topk", ratio=0.01)``.
+
+    Raises:
+      ValueError: unknown name (the message lists the valid ones).
+    """
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(names())}") from None
+    return factory(**kwargs)
+
+
+def names() -> list[str]:
+    """Sorted names of every registered compressor."""
+    return sorted(_REGISTRY)

@@ -1,0 +1,131 @@
+"""GRACE's helper operators as pure, jit-able functions.
+
+pack/unpack (bit packing of small integer codes), sparsify/desparsify (gather
+and scatter of selected entries), quantize/dequantize (QSGD-style stochastic
+uniform quantisation of magnitudes, GRACE Sec. III-A and Alistarh et al. 2017,
+Eq. (1) of QSGD), and the index encoding used by sparsifiers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "pack",
+    "unpack",
+    "packed_size",
+    "index_dtype",
+    "sparsify",
+    "desparsify",
+    "quantize",
+    "dequantize",
+]
+
+_WIDTHS = (1, 2, 4, 8)
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes needed to pack ``n`` codes of ``bits`` bits each: ceil(n*bits/8)."""
+    return -(-n * bits // 8)
+
+
+def pack(codes: jax.Array, bits: int) -> jax.Array:
+    """Pack unsigned integer codes of ``bits`` bits (1, 2, 4 or 8) into bytes.
+
+    Code ``i`` occupies bits ``[(i % m)*bits, (i % m + 1)*bits)`` of byte
+    ``i // m`` with ``m = 8 // bits`` (little-endian within a byte).
+
+    Args:
+      codes: any shape, integer or bool, values in ``[0, 2**bits)``; flattened.
+      bits: code width.
+    Returns:
+      uint8 array of shape ``(ceil(codes.size * bits / 8),)``.
+    """
+    if bits not in _WIDTHS:
+        raise ValueError(f"bits must be one of {_WIDTHS}; got {bits}")
+    flat = jnp.ravel(codes).astype(jnp.uint8)
+    m = 8 // bits
+    n = flat.shape[0]
+    pad = (-n) % m
+    flat = jnp.pad(flat, (0, pad)).reshape(-1, m)
+    shifts = (jnp.arange(m, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    return jnp.sum(jnp.left_shift(flat, shifts), axis=1, dtype=jnp.uint32).astype(jnp.uint8)
+
+
+def unpack(packed: jax.Array, bits: int, n: int) -> jax.Array:
+    """Inverse of :func:`pack`: the first ``n`` codes as ``uint8`` of shape ``(n,)``."""
+    if bits not in _WIDTHS:
+        raise ValueError(f"bits must be one of {_WIDTHS}; got {bits}")
+    m = 8 // bits
+    shifts = (jnp.arange(m, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    mask = jnp.uint8((1 << bits) - 1)
+    codes = jnp.bitwise_and(jnp.right_shift(packed[:, None], shifts[None, :]), mask)
+    return codes.reshape(-1)[:n]
+
+
+def index_dtype(size: int):
+    """Narrowest unsigned dtype that encodes every flat index of a ``size``-element tensor.
+
+    uint8 up to 256 elements, uint16 up to 65536, else int32 (the wire format
+    GRACE would use with int64 is twice as wide).
+    """
+    if size <= 1 << 8:
+        return jnp.uint8
+    if size <= 1 << 16:
+        return jnp.uint16
+    if size <= np.iinfo(np.int32).max:
+        return jnp.int32
+    raise ValueError(f"tensor of {size} elements is too large for 32-bit indices")
+
+
+def sparsify(x: jax.Array, indices: jax.Array) -> jax.Array:
+    """Gather ``x.ravel()[indices]``: values of shape ``indices.shape``."""
+    return jnp.ravel(x)[indices.astype(jnp.int32)]
+
+
+def desparsify(values: jax.Array, indices: jax.Array, shape, dtype=None) -> jax.Array:
+    """Scatter-add ``values`` at flat ``indices`` into zeros of ``shape``.
+
+    Repeated indices add up (so the padded slots of a fixed-capacity buffer may
+    hold zeros at index 0 harmlessly).
+    """
+    dtype = dtype or values.dtype
+    size = int(np.prod(shape, dtype=np.int64))
+    out = jnp.zeros((size,), dtype).at[indices.astype(jnp.int32)].add(values.astype(dtype))
+    return out.reshape(shape)
+
+
+def quantize(x: jax.Array, levels: int, key: jax.Array, norm: jax.Array | None = None):
+    """Stochastic uniform quantisation of |x|/norm to ``levels`` levels (QSGD Eq. 1).
+
+    ``xi_i = floor(l_i) + Bernoulli(l_i - floor(l_i))`` with ``l_i = s|x_i|/norm``,
+    so ``E[xi_i] = l_i`` (unbiased). NaN entries get level 0.
+
+    Args:
+      x: float array, any shape.
+      levels: s >= 1 (static).
+      key: PRNG key.
+      norm: scalar scale (default ``||x||_2``).
+    Returns:
+      (level, sign, norm): ``level`` uint8/uint16/int32 in ``[0, s]`` with x's
+      shape, ``sign`` bool (x < 0), ``norm`` float32 scalar.
+    """
+    xf = jnp.asarray(x, jnp.float32)
+    if norm is None:
+        norm = jnp.linalg.norm(xf.ravel())
+    norm = jnp.asarray(norm, jnp.float32)
+    safe = jnp.where(norm > 0, norm, 1.0)
+    scaled = jnp.clip(jnp.abs(xf) / safe * levels, 0.0, float(levels))
+    scaled = jnp.where(jnp.isfinite(scaled), scaled, 0.0)
+    low = jnp.floor(scaled)
+    up = jax.random.uniform(key, xf.shape) < (scaled - low)
+    level = (low + up).astype(index_dtype(levels + 1))
+    return level, xf < 0, norm
+
+
+def dequantize(level: jax.Array, sign: jax.Array, norm: jax.Array, levels: int, dtype=jnp.float32):
+    """Inverse of :func:`quantize`: ``norm * sign * level / s`` in ``dtype``."""
+    mag = level.astype(jnp.float32) * (norm / levels)
+    return jnp.where(sign, -mag, mag).astype(dtype)
