@@ -1,6 +1,6 @@
 """Communicators: one protocol, a mesh-axis backend and an MPI backend."""
 
-from ._protocol import Communicator, resolve
+from ._protocol import Communicator, current, is_communicator, resolve, use
 from ._mesh import MeshAxis
 
-__all__ = ["Communicator", "MeshAxis", "resolve"]
+__all__ = ["Communicator", "MeshAxis", "current", "is_communicator", "resolve", "use"]

@@ -8,11 +8,13 @@ process). All methods act on pytrees and are traceable.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+import contextlib
+import contextvars
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import jax
 
-__all__ = ["Communicator", "resolve"]
+__all__ = ["Communicator", "resolve", "use", "current", "is_communicator"]
 
 PyTree = Any
 
@@ -53,17 +55,100 @@ class Communicator(Protocol):
     def varying(self, tree: PyTree) -> PyTree: ...
 
 
+_METHODS = ("size", "index", "sum", "mean", "all_gather", "broadcast", "permute", "varying")
+
+
+def is_communicator(obj) -> bool:
+    """Whether ``obj``'s class implements every :class:`Communicator` member.
+
+    Checked on the class, so no property (``size``) is evaluated outside a bound axis.
+    """
+    return all(hasattr(type(obj), m) for m in _METHODS)
+
+
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("jaxcomm_communicator", default=None)
+
+
+@contextlib.contextmanager
+def use(comm: "Communicator") -> Iterator["Communicator"]:
+    """Make ``comm`` the ambient communicator while tracing a step.
+
+    Transforms built without ``axis_name``/``comm`` (e.g. ``compressed_mean(c)``)
+    communicate through it, so the same optimizer runs on a mesh axis or over MPI
+    depending on the launcher: the trainer wraps its step in ``use(...)``.
+    """
+    if not is_communicator(comm):
+        raise TypeError(f"comm must implement jaxcomm.comm.Communicator; got {type(comm).__name__}")
+    token = _CURRENT.set(comm)
+    try:
+        yield comm
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> "Communicator":
+    """The ambient communicator set by :func:`use`; ``ValueError`` if none is set."""
+    comm = _CURRENT.get()
+    if comm is None:
+        raise ValueError(
+            "no communicator: pass axis_name=... or comm=..., or run inside jaxcomm.comm.use(...) "
+            "(the trainer does this for you)"
+        )
+    return comm
+
+
+class _Ambient:
+    """A communicator that forwards every call to :func:`current` at trace time."""
+
+    def __repr__(self):
+        return "AmbientCommunicator()"
+
+    @property
+    def size(self) -> int:
+        return current().size
+
+    def index(self):
+        return current().index()
+
+    def sum(self, tree):
+        return current().sum(tree)
+
+    def mean(self, tree):
+        return current().mean(tree)
+
+    def all_gather(self, tree):
+        return current().all_gather(tree)
+
+    def broadcast(self, tree, root: int = 0):
+        return current().broadcast(tree, root)
+
+    def permute(self, tree, perm):
+        return current().permute(tree, perm)
+
+    def varying(self, tree):
+        return current().varying(tree)
+
+    def __getattr__(self, name):
+        # Backend-specific extras (e.g. MPIComm attributes) of the ambient communicator.
+        return getattr(current(), name)
+
+
 def resolve(axis_name: str | None = None, comm: Communicator | None = None) -> Communicator:
-    """Return the communicator named by exactly one of ``axis_name`` or ``comm``.
+    """Return the communicator named by ``axis_name`` or ``comm`` (at most one).
+
+    With neither, returns a proxy for the ambient communicator of :func:`use`,
+    looked up when the step is traced.
 
     Raises:
-      ValueError: both or neither given.
+      ValueError: both given.
       TypeError: ``comm`` does not implement :class:`Communicator`.
     """
-    if (axis_name is None) == (comm is None):
-        raise ValueError("pass exactly one of axis_name=... (a mesh axis) or comm=... (a Communicator)")
+    if axis_name is not None and comm is not None:
+        raise ValueError("pass at most one of axis_name=... (a mesh axis) or comm=... (a Communicator)")
+    if axis_name is None and comm is None:
+        return _Ambient()
     if comm is not None:
-        if not isinstance(comm, Communicator):
+        if not is_communicator(comm):
             raise TypeError(f"comm must implement jaxcomm.comm.Communicator; got {type(comm).__name__}")
         return comm
     from ._mesh import MeshAxis

@@ -1,0 +1,34 @@
+"""Training: mesh set-up, the jit-compiled step, the loop, checkpoints.
+
+>>> import optax, jaxcomm as jc
+>>> from flax import nnx
+>>> # trainer = jc.train.Trainer(model, optax.chain(jc.compressed_mean(jc.compressors.topk(0.01)), optax.sgd(0.1)))
+"""
+
+from ._checkpoint import CheckpointError, latest_step, restore_checkpoint, save_checkpoint
+from ._mesh import make_mesh, shard_workers, stack_workers, unstack_worker
+from ._nnx import PureModel, classification_loss, language_model_loss, split_model
+from ._step import TrainState, collect_counter, init_train_state, make_train_step
+from ._trainer import NonFiniteLossError, Trainer, to_workers
+
+__all__ = [
+    "CheckpointError",
+    "NonFiniteLossError",
+    "PureModel",
+    "TrainState",
+    "Trainer",
+    "classification_loss",
+    "collect_counter",
+    "init_train_state",
+    "language_model_loss",
+    "latest_step",
+    "make_mesh",
+    "make_train_step",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "shard_workers",
+    "split_model",
+    "stack_workers",
+    "to_workers",
+    "unstack_worker",
+]

@@ -1,0 +1,116 @@
+"""Flax NNX models as pure functions of arrays (``nnx.split`` / ``nnx.merge``).
+
+A model is split once into a static graph definition, its parameters
+(``nnx.Param``), its RNG streams and any other variables (``model_state``,
+e.g. normalisation statistics). The step merges them back, reseeds dropout from
+the step's explicit key and splits again, so the step stays a pure function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+__all__ = ["PureModel", "split_model", "classification_loss", "language_model_loss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PureModel:
+    """A split NNX model.
+
+    Attributes:
+      graphdef: static structure (hashable; closed over by jitted functions).
+      params: ``nnx.Param`` variables (the trained pytree).
+      model_state: other variables, RNG streams excluded.
+      rng_state: the RNG streams at split time (reseeded every call).
+    """
+
+    graphdef: Any
+    params: Any
+    model_state: Any
+    rng_state: Any
+
+    def apply(self, params, model_state, x, *, key=None, train: bool = False, **kwargs):
+        """Run the model: returns ``(output, new_model_state)``.
+
+        ``key`` reseeds every RNG stream (dropout) for this call; ``train`` selects
+        training behaviour (dropout on).
+        """
+        model = nnx.merge(self.graphdef, params, self._rng_state_for(key), model_state)
+        if train:
+            model.train()
+        else:
+            model.eval()
+        out = model(x, **kwargs)
+        _, _, _, new_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+        return out, new_state
+
+    def _rng_state_for(self, key):
+        """Fresh RNG variables (built at the current trace level) seeded from ``key``.
+
+        Stream ``i`` (in tree order) gets ``fold_in(key, i)`` and its counter is
+        reset, so a call's randomness is a function of ``key`` alone.
+        """
+        if key is not None:
+            key = jnp.asarray(key)
+            if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+                key = jax.random.wrap_key_data(key.astype(jnp.uint32))
+        leaves, treedef = jax.tree.flatten(self.rng_state)
+        fresh, stream = [], 0
+        for leaf in leaves:
+            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                fresh.append(leaf if key is None else jax.random.fold_in(key, stream))
+                stream += 1
+            else:
+                fresh.append(jnp.zeros_like(leaf))
+        return jax.tree.unflatten(treedef, fresh)
+
+
+def split_model(model: nnx.Module) -> PureModel:
+    """Split an NNX module into a :class:`PureModel`."""
+    graphdef, params, rng_state, model_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    return PureModel(graphdef, params, model_state, rng_state)
+
+
+def _xy(batch):
+    """``(inputs, targets)`` of a ``{"x", "y"}`` dict or an ``(images, labels)`` pair."""
+    if isinstance(batch, dict):
+        return batch["x"], batch["y"]
+    return batch[0], batch[1]
+
+
+def classification_loss(model: PureModel) -> Callable:
+    """Softmax cross-entropy loss ``(params, model_state, batch, key) -> (loss, (state, metrics))``.
+
+    ``batch`` is ``{"x": float[B, ...], "y": int32[B]}`` or a
+    :class:`jaxcomm.data.Batch` ``(images, labels)``; metrics: ``accuracy``.
+    """
+
+    def loss_fn(params, model_state, batch, key):
+        x, y = _xy(batch)
+        logits, new_state = model.apply(params, model_state, x, key=key, train=True)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        acc = jnp.mean(jnp.argmax(logits, -1) == y)
+        return loss, (new_state, {"accuracy": acc})
+
+    return loss_fn
+
+
+def language_model_loss(model: PureModel) -> Callable:
+    """Next-token cross-entropy for a character LM; ``batch = {"x": int32[B, T], "y": int32[B, T]}``.
+
+    Metrics: ``perplexity`` (``exp`` of the mean token loss).
+    """
+
+    def loss_fn(params, model_state, batch, key):
+        x, y = _xy(batch)
+        logits, new_state = model.apply(params, model_state, x, key=key, train=True)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, (new_state, {"perplexity": jnp.exp(loss)})
+
+    return loss_fn

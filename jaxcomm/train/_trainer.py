@@ -1,0 +1,234 @@
+"""The data-parallel trainer: model + transform chain + mesh (or MPI) + data.
+
+``Trainer`` composes a Flax NNX model, any optax chain (with jaxcomm's
+communicating transforms inside) and a launcher: a device mesh on one host,
+several hosts under ``jax.distributed`` (the mesh spans every process's
+devices), or one worker per MPI process. Its ``fit`` loop shows a progress bar,
+evaluates, records per-step metrics (loss, accuracy, wire bits sent per worker,
+messages, step time), checkpoints with orbax and resumes bit-identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ._checkpoint import latest_step, restore_checkpoint, save_checkpoint
+from ._mesh import make_mesh
+from ._nnx import PureModel, classification_loss, language_model_loss, split_model
+from ._step import TrainState, init_train_state, make_train_step
+
+__all__ = ["Trainer", "NonFiniteLossError", "to_workers"]
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or Inf; training stopped and the last good checkpoint was kept."""
+
+
+def to_workers(tree, mesh) -> Any:
+    """Place host arrays with a leading worker axis onto ``mesh`` (split over its axis).
+
+    Works on one process and under ``jax.distributed`` (each process supplies the
+    rows of its own devices from the full host array).
+    """
+    sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
+
+    def put(x):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree)
+
+
+def _first_worker(x):
+    """Worker 0's (or this process's first worker's) slice, as a host array."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_shards[0].data)[0]
+    return np.asarray(x)[0]
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Data-parallel training of an NNX model with any optax chain.
+
+    Args:
+      model: a Flax NNX module (all workers start from its parameters).
+      tx: optax transformation; communicating transforms built without
+        ``axis_name``/``comm`` use the trainer's communicator.
+      task: ``"classification"`` (batch ``{"x", "y"}``) or ``"language_model"``,
+        or a custom loss ``(params, model_state, batch, key) -> (loss, (state, metrics))``.
+      num_workers: mesh size (default: every device); ignored with ``comm``.
+      comm: a communicator for one worker per process (e.g. ``MPIComm()``).
+      seed: seeds the per-worker PRNG keys (dropout, stochastic compressors).
+    """
+
+    model: nnx.Module
+    tx: optax.GradientTransformation
+    task: Any = "classification"
+    num_workers: Optional[int] = None
+    comm: Any = None
+    seed: int = 0
+
+    def __post_init__(self):
+        self.pure: PureModel = split_model(self.model)
+        if callable(self.task):
+            self.loss_fn = self.task
+        elif self.task == "classification":
+            self.loss_fn = classification_loss(self.pure)
+        elif self.task == "language_model":
+            self.loss_fn = language_model_loss(self.pure)
+        else:
+            raise ValueError(f"task must be 'classification', 'language_model' or a loss function; got {self.task!r}")
+        if self.comm is None:
+            self.mesh = make_mesh(self.num_workers)
+            self.num_workers = self.mesh.shape[self.mesh.axis_names[0]]
+            self.step_fn = make_train_step(self.loss_fn, self.tx, mesh=self.mesh)
+        else:
+            self.mesh = None
+            self.num_workers = int(self.comm.size)
+            self.step_fn = make_train_step(self.loss_fn, self.tx, comm=self.comm)
+        self._eval_fn = jax.jit(self._eval_batch)
+
+    # ------------------------------------------------------------------ state
+    def init_state(self) -> TrainState:
+        """Initial state: identical parameters on every worker, distinct worker keys."""
+        n = self.num_workers
+        keys = jax.random.split(jax.random.PRNGKey(self.seed), n)
+        if self.mesh is None:
+            rank = int(self.comm.rank) if hasattr(self.comm, "rank") else 0
+            return init_train_state(self.pure.params, self.pure.model_state, self.tx, keys[rank])
+
+        def one(key):
+            return init_train_state(self.pure.params, self.pure.model_state, self.tx, key)
+
+        host = jax.vmap(one)(keys)
+        return to_workers(jax.tree.map(np.asarray, host), self.mesh)
+
+    def worker_batch(self, batch):
+        """Device placement of one global batch ``(num_workers, per_worker, ...)``."""
+        if self.mesh is None:
+            rank = int(self.comm.rank) if hasattr(self.comm, "rank") else 0
+            return jax.tree.map(lambda x: jnp.asarray(np.asarray(x)[rank]), batch)
+        return to_workers(batch, self.mesh)
+
+    def params_of(self, state: TrainState, average: bool = False):
+        """Worker 0's parameters (data-parallel replicas are identical), or the workers' mean."""
+        if self.mesh is None:
+            return state.params
+        if average:
+            return jax.tree.map(lambda x: np.asarray(x).mean(0), state.params)
+        return jax.tree.map(_first_worker, state.params)
+
+    # ------------------------------------------------------------- evaluation
+    def _eval_batch(self, params, model_state, x, y):
+        out, _ = self.pure.apply(params, model_state, x, train=False)
+        loss = optax.softmax_cross_entropy_with_integer_labels(out, y)
+        correct = jnp.argmax(out, -1) == y
+        return loss.sum(), correct.sum()
+
+    def evaluate(self, state: TrainState, x, y, batch_size: int = 1000, average: bool = False) -> dict:
+        """Mean loss and accuracy of (worker 0's or the averaged) model on ``(x, y)``.
+
+        For language models ``y`` is ``[N, T]`` token targets and ``perplexity`` is added.
+        """
+        params = self.params_of(state, average)
+        model_state = (
+            state.model_state if self.mesh is None else jax.tree.map(_first_worker, state.model_state)
+        )
+        total_loss, total_correct, count = 0.0, 0.0, 0
+        for i in range(0, len(x), batch_size):
+            xb, yb = jnp.asarray(x[i : i + batch_size]), jnp.asarray(y[i : i + batch_size])
+            loss, correct = self._eval_fn(params, model_state, xb, yb)
+            total_loss += float(loss)
+            total_correct += float(correct)
+            count += int(np.prod(yb.shape))
+        out = {"loss": total_loss / count, "accuracy": total_correct / count}
+        if self.task == "language_model":
+            out["perplexity"] = math.exp(out["loss"])
+        return out
+
+    # ------------------------------------------------------------------- loop
+    def fit(
+        self,
+        state: TrainState,
+        batches,
+        num_steps: int,
+        *,
+        eval_fn: Callable[[TrainState], dict] | None = None,
+        eval_every: int = 0,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int = 0,
+        metadata: dict | None = None,
+        resume: bool = True,
+        progress: bool = True,
+        desc: str = "train",
+        callback: Callable[[int, TrainState, dict], TrainState] | None = None,
+    ):
+        """Train until ``state.step == num_steps``; returns ``(state, history)``.
+
+        Args:
+          batches: a :class:`jaxcomm.data.WorkerBatches` (or any iterator of global
+            batches with a ``position``/``seek`` for resumption).
+          eval_fn: ``state -> dict`` run every ``eval_every`` steps and at the end.
+          checkpoint_dir: if given, save every ``checkpoint_every`` steps and at the
+            end; with ``resume`` an existing checkpoint is restored first (its
+            structure and ``metadata`` must match, else ``CheckpointError``).
+          callback: ``(step, state, row) -> state`` after each step (e.g. periodic
+            parameter averaging).
+        Returns:
+          ``(state, history)``: history is a list of per-step dicts with ``step``,
+          ``loss``, metrics averaged over workers, ``wire_bits`` (per worker, this
+          step), ``messages`` (all workers), ``step_time`` (s) and eval results.
+        Raises:
+          NonFiniteLossError: NaN/Inf loss; the last good checkpoint stays on disk.
+        """
+        from tqdm.auto import tqdm
+
+        history: list[dict] = []
+        if checkpoint_dir is not None and resume and latest_step(checkpoint_dir) is not None:
+            state, position, _ = restore_checkpoint(checkpoint_dir, state, metadata=metadata)
+            if position is not None and hasattr(batches, "seek"):
+                batches.seek(position)
+        start = int(_first_worker(state.step)) if self.mesh is not None else int(state.step)
+        bar = tqdm(total=num_steps, initial=start, desc=desc, disable=not progress, leave=False)
+        for step in range(start, num_steps):
+            batch = self.worker_batch(next(batches))
+            t0 = time.perf_counter()
+            state, metrics = self.step_fn(state, batch)
+            metrics = jax.tree.map(np.asarray, metrics)
+            elapsed = time.perf_counter() - t0
+            row = {"step": step + 1, "step_time": elapsed}
+            for k, v in metrics.items():
+                v = np.asarray(v, np.float64)
+                row[k] = float(v.sum()) if k == "messages" else float(v.mean())
+            if not math.isfinite(row["loss"]):
+                bar.close()
+                where = f"; the last good checkpoint is in {checkpoint_dir}" if checkpoint_dir else ""
+                raise NonFiniteLossError(f"loss became {row['loss']} at step {step + 1}{where}")
+            if callback is not None:
+                state = callback(step + 1, state, row)
+            if eval_fn is not None and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == num_steps):
+                row.update({f"eval_{k}": v for k, v in eval_fn(state).items()})
+            history.append(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}")
+            if checkpoint_dir is not None and (
+                (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == num_steps
+            ):
+                save_checkpoint(checkpoint_dir, step + 1, state,
+                                position=getattr(batches, "position", None), metadata=metadata)
+        bar.close()
+        return state, history
