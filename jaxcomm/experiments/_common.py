@@ -1,0 +1,160 @@
+"""Shared pieces of the experiments: data/model set-up, a data-parallel run, plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+
+__all__ = ["load_image_task", "train_data_parallel", "estimated_comm_time", "plot_curves"]
+
+NETWORKS_GBPS = (1.0, 10.0, 25.0)
+
+
+def load_image_task(dataset: str, train_examples: int = 0, test_examples: int = 0):
+    """``(train, test)`` Datasets for ``"mnist"``, ``"fashion_mnist"``, ``"mnist5k"`` or ``"digits"``.
+
+    ``train_examples``/``test_examples`` > 0 keep a prefix (for smoke runs).
+    """
+    from .. import data
+
+    if dataset == "mnist":
+        train, test = data.load_mnist(split="train"), data.load_mnist(split="test")
+    elif dataset == "fashion_mnist":
+        train, test = data.load_fashion_mnist(split="train"), data.load_fashion_mnist(split="test")
+    elif dataset == "digits":
+        full = data.load_digits()
+        cut = int(0.8 * len(full.labels))
+        train, test = full.take(np.arange(cut)), full.take(np.arange(cut, len(full.labels)))
+    elif dataset == "mnist5k":
+        full = data.load_mnist5k()
+        train, test = full.take(np.arange(4000)), full.take(np.arange(4000, 5000))
+    else:
+        raise ValueError(f"dataset must be mnist, fashion_mnist, mnist5k or digits; got {dataset!r}")
+    if train_examples:
+        train = train.take(np.arange(min(train_examples, len(train.labels))))
+    if test_examples:
+        test = test.take(np.arange(min(test_examples, len(test.labels))))
+    return train, test
+
+
+def build_model(name: str, train, seed: int):
+    """An NNX model for the image ``train`` set: ``mlp``, ``eventgrad_cnn`` or ``resnet20``."""
+    from flax import nnx
+
+    from .. import models
+
+    rngs = nnx.Rngs(seed)
+    shape = train.images.shape[1:]
+    if name == "mlp":
+        return models.MLP(in_features=int(np.prod(shape)), hidden=(128,), num_classes=train.num_classes, rngs=rngs)
+    if name == "eventgrad_cnn":
+        return models.EventGradCNN(rngs=rngs)
+    if name == "resnet20":
+        return models.ResNet20(num_classes=train.num_classes, in_channels=shape[-1], rngs=rngs)
+    raise ValueError(f"model must be mlp, eventgrad_cnn or resnet20; got {name!r}")
+
+
+def estimated_comm_time(bits_per_worker_per_step: list[float], workers: int, strategy: str) -> dict:
+    """Estimated communication time (s) of a run at 1/10/25 Gbps (α-β model).
+
+    ``strategy`` is the collective's algorithm (``allreduce``: ring; ``allgather``).
+    """
+    from .. import cost_model
+
+    out = {}
+    for gbps in NETWORKS_GBPS:
+        net = cost_model.Network(bandwidth_gbps=gbps)
+        out[f"{gbps:g}Gbps"] = float(
+            sum(cost_model.comm_time(strategy, b, workers, net) for b in bits_per_worker_per_step)
+        )
+    return out
+
+
+def train_data_parallel(
+    *,
+    name: str,
+    tx,
+    model: str,
+    train,
+    test,
+    workers: int,
+    batch_size: int,
+    steps: int,
+    eval_every: int,
+    seed: int,
+    strategy: str = "allreduce",
+    non_iid: bool = False,
+    callback: Callable | None = None,
+    progress: bool = True,
+) -> dict:
+    """Train ``model`` with the optax chain ``tx`` on ``workers`` mesh devices; return the record.
+
+    Returns a dict: ``name``, ``history`` (per-step rows: loss, accuracy,
+    wire_bits per worker, step_time, eval results every ``eval_every``),
+    ``final_accuracy``, ``wire_bits_per_worker`` (total), ``dense_bits_per_worker``
+    (what uncompressed float32 would send), ``est_comm_time_s`` at 1/10/25 Gbps
+    and ``compute_time_s`` (sum of measured step times).
+    """
+    from .. import data
+    from ..train import Trainer
+
+    trainer = Trainer(build_model(model, train, seed), tx, num_workers=workers, seed=seed)
+    key = jax.random.PRNGKey(seed)
+    shards = (
+        data.split_by_label(train, workers, labels_per_worker=max(2, -(-train.num_classes // workers)), key=key)
+        if non_iid
+        else data.split_iid(train, workers, key)
+    )
+    batches = data.WorkerBatches(shards, batch_size, jax.random.fold_in(key, 1))
+    state = trainer.init_state()
+
+    def evaluate(s):
+        return trainer.evaluate(s, test.images, test.labels)
+
+    state, history = trainer.fit(
+        state, batches, steps, eval_fn=evaluate, eval_every=eval_every, progress=progress, desc=name,
+        callback=callback,
+    )
+    n_params = sum(int(np.size(p)) for p in jax.tree.leaves(trainer.pure.params))
+    bits = [row["wire_bits"] for row in history]
+    final = [r for r in history if "eval_accuracy" in r][-1]
+    return {
+        "name": name,
+        "history": history,
+        "final_accuracy": final["eval_accuracy"],
+        "final_loss": final["eval_loss"],
+        "wire_bits_per_worker": float(sum(bits)),
+        "dense_bits_per_worker": float(32 * n_params * len(history)),
+        "est_comm_time_s": estimated_comm_time(bits, workers, strategy),
+        "compute_time_s": float(sum(r["step_time"] for r in history[1:])),
+        "params": n_params,
+    }
+
+
+def plot_curves(runs: list[dict], path: Path, *, x: str = "step", y: str = "eval_accuracy",
+                title: str = "", xlabel: str | None = None, ylabel: str | None = None,
+                logy: bool = False) -> Path:
+    """Line plot of ``y`` against ``x`` for each run's history (rows lacking ``y`` are skipped)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for run in runs:
+        rows = [r for r in run["history"] if y in r]
+        ax.plot([r[x] for r in rows], [r[y] for r in rows], label=run["name"], marker="." if len(rows) < 30 else None)
+    ax.set_xlabel(xlabel or x)
+    ax.set_ylabel(ylabel or y)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
