@@ -126,7 +126,13 @@ def make_train_step(
 
         def body(state, batch):
             with use(comm):
-                return step(state, batch)
+                new, metrics = step(state, batch)
+                # One small allreduce so every process reports the workers' mean
+                # (and the total of ``messages``), as the mesh backend's host side does.
+                size = comm.size
+                totals = comm.sum({k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()})
+                metrics = {k: (v if k == "messages" else v / size) for k, v in totals.items()}
+            return new, metrics
 
         return jax.jit(body, donate_argnums=donate_argnums)
 

@@ -53,6 +53,15 @@ def to_workers(tree, mesh) -> Any:
     return jax.tree.map(put, tree)
 
 
+def _to_host(x) -> np.ndarray:
+    """A (possibly multi-process) array as a host array, gathering across processes if needed."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def _first_worker(x):
     """Worker 0's (or this process's first worker's) slice, as a host array."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -208,7 +217,7 @@ class Trainer:
             batch = self.worker_batch(next(batches))
             t0 = time.perf_counter()
             state, metrics = self.step_fn(state, batch)
-            metrics = jax.tree.map(np.asarray, metrics)
+            metrics = jax.tree.map(_to_host, metrics)
             elapsed = time.perf_counter() - t0
             row = {"step": step + 1, "step_time": elapsed}
             for k, v in metrics.items():

@@ -1,0 +1,30 @@
+"""The small data-parallel job shared by the multi-process tests and their in-process references."""
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxcomm as jc
+from jaxcomm import data, models
+from jaxcomm.train import Trainer
+
+
+def run(workers: int, comm=None, compressor: str = "qsgd", steps: int = 8):
+    """Train an MLP on sklearn digits; return ``(param leaves, losses, wire bits)`` as NumPy arrays.
+
+    The optimizer is built without ``axis_name``/``comm``: the trainer's communicator is used.
+    """
+    ds = data.load_digits()
+    model = models.MLP(in_features=64, hidden=(32,), num_classes=10, rngs=nnx.Rngs(0))
+    c = jc.compressors.make(compressor, **({"levels": 4} if compressor == "qsgd" else {}))
+    tx = optax.chain(jc.compressed_mean(c, memory=jc.memory.residual()), optax.sgd(0.1, momentum=0.9))
+    trainer = Trainer(model, tx, comm=comm, num_workers=None if comm is not None else workers, seed=0)
+    batches = data.WorkerBatches(data.split_iid(ds, workers, jax.random.PRNGKey(0)), 64, jax.random.PRNGKey(1))
+    state, history = trainer.fit(trainer.init_state(), batches, steps, progress=False)
+    leaves = [np.asarray(x) for x in jax.tree.leaves(trainer.params_of(state))]
+    return leaves, np.array([r["loss"] for r in history]), np.array([r["wire_bits"] for r in history])
+
+
+def save(path, leaves, losses, bits):
+    np.savez(path, *leaves, loss=losses, bits=bits)

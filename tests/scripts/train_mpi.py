@@ -1,0 +1,18 @@
+"""One MPI process of a data-parallel run with the MPI communicator (one worker per process).
+
+usage: mpirun -n P python train_mpi.py OUT      (rank 0 writes OUT, .npz)
+"""
+
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import digits_job  # noqa: E402
+from jaxcomm.comm import MPIComm  # noqa: E402
+
+comm = MPIComm()
+result = digits_job.run(comm.size, comm=comm)
+if comm.rank == 0:
+    digits_job.save(sys.argv[1], *result)

@@ -1,0 +1,152 @@
+"""The trainer: replicas agree, resume is bit-identical, faults give clear errors,
+and the same optimizer runs multi-process (jax.distributed, mpirun) with the same numbers."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxcomm as jc
+from jaxcomm import data, models
+from jaxcomm.train import CheckpointError, NonFiniteLossError, Trainer, make_mesh
+
+from mpirun import ROOT, run_mpi
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import digits_job  # noqa: E402
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _digits_run(tmp=None, steps=6, stop=None, compressor="qsgd", hidden=32, shards=None, resume=True, every=3):
+    ds = data.load_digits()
+    model = models.MLP(in_features=64, hidden=(hidden,), num_classes=10, rngs=nnx.Rngs(0))
+    c = jc.compressors.make(compressor, **({"ratio": 0.1} if compressor == "topk" else {}))
+    tx = optax.chain(jc.compressed_mean(c, memory=jc.memory.residual()), optax.sgd(0.1, momentum=0.9))
+    trainer = Trainer(model, tx, num_workers=4, seed=0)
+    if shards is None:
+        batches = data.WorkerBatches(data.split_iid(ds, 4, jax.random.PRNGKey(0)), 64, jax.random.PRNGKey(1))
+    else:
+        batches = data.WorkerBatches(shards, 64, jax.random.PRNGKey(1), shuffle=False)
+    state, history = trainer.fit(trainer.init_state(), batches, stop or steps, checkpoint_dir=tmp,
+                                 checkpoint_every=every, metadata={"hidden": hidden}, resume=resume,
+                                 progress=False)
+    return trainer, state, history
+
+
+def test_replicas_identical_and_wire_bits_are_the_compressed_ones():
+    trainer, state, history = _digits_run(steps=3, compressor="topk")
+    for leaf in jax.tree.leaves(state.params):
+        leaf = np.asarray(leaf)
+        np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[0], leaf.shape))
+    # top-k 10 %: per tensor k = round(0.1 d) values (float32) + k indices (narrowest unsigned type).
+    expected = 0
+    for p in jax.tree.leaves(trainer.pure.params):
+        d = int(np.size(p))
+        k = max(1, round(0.1 * d))
+        expected += k * 32 + k * 8 * np.dtype(jc.compressors.index_dtype(d)).itemsize
+    assert all(row["wire_bits"] == expected for row in history)
+    assert history[-1]["loss"] < history[0]["loss"] + 0.5
+
+
+def test_resume_is_bit_identical(tmp_path):
+    _, full, _ = _digits_run(tmp_path / "a", steps=6)
+    _digits_run(tmp_path / "b", steps=6, stop=3)  # "killed" after 3 steps (checkpoint at 3)
+    _, resumed, history = _digits_run(tmp_path / "b", steps=6)
+    assert [r["step"] for r in history] == [4, 5, 6]
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mismatched_checkpoint_is_an_error(tmp_path):
+    _digits_run(tmp_path, steps=3)
+    with pytest.raises(CheckpointError, match="does not match|different configuration"):
+        _digits_run(tmp_path, steps=6, hidden=16)
+
+
+def test_corrupted_checkpoint_is_an_error(tmp_path):
+    _digits_run(tmp_path, steps=3)
+    for f in (tmp_path / "3").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError):
+        _digits_run(tmp_path, steps=6)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    ds = data.load_digits()
+    images = np.array(ds.images)
+    images[4 * 16 : 5 * 16] = np.nan  # worker 0 reads rows 64..79 of its shard at step 5
+    shard = len(ds.labels) // 4
+    shards = [data.Dataset(images[w * shard : (w + 1) * shard], ds.labels[w * shard : (w + 1) * shard],
+                           ds.num_classes) for w in range(4)]
+    with pytest.raises(NonFiniteLossError, match="step 5"):
+        _digits_run(tmp_path, steps=8, shards=shards, every=2)
+    assert jc.train.latest_step(tmp_path) == 4
+
+
+def test_too_many_devices_is_a_clear_error():
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
+        make_mesh(jax.device_count() + 1)
+
+
+def test_batch_not_divisible_by_workers():
+    ds = data.load_digits()
+    with pytest.raises(ValueError, match="batch_size"):
+        data.WorkerBatches(data.split_iid(ds, 3, jax.random.PRNGKey(0)), 64, jax.random.PRNGKey(1))
+
+
+def test_missing_dataset_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="jaxcomm.data.fetch|does not exist|not found"):
+        data.load_mnist(tmp_path / "nowhere")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _compare(reference, path, exact):
+    leaves, losses, bits = reference
+    got = np.load(path)
+    check = np.testing.assert_array_equal if exact else (
+        # MPI_Allreduce and XLA's all-reduce sum in different orders: float32 rounding only.
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5))
+    for i, leaf in enumerate(leaves):
+        check(leaf, got[f"arr_{i}"])
+    check(losses, got["loss"])
+    np.testing.assert_array_equal(bits, got["bits"])
+
+
+def test_jax_distributed_two_processes_match_one(tmp_path):
+    """2 processes x 4 CPU devices (gloo) end bit-identical to this process's 8-device mesh."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    port = _free_port()
+    procs = [
+        subprocess.Popen([sys.executable, str(SCRIPTS / "train_distributed.py"), str(i), "2", str(port), "4",
+                          str(tmp_path / "d.npz")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+        for i in range(2)
+    ]
+    reference = digits_job.run(8)
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out[-3000:]
+    _compare(reference, tmp_path / "d.npz", exact=True)
+
+
+@pytest.mark.mpi
+def test_mpirun_trainer_matches_mesh(tmp_path):
+    """The same optimizer under mpirun -n 4 (MPI communicator) matches a 4-device mesh run."""
+    run_mpi(4, SCRIPTS / "train_mpi.py", str(tmp_path / "mpi.npz"))
+    _compare(digits_job.run(4), tmp_path / "mpi.npz", exact=False)
