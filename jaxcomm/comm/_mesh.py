@@ -89,6 +89,7 @@ class MeshAxis:
         self._check_bound()
         try:
             return jax.tree.map(lambda x: jax.lax.pcast(x, self.axis_name, to="varying"), tree)
-        except ValueError:
-            # Already varying over the axis (or under vmap, where it does not apply).
+        except (ValueError, AssertionError):
+            # Already varying over the axis, or under vmap where it does not apply
+            # (jax raises AssertionError there).
             return tree

@@ -1,0 +1,495 @@
+"""Gradient dropping with local gradients (Algorithm 2) and its DGC options.
+
+Aji & Heafield (2017) drop all but the largest gradients (Algorithm 1, with
+error feedback); "Combining global sparse gradients with local gradients"
+(ICLR 2019 submission, Algorithm 2) lets every node n combine the summed
+sparse global gradient G_t with its own dense local gradient L^n_t:
+
+    E^n_t ← E^n_{t-1} + L^n_t
+    threshold ← K-th largest of |E^n_t|;   mask ← |E^n_t| ≥ threshold
+    S^n_t ← mask ⊙ E^n_t;                  E^n_t ← ¬mask ⊙ E^n_t
+    G_t ← AllReduce(S^n_t)                 (a sum over the N nodes)
+    SUM:     C^n_t = (G_t + L^n_t) / 2
+    PARTIAL: C^n_t = G_t − S^n_t + L^n_t
+    ERROR:   C^n_t = G_t + E^n_t;  E^n_t ← 0
+    ApplyOptimizer(C^n_t)
+
+plus the drop-ratio warm-up of Sec. 5.1, ``R_t = 0.99^max(1, T/t)``, and
+periodic parameter averaging (every 500 steps in the paper), because the local
+terms make the workers' parameters drift apart. From Deep Gradient Compression
+(Lin et al. 2018, Sec. 3.3) come two composable options: local gradient
+clipping before accumulation (threshold scaled by N^{-1/2}) and the
+exponential compression-ratio warm-up.
+
+Usage (inside ``jax.shard_map`` over "data", or with ``axis_name`` bound by vmap)::
+
+    tx = optax.chain(
+        jc.gradient_dropping(jc.drop_ratio_warmup(0.99, warmup_steps=1000), mode="partial"),
+        optax.adam(1e-3),
+        jc.periodic_average(every=500),
+    )
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..comm import resolve
+from ..compressors._base import check_finite_scalar, check_positive_int
+from ..compressors._primitives import desparsify, index_dtype
+from ._compressed_mean import _check_gradients_are_per_worker
+from ._error_feedback import bits_int32
+
+__all__ = [
+    "GradientDroppingState",
+    "PeriodicAverageState",
+    "gradient_dropping",
+    "drop_ratio_warmup",
+    "dgc_warmup",
+    "periodic_average",
+    "average_params",
+    "num_kept",
+]
+
+MODES = ("none", "sum", "partial", "error")
+SCOPES = ("global", "leaf")
+EXCHANGES = ("auto", "sparse", "dense")
+
+DropRatio = Union[float, Callable[[jax.Array], jax.Array]]
+
+
+# --------------------------------------------------------------------------- #
+# Drop-ratio schedules
+# --------------------------------------------------------------------------- #
+def _check_drop_ratio(value, name: str) -> float:
+    value = check_finite_scalar(value, name)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1) (the fraction of entries dropped); got {value}")
+    return value
+
+
+def drop_ratio_warmup(drop_ratio: float = 0.99, warmup_steps: int = 1000) -> Callable[[jax.Array], jax.Array]:
+    """Drop-ratio warm-up ``R_t = R^max(1, T/t)`` (Sec. 5.1 of the local-gradients paper).
+
+    The paper uses ``R = 0.99`` and ``T = 1000``: ``R_1 = 0.99^1000 ≈ 4.3e-5``
+    (almost everything is sent), ``R_{T/2} = 0.99² = 0.9801`` and ``R_t = 0.99``
+    from ``t = T`` on. The schedule follows optax's convention: it takes the
+    number of updates already applied, ``count = t - 1`` (0-based), so the
+    paper's 1-based step is ``t = count + 1``.
+
+    Args:
+      drop_ratio: final fraction ``R`` of entries dropped, in ``[0, 1)``.
+      warmup_steps: warm-up length ``T`` in steps, an integer ``>= 1``.
+    Returns:
+      ``schedule(count) -> R_t``, a float32 scalar, jit-compatible.
+    Raises:
+      ValueError: ``warmup_steps < 1`` or ``drop_ratio`` outside ``[0, 1)``.
+    """
+    drop_ratio = _check_drop_ratio(drop_ratio, "drop_ratio")
+    warmup_steps = check_positive_int(warmup_steps, "warmup_steps", minimum=1)
+
+    # R^e = exp(e·ln R) with ln R taken in float64: float32(0.99)^1000 would be off by 1e-5 (relative).
+    log_ratio = math.log(drop_ratio) if drop_ratio > 0 else -math.inf
+
+    def schedule(count):
+        t = jnp.asarray(count, jnp.float32) + 1.0
+        exponent = jnp.maximum(1.0, warmup_steps / t)
+        return jnp.exp(exponent * jnp.float32(log_ratio))
+
+    return schedule
+
+
+def dgc_warmup(
+    final_drop_ratio: float = 0.999, steps_per_stage: int = 1000, initial_drop_ratio: float = 0.75
+) -> Callable[[jax.Array], jax.Array]:
+    """Deep Gradient Compression's exponential sparsity warm-up (Lin et al. 2018, Sec. 3.4).
+
+    The kept density shrinks by the factor ``1 - initial_drop_ratio`` at every
+    stage of ``steps_per_stage`` steps until the final ratio is reached:
+
+        R(count) = min(final, 1 - (1 - initial)^(stage + 1)),  stage = count // steps_per_stage
+
+    With the defaults: 75%, 93.75%, 98.4375%, 99.61%, then 99.9% (DGC's
+    "75% ... 99.9% in the first four epochs" with one stage per epoch).
+
+    Args:
+      final_drop_ratio: ratio after warm-up, in ``[0, 1)``.
+      steps_per_stage: steps per stage, integer ``>= 1``.
+      initial_drop_ratio: ratio of the first stage, in ``[0, 1)``.
+    Returns:
+      ``schedule(count) -> R`` (float32 scalar), jit-compatible.
+    """
+    final_drop_ratio = _check_drop_ratio(final_drop_ratio, "final_drop_ratio")
+    initial_drop_ratio = _check_drop_ratio(initial_drop_ratio, "initial_drop_ratio")
+    steps_per_stage = check_positive_int(steps_per_stage, "steps_per_stage", minimum=1)
+    if initial_drop_ratio > final_drop_ratio:
+        raise ValueError(
+            f"initial_drop_ratio ({initial_drop_ratio}) must not exceed final_drop_ratio ({final_drop_ratio})"
+        )
+
+    def schedule(count):
+        stage = jnp.asarray(count, jnp.int32) // steps_per_stage
+        density = jnp.power(jnp.float32(1.0 - initial_drop_ratio), stage.astype(jnp.float32) + 1.0)
+        return jnp.minimum(jnp.float32(final_drop_ratio), 1.0 - density)
+
+    return schedule
+
+
+def num_kept(drop_ratio, size: int):
+    """Entries kept out of ``size`` at drop ratio ``R``: ``K = clip(round((1 - R)·size), 1, size)``.
+
+    Rounding is half-to-even. A Python float gives a Python ``int`` (computed in
+    float64); a traced ratio gives an int32 scalar (computed in float32).
+    """
+    if isinstance(drop_ratio, (int, float, np.floating)):
+        return int(min(size, max(1, round((1.0 - float(drop_ratio)) * size))))
+    kept = jnp.round((1.0 - jnp.asarray(drop_ratio, jnp.float32)) * size).astype(jnp.int32)
+    return jnp.clip(kept, 1, size)
+
+
+# --------------------------------------------------------------------------- #
+# Gradient dropping with local gradients
+# --------------------------------------------------------------------------- #
+class GradientDroppingState(NamedTuple):
+    """State of :func:`gradient_dropping` (per worker).
+
+    Attributes:
+      count: int32 scalar, steps taken (identical on every worker).
+      residual: the unsent residual ``E^n`` (Algorithm 2), same tree, shapes and
+        dtypes as the gradients. Per worker: it differs between workers. Zero
+        after every step in ``mode="error"``.
+      wire_bits: ``int32[num_groups]``, bits this worker contributed to the
+        exchange in the last step, per selection group (one group for
+        ``scope="global"``, one per leaf for ``"leaf"``): sparse, the values and
+        indices of its ``K`` entries; dense, the whole masked tensor.
+      messages: int32 scalar, collectives launched in the last step (1).
+    """
+
+    count: jax.Array
+    residual: Any
+    wire_bits: jax.Array
+    messages: jax.Array
+
+
+def _group_leaves(leaves, scope):
+    """Index groups over which one threshold is taken: all leaves, or each leaf."""
+    if scope == "global":
+        return [list(range(len(leaves)))] if leaves else []
+    return [[i] for i in range(len(leaves))]
+
+
+def _concat(leaves, idx, dtype):
+    """The leaves ``idx`` flattened and concatenated into one vector of ``dtype``."""
+    parts = [jnp.ravel(leaves[i]).astype(dtype) for i in idx]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def _split(flat, leaves, idx):
+    """Inverse of :func:`_concat`: ``{i: array shaped and typed like leaves[i]}``."""
+    out, start = {}, 0
+    for i in idx:
+        size = int(np.prod(jnp.shape(leaves[i]), dtype=np.int64))
+        out[i] = flat[start : start + size].reshape(jnp.shape(leaves[i])).astype(leaves[i].dtype)
+        start += size
+    return out
+
+
+def gradient_dropping(
+    drop_ratio: DropRatio = 0.99,
+    *,
+    mode: str = "partial",
+    axis_name: str | None = None,
+    comm=None,
+    clip_norm: float | None = None,
+    scope: str = "global",
+    exchange: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    """Gradient dropping (Algorithm 1) combined with the local gradient (Algorithm 2).
+
+    Each worker n adds its local gradient ``L^n_t`` to its residual ``E^n``,
+    keeps the ``K`` largest magnitudes (``S^n_t``), sums them over workers
+    (``G_t``) and emits the combined gradient ``C^n_t`` of Algorithm 2 for the
+    optimizer that follows (the paper uses Adam). ``G_t`` is a *sum*, exactly
+    as the paper's AllReduce; with plain SGD, scale the learning rate by 1/N.
+
+    The combined gradients differ between workers in modes ``"sum"``,
+    ``"partial"`` and ``"error"``, so parameters drift apart: end the chain
+    with :func:`periodic_average`.
+
+    Selection: ``K_t = num_kept(R_t, d)`` over the ``d`` entries of a group
+    (``scope="global"``: the whole gradient tree, as Algorithm 2's single
+    vector; ``scope="leaf"``: each array separately). The dense exchange uses
+    Algorithm 2's rule literally (``mask = |E| ≥ K-th largest |E|``, ties all
+    kept). The sparse exchange sends exactly ``K`` (value, index) pairs chosen
+    by ``jax.lax.top_k`` (ties broken by lower flat index); the two coincide
+    whenever the K-th and (K+1)-th magnitudes differ.
+
+    Args:
+      drop_ratio: fraction ``R`` of entries dropped, in ``[0, 1)``, or a
+        schedule ``count -> R_t`` such as :func:`drop_ratio_warmup` or
+        :func:`dgc_warmup` (``count`` = steps already taken).
+      mode: ``"sum"`` (C = (G + L)/2), ``"partial"`` (C = G − S + L),
+        ``"error"`` (C = G + E, then E ← 0), or ``"none"`` for vanilla gradient
+        dropping (Algorithm 1: C = G).
+      axis_name: mesh axis to communicate over (inside ``shard_map``/``vmap``).
+      comm: a :class:`~jaxcomm.comm.Communicator` instead (e.g. MPI). With
+        neither, the ambient communicator of :func:`jaxcomm.comm.use`.
+      clip_norm: DGC's local gradient clipping: before accumulation, ``L^n`` is
+        rescaled to global norm at most ``clip_norm / sqrt(N)`` (DGC Sec. 3.3);
+        the clipped gradient is also the local term of SUM/PARTIAL. ``None``
+        (default) disables it.
+      scope: ``"global"`` (one threshold over the whole tree) or ``"leaf"``.
+      exchange: ``"sparse"`` (all-gather of ``K`` values and narrow indices per
+        worker; needs a fixed ``drop_ratio`` so that ``K`` is static),
+        ``"dense"`` (all-reduce of the masked dense tensor), or ``"auto"``
+        (sparse for a fixed ratio, dense for a schedule, since warm-up starts
+        almost dense).
+
+    Returns:
+      An optax transformation; its state is a :class:`GradientDroppingState`
+      (per worker). ``update(grads, state, params=None)`` maps each worker's
+      local gradients to its ``C^n_t``.
+
+    Raises:
+      ValueError: bad ``mode``/``scope``/``exchange``, ``drop_ratio`` outside
+        ``[0, 1)``, non-positive ``clip_norm``, ``exchange="sparse"`` with a
+        schedule, or updates whose tree differs from the one ``init`` saw.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}; got {scope!r}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}; got {exchange!r}")
+    scheduled = callable(drop_ratio)
+    if not scheduled:
+        drop_ratio = _check_drop_ratio(drop_ratio, "drop_ratio")
+    if exchange == "auto":
+        exchange = "dense" if scheduled else "sparse"
+    if exchange == "sparse" and scheduled:
+        raise ValueError(
+            "exchange='sparse' needs a fixed drop_ratio (the payload size K must be static under jit); "
+            "use exchange='dense' with a drop-ratio schedule"
+        )
+    if clip_norm is not None:
+        clip_norm = check_finite_scalar(clip_norm, "clip_norm", positive=True)
+    communicator = resolve(axis_name=axis_name, comm=comm)
+
+    def init(params):
+        for leaf in jax.tree.leaves(params):
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+                raise TypeError(f"params must be floating point; got a leaf of dtype {jnp.result_type(leaf)}")
+        return GradientDroppingState(
+            count=jnp.zeros((), jnp.int32),
+            residual=jax.tree.map(jnp.zeros_like, params),
+            wire_bits=jnp.zeros((len(_group_leaves(jax.tree.leaves(params), scope)),), jnp.int32),
+            messages=jnp.zeros((), jnp.int32),
+        )
+
+    def update(updates, state, params=None, **extra_args):
+        del params, extra_args
+        leaves, treedef = jax.tree.flatten(updates)
+        res_leaves, res_def = jax.tree.flatten(state.residual)
+        if treedef != res_def:
+            raise ValueError(
+                f"updates tree {treedef} does not match the tree gradient_dropping was initialised with {res_def}"
+            )
+        for g, e in zip(leaves, res_leaves):
+            if jnp.shape(g) != jnp.shape(e):
+                raise ValueError(f"updates leaf of shape {jnp.shape(g)} does not match the state's {jnp.shape(e)}")
+        n = communicator.size
+        _check_gradients_are_per_worker(communicator, leaves)
+
+        if clip_norm is not None:
+            # DGC Sec. 3.3: clip locally, threshold scaled by N^{-1/2}.
+            threshold = clip_norm / math.sqrt(n)
+            norm = optax.tree.norm(leaves)
+            leaves = [
+                jnp.where(norm < threshold, g, (g / norm.astype(g.dtype)) * threshold).astype(g.dtype)
+                for g in leaves
+            ]
+
+        ratio = drop_ratio(state.count) if scheduled else drop_ratio
+        groups = _group_leaves(leaves, scope)
+        local, accum, dtypes, kept = [], [], [], []
+        for idx in groups:
+            dtype = jnp.result_type(*[leaves[i] for i in idx])
+            dtypes.append(dtype)
+            L = _concat(leaves, idx, dtype)
+            E = _concat(res_leaves, idx, dtype) + L  # line 3: E ← E + L
+            local.append(L)
+            accum.append(E)
+            kept.append(num_kept(ratio, int(E.shape[0])))
+
+        if exchange == "sparse":
+            selected, payloads = [], []
+            for E, k in zip(accum, kept):
+                d = int(E.shape[0])
+                _, index = jax.lax.top_k(jnp.abs(E), k)  # exactly K entries (ties: lower index)
+                values = E[index]
+                payloads.append((values, index.astype(index_dtype(d))))
+                selected.append(desparsify(values, index, (d,), E.dtype))  # S = mask ⊙ E
+            gathered = communicator.all_gather(payloads)
+            global_sparse = [
+                desparsify(v.reshape(-1), i.reshape(-1), (int(E.shape[0]),), E.dtype)
+                for (v, i), E in zip(gathered, accum)
+            ]
+            bits = [
+                k * (jnp.dtype(E.dtype).itemsize + jnp.dtype(index_dtype(int(E.shape[0]))).itemsize) * 8
+                for E, k in zip(accum, kept)
+            ]
+        else:
+            selected = []
+            for E, k in zip(accum, kept):
+                d = int(E.shape[0])
+                magnitude = jnp.abs(E)
+                threshold = jnp.sort(magnitude)[d - k]  # line 4: K-th largest |E|
+                selected.append(jnp.where(magnitude >= threshold, E, jnp.zeros_like(E)))  # lines 5-6
+            global_sparse = communicator.sum(selected)  # line 8: G ← AllReduce(S)
+            bits = [int(E.shape[0]) * jnp.dtype(E.dtype).itemsize * 8 for E in accum]
+
+        combined, residual = [], []
+        for L, E, S, G in zip(local, accum, selected, global_sparse):
+            E = E - S  # line 7: E ← ¬mask ⊙ E (the kept entries are subtracted exactly)
+            if mode == "none":
+                C = G
+            elif mode == "sum":
+                C = (G + L) / 2
+            elif mode == "partial":
+                C = G - S + L
+            else:  # "error"
+                C = G + E
+                E = jnp.zeros_like(E)
+            combined.append(C)
+            residual.append(E)
+
+        out_leaves, new_res = [None] * len(leaves), [None] * len(leaves)
+        for idx, C, E in zip(groups, combined, residual):
+            for i, c in _split(C, leaves, idx).items():
+                out_leaves[i] = c
+            for i, e in _split(E, res_leaves, idx).items():
+                new_res[i] = e
+        new_state = GradientDroppingState(
+            count=state.count + 1,
+            residual=jax.tree.unflatten(res_def, new_res),
+            wire_bits=jnp.stack([bits_int32(b) for b in bits]) if bits else jnp.zeros((0,), jnp.int32),
+            messages=jnp.asarray(1 if groups else 0, jnp.int32),
+        )
+        return jax.tree.unflatten(treedef, out_leaves), new_state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+# --------------------------------------------------------------------------- #
+# Periodic parameter averaging
+# --------------------------------------------------------------------------- #
+class PeriodicAverageState(NamedTuple):
+    """State of :func:`periodic_average`.
+
+    Attributes:
+      count: int32 scalar, steps taken (identical on every worker).
+      wire_bits: ``int32[num_leaves]``, bits this worker contributed per
+        parameter leaf in the last step (the leaf's size on a synchronisation
+        step, else 0).
+      messages: int32 scalar, collectives in the last step (1 or 0).
+    """
+
+    count: jax.Array
+    wire_bits: jax.Array
+    messages: jax.Array
+
+
+def average_params(params, *, axis_name: str | None = None, comm=None):
+    """The workers' mean of ``params`` (one all-reduce), for trainers that sync explicitly.
+
+    Args:
+      params: this worker's parameters (pytree of float arrays).
+      axis_name / comm: as in :func:`gradient_dropping`.
+    Returns:
+      ``(1/N) Σ_n params^n``, identical on every worker.
+    """
+    return resolve(axis_name=axis_name, comm=comm).mean(params)
+
+
+def periodic_average(
+    every: int = 500, *, axis_name: str | None = None, comm=None
+) -> optax.GradientTransformationExtraArgs:
+    """Average the parameters across workers every ``every`` steps (the paper's "sync").
+
+    Put it last in the chain, after the optimizer: it sees the optimizer's
+    update ``u^n`` and the current parameters ``x^n``. On steps where the
+    count of updates (this one included) is a multiple of ``every`` it returns
+
+        u'^n = (1/N) Σ_m (x^m + u^m) − x^n,
+
+    so ``optax.apply_updates`` moves every worker to the mean of the parameters
+    it would have had (up to one float rounding of ``x^n + (mean − x^n)``);
+    on the other steps ``u' = u`` and nothing is communicated (``lax.cond``).
+    Only parameters are averaged; optimizer moments stay per worker, as in the
+    paper.
+
+    Args:
+      every: synchronisation period in steps, integer ``>= 1`` (paper: 500).
+      axis_name / comm: as in :func:`gradient_dropping`.
+    Returns:
+      An optax transformation with :class:`PeriodicAverageState`. ``update``
+      requires ``params``.
+    Raises:
+      ValueError: ``every < 1``, or ``update`` called without ``params``.
+    """
+    every = check_positive_int(every, "every", minimum=1)
+    communicator = resolve(axis_name=axis_name, comm=comm)
+
+    def init(params):
+        return PeriodicAverageState(
+            count=jnp.zeros((), jnp.int32),
+            wire_bits=jnp.zeros((len(jax.tree.leaves(params)),), jnp.int32),
+            messages=jnp.zeros((), jnp.int32),
+        )
+
+    def update(updates, state, params=None, **extra_args):
+        del extra_args
+        if params is None:
+            raise ValueError("periodic_average needs params: call update(updates, state, params)")
+        if jax.tree.structure(updates) != jax.tree.structure(params):
+            raise ValueError("periodic_average: updates and params must have the same tree structure")
+        count = state.count + 1
+        sync = count % every == 0
+        # Inside shard_map both branches must agree on which axes each leaf varies over.
+        axes = jax.tree.map(lambda u, p: _vma(u) | _vma(p), updates, params)
+
+        def average(u):
+            new = optax.apply_updates(params, u)
+            mean = communicator.mean(new)
+            return jax.tree.map(lambda m, p, a: _cast_varying((m - p).astype(p.dtype), a), mean, params, axes)
+
+        def keep(u):
+            return jax.tree.map(_cast_varying, u, axes)
+
+        updates = jax.lax.cond(sync, average, keep, updates)
+        leaf_bits = [bits_int32(int(np.size(p)) * jnp.dtype(p.dtype).itemsize * 8) for p in jax.tree.leaves(params)]
+        leaf_bits = jnp.stack(leaf_bits) if leaf_bits else jnp.zeros((0,), jnp.int32)
+        return updates, PeriodicAverageState(
+            count=count,
+            wire_bits=jnp.where(sync, leaf_bits, 0),
+            messages=sync.astype(jnp.int32),
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _vma(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+    return frozenset(getattr(jax.typeof(x), "vma", None) or ())
+
+
+def _cast_varying(x, axes: frozenset):
+    """``x`` marked as varying over ``axes`` (a no-op where it already is, or outside shard_map)."""
+    missing = tuple(sorted(axes - _vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
