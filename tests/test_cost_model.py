@@ -1,0 +1,183 @@
+"""Tests of jaxcomm.cost_model: closed forms (Thakur, Rabenseifner & Gropp 2005), identities
+between collectives, monotonicity, p = 1, traced inputs, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxcomm as jc
+import jaxcomm.cost_model as cm
+
+NET = cm.Network(10.0, 25e-6)  # B = 1e10 bit/s, α = 25 µs
+bits_st = st.floats(0, 1e10, allow_nan=False)
+workers_st = st.integers(1, 64)
+net_st = st.builds(cm.Network, st.floats(0.1, 400), st.floats(0, 1e-3))
+
+
+def test_closed_forms_by_hand():
+    # p = 4, n = 1e6 bits, α = 25e-6 s, 1/B = 1e-10 s/bit
+    assert cm.allreduce_time(1e6, 4, NET) == pytest.approx(6 * 25e-6 + 1.5 * 1e-4)  # 2(p-1)α + 2(p-1)/p n/B
+    assert cm.allreduce_time(1e6, 4, NET, "rabenseifner") == pytest.approx(4 * 25e-6 + 1.5e-4)  # 2 lg p α
+    assert cm.allreduce_time(1e6, 4, NET, "recursive_doubling") == pytest.approx(2 * (25e-6 + 1e-4))
+    assert cm.reduce_scatter_time(1e6, 4, NET) == pytest.approx(3 * 25e-6 + 0.75e-4)
+    assert cm.reduce_scatter_time(1e6, 4, NET, "recursive_halving") == pytest.approx(2 * 25e-6 + 0.75e-4)
+    assert cm.allgather_time(1e6, 4, NET) == pytest.approx(3 * 25e-6 + 3e-4)  # (p-1)α + (p-1) m/B
+    assert cm.allgather_time(1e6, 4, NET, "recursive_doubling") == pytest.approx(2 * 25e-6 + 3e-4)
+    assert cm.broadcast_time(1e6, 4, NET, "binomial") == pytest.approx(2 * (25e-6 + 1e-4))
+    assert cm.broadcast_time(1e6, 4, NET, "scatter_allgather") == pytest.approx(5 * 25e-6 + 1.5e-4)
+    assert cm.neighbor_exchange_time(1e6, 2, NET) == pytest.approx(2 * (25e-6 + 1e-4))
+    # lg p rounds up for p not a power of two: lg 5 -> 3
+    assert cm.allreduce_time(0, 5, NET, "recursive_doubling") == pytest.approx(3 * 25e-6)
+    assert NET.transfer_time(1e6) == pytest.approx(25e-6 + 1e-4)
+
+
+def test_standard_networks():
+    assert sorted(n.bandwidth_gbps for n in cm.STANDARD_NETWORKS.values()) == [1.0, 10.0, 25.0]
+    assert {n.latency_s for n in cm.STANDARD_NETWORKS.values()} == {cm.DEFAULT_LATENCY_S}
+    # With α = 0 the time is bandwidth-bound: 10x the bandwidth is exactly a tenth of the time.
+    t1, t10 = (cm.allreduce_time(8e6, 8, cm.Network(g, 0.0)) for g in (1.0, 10.0))
+    assert t1 == pytest.approx(10 * t10)
+
+
+ALL = [
+    lambda b, p, n: cm.allreduce_time(b, p, n),
+    lambda b, p, n: cm.allreduce_time(b, p, n, "rabenseifner"),
+    lambda b, p, n: cm.allreduce_time(b, p, n, "recursive_doubling"),
+    lambda b, p, n: cm.reduce_scatter_time(b, p, n),
+    lambda b, p, n: cm.reduce_scatter_time(b, p, n, "recursive_halving"),
+    lambda b, p, n: cm.allgather_time(b, p, n),
+    lambda b, p, n: cm.allgather_time(b, p, n, "recursive_doubling"),
+    lambda b, p, n: cm.broadcast_time(b, p, n),
+]
+
+
+@settings(max_examples=20)
+@given(bits=bits_st, net=net_st)
+def test_one_worker_costs_nothing(bits, net):
+    for f in ALL:
+        assert f(bits, 1, net) == 0.0
+    assert cm.neighbor_exchange_time(bits, 0, net) == 0.0
+
+
+@settings(max_examples=20)
+@given(b1=bits_st, b2=bits_st, p=workers_st, net=net_st, extra_latency=st.floats(1e-7, 1e-3))
+def test_monotone_in_bits_latency_and_bandwidth(b1, b2, p, net, extra_latency):
+    lo, hi = sorted((b1, b2))
+    slower = cm.Network(net.bandwidth_gbps / 2, net.latency_s + extra_latency)
+    for f in ALL:
+        assert f(lo, p, net) <= f(hi, p, net)
+        assert f(hi, p, net) <= f(hi, p, slower)
+        if p > 1:
+            assert f(hi, p, net) < f(hi, p, slower)
+
+
+@settings(max_examples=20)
+@given(bits=bits_st, p=st.integers(1, 63), net=net_st)
+def test_ring_costs_grow_with_workers(bits, p, net):
+    for f in (cm.allreduce_time, cm.reduce_scatter_time, cm.allgather_time):
+        assert f(bits, p, net) <= f(bits, p + 1, net)
+
+
+@settings(max_examples=20)
+@given(bits=bits_st, p=workers_st, net=net_st)
+def test_allreduce_is_reduce_scatter_then_allgather(bits, p, net):
+    # Each process ends the reduce-scatter with n/p bits, which the allgather distributes.
+    ring = cm.reduce_scatter_time(bits, p, net) + cm.allgather_time(bits / p, p, net)
+    assert cm.allreduce_time(bits, p, net) == pytest.approx(ring, rel=1e-12, abs=1e-15)
+    if p & (p - 1) == 0:  # Rabenseifner = recursive halving + recursive doubling (powers of two)
+        rab = cm.reduce_scatter_time(bits, p, net, "recursive_halving") + cm.allgather_time(
+            bits / p, p, net, "recursive_doubling"
+        )
+        assert cm.allreduce_time(bits, p, net, "rabenseifner") == pytest.approx(rab, rel=1e-12, abs=1e-15)
+    # Bandwidth-optimal: no algorithm moves fewer than 2 (p-1)/p n bits per process.
+    assert cm.allreduce_time(bits, p, net) >= 2 * (p - 1) / p * bits / net.bits_per_s * (1 - 1e-12)
+
+
+@settings(max_examples=20)
+@given(bits=bits_st, p=workers_st, net=net_st)
+def test_broadcast_best_is_the_cheaper_algorithm(bits, p, net):
+    a = cm.broadcast_time(bits, p, net, "binomial")
+    b = cm.broadcast_time(bits, p, net, "scatter_allgather")
+    assert cm.broadcast_time(bits, p, net) == min(a, b)
+
+
+@settings(max_examples=20)
+@given(bits=bits_st, p=workers_st, m=st.integers(1, 100), net=net_st)
+def test_messages_pay_latency_each(bits, p, m, net):
+    one = cm.comm_time("allreduce", bits, p, net)
+    many = cm.comm_time("allreduce", bits, p, net, messages=m)
+    assert many - one == pytest.approx((m - 1) * 2 * (p - 1) * net.latency_s, rel=1e-9, abs=1e-12)
+
+
+def test_comm_time_dispatch():
+    b, p = 3.3e5, 6
+    assert cm.comm_time("allreduce", b, p, NET) == cm.allreduce_time(b, p, NET)
+    assert cm.comm_time("allgather", b, p, NET, algorithm="recursive_doubling") == cm.allgather_time(
+        b, p, NET, "recursive_doubling"
+    )
+    assert cm.comm_time("reduce_scatter", b, p, NET) == cm.reduce_scatter_time(b, p, NET)
+    assert cm.comm_time("broadcast", b, p, NET) == cm.broadcast_time(b, p, NET)
+    assert cm.comm_time("neighbour_exchange", b, p, NET, degree=3) == cm.neighbor_exchange_time(b, 3, NET)
+
+
+def test_arrays_and_traced_bits():
+    bits = np.array([0.0, 1e3, 1e6])
+    out = cm.allreduce_time(bits, 8, NET)
+    assert out.shape == (3,)
+    np.testing.assert_allclose(out, [cm.allreduce_time(float(x), 8, NET) for x in bits])
+    jitted = jax.jit(lambda b: cm.comm_time("broadcast", b, 8, NET))(jnp.asarray(bits, jnp.float32))
+    np.testing.assert_allclose(jitted, cm.broadcast_time(bits, 8, NET), rtol=1e-6)
+
+
+def test_wire_bits_to_time():
+    # A dense fp32 payload of n values is 32 n bits on the wire.
+    x = jnp.ones((1000,), jnp.float32)
+    payload, _ = jc.compressors.none().compress(x, jax.random.key(0))
+    bits = jc.wire_bits(payload)
+    assert bits == 32_000
+    assert cm.comm_time("allreduce", bits, 2, NET) == pytest.approx(2 * 25e-6 + 32_000 / 1e10)
+
+
+def test_cumulative_and_estimates_agree():
+    bits = np.array([1e6, 2e6, 0.0, 5e5])
+    cum = cm.cumulative_comm_time("allgather", bits, 4, NET)
+    assert np.all(np.diff(cum) >= 0)
+    np.testing.assert_allclose(cum[-1], sum(cm.allgather_time(b, 4, NET) for b in bits))
+    est = cm.estimate_times("allgather", bits, 4, compute_s_per_step=0.01)
+    assert set(est) == set(cm.STANDARD_NETWORKS)
+    assert est["10Gbps"] == pytest.approx(cum[-1] + 0.04)
+    assert est["1Gbps"] > est["10Gbps"] > est["25Gbps"]
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="workers"):
+        cm.allreduce_time(1.0, 0, NET)
+    with pytest.raises(TypeError, match="workers"):
+        cm.allreduce_time(1.0, 2.5, NET)
+    with pytest.raises(ValueError, match="bits"):
+        cm.allreduce_time(-1.0, 2, NET)
+    with pytest.raises(ValueError, match="bits_per_worker"):
+        cm.allgather_time(math.inf, 2, NET)
+    with pytest.raises(ValueError, match="strategy"):
+        cm.comm_time("alltoall", 1.0, 2, NET)
+    with pytest.raises(ValueError, match="algorithm"):
+        cm.allreduce_time(1.0, 2, NET, "tree")
+    with pytest.raises(ValueError, match="messages"):
+        cm.comm_time("allreduce", 1.0, 2, NET, messages=0)
+    with pytest.raises(ValueError, match="degree"):
+        cm.neighbor_exchange_time(1.0, -1, NET)
+    with pytest.raises(ValueError, match="bandwidth_gbps"):
+        cm.Network(0.0)
+    with pytest.raises(ValueError, match="latency_s"):
+        cm.Network(1.0, -1e-6)
+    with pytest.raises(TypeError, match="net"):
+        cm.allreduce_time(1.0, 2, 10.0)
+    with pytest.raises(ValueError, match="compute_s_per_step"):
+        cm.estimate_times("allreduce", [1.0], 2, compute_s_per_step=-1.0)
