@@ -1,0 +1,258 @@
+"""The 1-bit family: 1-bit SGD, signSGD, SIGNUM, EF-signSGD (GRACE Sec. III-A).
+
+Each entry is sent as one bit, packed eight to a byte with
+:func:`~jaxcomm.compressors.pack` (GRACE sends a byte per sign), plus at most
+two float32 scalars:
+
+=============  ==================================  ========================
+name           payload                             wire bits (d entries)
+=============  ==================================  ========================
+``onebit``     packed bits x_i >= tau + 2 means    ``8 ceil(d/8) + 64``
+``signsgd``    packed sign bits                    ``8 ceil(d/8)``
+``signum``     packed sign bits of the momentum    ``8 ceil(d/8)``
+``efsignsgd``  packed sign bits + mean |x|         ``8 ceil(d/8) + 32``
+=============  ==================================  ========================
+
+Sign convention: bit 1 means ``x_i < 0`` (decoded -1); zero, -0 and NaN are
+decoded +1. Error feedback (Seide et al.'s and Karimireddy et al.'s memories)
+is not part of the operators; compose them with ``jaxcomm.memory``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ._base import Compressor, Payload, check_finite_scalar, payload_dataclass, register, static_field
+from ._primitives import pack, packed_size, unpack
+from ._quantize import _flat32, _nan_unless_finite, _restore, _size
+
+__all__ = [
+    "onebit",
+    "signsgd",
+    "signum",
+    "efsignsgd",
+    "SignPayload",
+    "MeanAbsSignPayload",
+    "OneBitPayload",
+    "SignumState",
+]
+
+Array = jax.Array
+
+
+def _signs(bits, shape):
+    """Packed bits -> float32 +-1 vector (bit 1 -> -1)."""
+    return 1.0 - 2.0 * unpack(bits, 1, _size(shape)).astype(jnp.float32)
+
+
+@payload_dataclass
+class SignPayload(Payload):
+    """Packed sign bits.
+
+    Attributes:
+      signs: uint8 ``(ceil(d/8),)``; bit ``i`` (little-endian within a byte) is
+        1 iff entry ``i`` is negative.
+      shape, dtype: static.
+    """
+
+    signs: Array
+    shape: tuple = static_field()
+    dtype: Any = static_field()
+
+    def wire_bits(self) -> int:
+        """``8 ceil(d/8)``."""
+        return 8 * packed_size(_size(self.shape), 1)
+
+
+@payload_dataclass
+class MeanAbsSignPayload(Payload):
+    """Packed sign bits and the mean absolute value (EF-signSGD).
+
+    Attributes:
+      signs: uint8 ``(ceil(d/8),)`` as in :class:`SignPayload`.
+      scale: float32 scalar ``||x||_1 / d``.
+      shape, dtype: static.
+    """
+
+    signs: Array
+    scale: Array
+    shape: tuple = static_field()
+    dtype: Any = static_field()
+
+    def wire_bits(self) -> int:
+        """``8 ceil(d/8) + 32``."""
+        return 8 * packed_size(_size(self.shape), 1) + 32
+
+
+@payload_dataclass
+class OneBitPayload(Payload):
+    """1-bit SGD: packed threshold bits and the two reconstruction values.
+
+    Attributes:
+      bits: uint8 ``(ceil(d/8),)``; bit ``i`` is 1 iff ``x_i >= tau``.
+      mean_low: float32 scalar, mean of the entries with ``x_i < tau`` (0 if none).
+      mean_high: float32 scalar, mean of the entries with ``x_i >= tau`` (0 if none).
+      shape, dtype: static.
+    """
+
+    bits: Array
+    mean_low: Array
+    mean_high: Array
+    shape: tuple = static_field()
+    dtype: Any = static_field()
+
+    def wire_bits(self) -> int:
+        """``8 ceil(d/8) + 64``."""
+        return 8 * packed_size(_size(self.shape), 1) + 64
+
+
+@register("onebit")
+def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
+    """1-bit SGD quantization (Seide et al. 2014; GRACE Sec. III-A).
+
+    ``b_i = [x_i >= tau]`` (GRACE: entries below ``tau`` become '0', all others
+    '1'); the receiver decodes '0' to the mean of the entries below ``tau`` and
+    '1' to the mean of the others, ``Q(x)_i = b_i mu_1 + (1 - b_i) mu_0``, which
+    preserves the sum of ``x``. Deterministic, biased. Seide et al.'s error
+    feedback is separate (``jaxcomm.memory``).
+
+    Args:
+      threshold: tau, a finite real number (default 0).
+    Wire bits: ``8 ceil(d/8) + 64``. Non-finite input (or a mean that
+    overflows): the whole tensor decodes to NaN. NaN entries are coded '0'.
+    """
+    threshold = check_finite_scalar(threshold, "threshold")
+
+    def compress(x, key, state):
+        del key
+        xf = _flat32(x)
+        high = xf >= threshold
+        bits = pack(high, 1)
+        # One masked array, two fast reductions and a popcount of the packed
+        # bits (XLA:CPU materialises any computed input of a reduction, so
+        # fewer masked sums is faster). mu_0 uses sum(x) - sum_high: its
+        # rounding error is ~eps * sum|x| instead of ~eps * sum_low |x|, which
+        # matters only when the entries below tau carry a tiny part of the mass.
+        n_high = jnp.sum(jax.lax.population_count(bits), dtype=jnp.int32).astype(jnp.float32)
+        n_low = jnp.float32(xf.size) - n_high
+        s_high = jnp.sum(jnp.where(high, xf, 0.0))
+        s_low = jnp.sum(xf) - s_high
+        payload = OneBitPayload(
+            bits=bits,
+            mean_low=s_low / jnp.maximum(n_low, 1.0),
+            mean_high=s_high / jnp.maximum(n_high, 1.0),
+            shape=x.shape,
+            dtype=x.dtype,
+        )
+        return payload, state
+
+    def decompress(p: OneBitPayload):
+        high = unpack(p.bits, 1, _size(p.shape)) == 1
+        y = jnp.where(high, p.mean_high, p.mean_low)
+        y = jnp.where(jnp.isfinite(p.mean_low) & jnp.isfinite(p.mean_high), y, jnp.nan)
+        return _restore(y, p.shape, p.dtype)
+
+    return Compressor.create(
+        name="onebit", compress=jax.jit(compress), decompress=jax.jit(decompress), unbiased=False,
+        strategy="allgather", seed=seed, params=dict(threshold=threshold),
+    )
+
+
+@register("signsgd")
+def signsgd(*, seed: int = 0) -> Compressor:
+    """signSGD: send ``sign(x)`` (Bernstein et al. 2018; GRACE Sec. III-A).
+
+    ``Q(x)_i = -1`` if ``x_i < 0`` else ``+1`` (zero and NaN map to +1, +-Inf to
+    +-1). The magnitude is dropped; the learning rate carries it. Biased.
+
+    Wire bits: ``8 ceil(d/8)``.
+    """
+
+    def compress(x, key, state):
+        del key
+        return SignPayload(signs=pack(_flat32(x) < 0, 1), shape=x.shape, dtype=x.dtype), state
+
+    def decompress(p: SignPayload):
+        return _restore(_signs(p.signs, p.shape), p.shape, p.dtype)
+
+    return Compressor.create(
+        name="signsgd", compress=jax.jit(compress), decompress=jax.jit(decompress), unbiased=False,
+        strategy="allgather", seed=seed, params={},
+    )
+
+
+class SignumState(NamedTuple):
+    """Per-array SIGNUM state.
+
+    Attributes:
+      momentum: float32 array of the gradient's shape, ``m_t``.
+    """
+
+    momentum: Array
+
+
+@register("signum")
+def signum(*, momentum: float = 0.9, seed: int = 0) -> Compressor:
+    """SIGNUM: the sign of a momentum (Bernstein et al. 2018; GRACE Sec. III-A).
+
+    ``m_t = beta m_(t-1) + (1 - beta) g_t`` (kept per array in
+    :class:`SignumState`, float32, ``m_0 = 0``), ``Q_t = sign(m_t)`` with the
+    convention of :func:`signsgd`. Biased; stateful: pass the state returned by
+    ``compress`` to the next call (the optax ``update`` does).
+
+    Args:
+      momentum: beta in ``[0, 1)``; ``beta = 0`` is signSGD.
+    Wire bits: ``8 ceil(d/8)``. Non-finite input: a NaN gradient entry makes
+    that momentum entry NaN for good (decoded +1); +-Inf makes it +-Inf (decoded
+    +-1) until an opposite Inf makes it NaN.
+    """
+    beta = check_finite_scalar(momentum, "momentum", nonnegative=True)
+    if beta >= 1.0:
+        raise ValueError(f"momentum must be in [0, 1); got {beta}")
+
+    def init_state(x):
+        return SignumState(momentum=jnp.zeros(jnp.shape(x), jnp.float32))
+
+    def compress(x, key, state):
+        del key
+        m = beta * state.momentum + (1.0 - beta) * x.astype(jnp.float32)
+        return SignPayload(signs=pack(jnp.ravel(m) < 0, 1), shape=x.shape, dtype=x.dtype), SignumState(m)
+
+    def decompress(p: SignPayload):
+        return _restore(_signs(p.signs, p.shape), p.shape, p.dtype)
+
+    return Compressor.create(
+        name="signum", compress=jax.jit(compress), decompress=jax.jit(decompress), unbiased=False,
+        strategy="allgather", init_state=init_state, seed=seed, params=dict(momentum=beta),
+    )
+
+
+@register("efsignsgd")
+def efsignsgd(*, seed: int = 0) -> Compressor:
+    """EF-signSGD's scaled sign compressor (Karimireddy et al. 2019; GRACE Sec. III-A).
+
+    ``Q(x) = (||x||_1 / d) sign(x)`` (sign convention of :func:`signsgd`): a
+    delta-compressor with ``delta = ||x||_1^2 / (d ||x||_2^2)``, made convergent
+    by error feedback (``jaxcomm.memory``). Biased.
+
+    Wire bits: ``8 ceil(d/8) + 32``. Non-finite input: the scale is not finite
+    and the whole tensor decodes to NaN.
+    """
+
+    def compress(x, key, state):
+        del key
+        xf = _flat32(x)
+        scale = jnp.sum(jnp.abs(xf)) / max(xf.size, 1)
+        return MeanAbsSignPayload(signs=pack(xf < 0, 1), scale=scale, shape=x.shape, dtype=x.dtype), state
+
+    def decompress(p: MeanAbsSignPayload):
+        y = _signs(p.signs, p.shape) * p.scale
+        return _restore(_nan_unless_finite(y, p.scale), p.shape, p.dtype)
+
+    return Compressor.create(
+        name="efsignsgd", compress=jax.jit(compress), decompress=jax.jit(decompress), unbiased=False,
+        strategy="allgather", seed=seed, params={},
+    )
