@@ -93,6 +93,9 @@ def _cmd_run(args) -> int:
         return 2
     if args.devices is not None and "devices" in config:
         config["devices"] = args.devices
+    elif "devices" in config:
+        # The experiment's own worker count: simulate that many CPU devices.
+        _set_devices(int(config["devices"]))
     out = Path(args.out or Path("runs") / (exp.name + ("-smoke" if args.smoke else "")))
     out.mkdir(parents=True, exist_ok=True)
     print(f"jaxcomm run {exp.name}{' --smoke' if args.smoke else ''} -> {out}")

@@ -2,5 +2,6 @@
 
 from ._protocol import Communicator, current, is_communicator, resolve, use
 from ._mesh import MeshAxis
+from ._mpi import MPIComm
 
-__all__ = ["Communicator", "MeshAxis", "current", "is_communicator", "resolve", "use"]
+__all__ = ["Communicator", "MeshAxis", "MPIComm", "current", "is_communicator", "resolve", "use"]

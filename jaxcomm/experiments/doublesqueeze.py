@@ -72,7 +72,7 @@ def run(config: dict, out_dir: Path) -> dict:
         ))
     out = Path(out_dir)
     plot_curves(runs, out / "loss.png", y="loss", ylabel="training loss", logy=True,
-                title="DoubleSqueeze study: Fashion-MNIST, ResNet-20-style, 8 workers")
+                title=f"DoubleSqueeze study: {config['dataset']}, {config['model']}, {config['devices']} workers")
     plot_curves(runs, out / "accuracy.png", ylabel="test accuracy", title="DoubleSqueeze study: test accuracy")
     summary = [
         {"method": r["name"], "test_accuracy": r["final_accuracy"], "final_train_loss": r["history"][-1]["loss"],

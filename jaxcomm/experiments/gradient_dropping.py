@@ -79,7 +79,8 @@ def run(config: dict, out_dir: Path) -> dict:
     for method in config["methods"]:
         for sync in config["sync"]:
             name = f"{method}{'+sync' if sync else ''}"
-            model = models.CharLSTM(corpus.vocab_size, config["embed"], config["hidden"], rngs=nnx.Rngs(config["seed"]))
+            model = models.CharLSTM(corpus.vocab_size, config["embed"], config["hidden"], 1,
+                                    rngs=nnx.Rngs(config["seed"]))
             trainer = Trainer(model, _transform(method, config, sync), task="language_model",
                               num_workers=config["devices"], seed=config["seed"])
             batches = corpus.batches(config["seq_len"], config["batch_size"], jax.random.PRNGKey(config["seed"]),

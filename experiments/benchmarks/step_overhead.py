@@ -1,0 +1,273 @@
+"""Step overhead of compressed communication: a jitted data-parallel step on 8 simulated devices.
+
+For a ResNet-20-shaped parameter tree (CIFAR ResNet-20: 19 conv kernels, 19
+BatchNorm scales and biases, the classifier; 269,722 parameters in 59 tensors)
+and a VGG16-shaped one (CIFAR VGG16: 13 conv kernels and biases, two dense
+layers; 14,982,474 parameters in 30 tensors), and for every registered
+compressor, this times one jitted step
+
+    g_i = a_i ⊙ x_i   (a per-worker elementwise stand-in for back-propagation)
+    ḡ  = compressed_mean(compressor, axis_name="data", memory=...)(g_i)
+    x_i ← x_i − 0.01 ḡ
+
+inside ``jax.shard_map`` over 8 simulated CPU devices, and reports
+``ratio = median step time with the compressor / median step time with none()``
+and the exact wire bits one worker sends per step (``state.wire_bits``).
+Biased compressors run with ``memory.residual()`` (error feedback, as they are
+used), unbiased ones with ``memory.none()``. Each compressor is timed
+interleaved with the ``none()`` baseline (none, c, none, c, ...) so drifts in
+machine load hit both alike; the ratio is median(c) / median(none). Every
+(tree, compressor) pair runs in its own subprocess, so a compiler crash in one
+compressor is recorded as an error instead of ending the run. The shard_map is
+built with ``check_vma=False`` by default (``--check-vma`` turns jax's
+trace-time varying-axes type check on): the check changes no compiled
+operation, and a compressor whose code fails it is still timed.
+
+The step has no model compute, so the ratios are an upper bound of the overhead
+a training step would see (a forward/backward pass only adds to both times).
+Target (issue 3, item 7): sign, 1-bit, QSGD and top-k at most 1.3x the
+uncompressed step on the VGG16-shaped tree.
+
+usage: python experiments/benchmarks/step_overhead.py [--repeats 7] [--trees resnet20,vgg16]
+       [--compressors topk,qsgd,...] [--check-vma] [--out experiments/benchmarks/results/step_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxcomm as jc  # noqa: E402
+from jaxcomm import memory as mem  # noqa: E402
+from jaxcomm.transforms import compressed_mean  # noqa: E402
+
+# Hyper-parameters for the benchmark (1% density for sparsifiers, GRACE's usual setting).
+KWARGS = {
+    "topk": dict(ratio=0.01),
+    "randomk": dict(ratio=0.01),
+    "dgc": dict(ratio=0.01),
+    "adaptive": dict(ratio=0.01),
+    "qsparse": dict(ratio=0.01, levels=64),
+    "threshold": dict(v=2.576),  # |N(0,1)| >= 2.576: about 1% of entries (gradients are ~N(0,1) here)
+    "random_sparsification": dict(p=0.01),
+    "powersgd": dict(matrix_approximation_rank=4),
+    "qsgd": dict(levels=64),
+}
+# The compressors the 1.3x target names: sign (signsgd, signum, efsignsgd, scaled_sign), 1-bit, QSGD, top-k.
+TARGET_NAMES = ("signsgd", "signum", "efsignsgd", "scaled_sign", "onebit", "qsgd", "topk")
+TARGET_RATIO = 1.3
+
+
+def resnet20_shapes(num_classes: int = 10, in_channels: int = 3):
+    """CIFAR ResNet-20 (He et al. 2016, option-A shortcuts): conv kernels HWIO, BN scale/bias, dense."""
+    shapes = {"conv0": (3, 3, in_channels, 16), "bn0_scale": (16,), "bn0_bias": (16,)}
+    c_in = 16
+    for stage, c in enumerate((16, 32, 64)):
+        for block in range(3):
+            for j in range(2):
+                name = f"s{stage}b{block}c{j}"
+                shapes[name] = (3, 3, c_in, c)
+                shapes[name + "_bn_scale"] = (c,)
+                shapes[name + "_bn_bias"] = (c,)
+                c_in = c
+    shapes["dense_kernel"] = (64, num_classes)
+    shapes["dense_bias"] = (num_classes,)
+    return shapes
+
+
+def vgg16_shapes(num_classes: int = 10, in_channels: int = 3):
+    """CIFAR VGG16 (Simonyan & Zisserman 2015, configuration D, 32x32 input): 13 convs, 2 dense layers."""
+    cfg = (64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512)
+    shapes, c_in = {}, in_channels
+    for i, c in enumerate(cfg):
+        shapes[f"conv{i:02d}_kernel"] = (3, 3, c_in, c)
+        shapes[f"conv{i:02d}_bias"] = (c,)
+        c_in = c
+    shapes["fc0_kernel"], shapes["fc0_bias"] = (512, 512), (512,)
+    shapes["fc1_kernel"], shapes["fc1_bias"] = (512, num_classes), (num_classes,)
+    return shapes
+
+
+TREES = {"resnet20": resnet20_shapes, "vgg16": vgg16_shapes}
+
+
+def build_step(compressor, n: int, mesh, check_vma: bool = False):
+    memory = mem.none() if compressor.unbiased or compressor.name in ("none", "fp16", "bf16") else mem.residual()
+    tx = compressed_mean(compressor, "data", memory=memory)
+
+    def worker(a, x, state):
+        a, x, state = jax.tree.map(lambda v: v[0], (a, x, state))
+        g = jax.tree.map(lambda p, s: p * s, x, a)
+        u, state = tx.update(g, state, x)
+        x = jax.tree.map(lambda p, d: p - 0.01 * d, x, u)
+        return jax.tree.map(lambda v: v[None], (x, state))
+
+    f = jax.shard_map(worker, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P("data"), check_vma=check_vma)
+    return tx, memory, jax.jit(f, donate_argnums=(1, 2))
+
+
+class Runner:
+    """Holds one compressor's compiled step and its (donated) buffers."""
+
+    def __init__(self, compressor, shapes, n, mesh, check_vma=False, seed=0):
+        self.tx, self.memory, self.step = build_step(compressor, n, mesh, check_vma)
+        put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))
+        rng = np.random.default_rng(seed)
+        params = {k: (rng.standard_normal(s) * 0.05).astype(np.float32) for k, s in shapes.items()}
+        # a_i ~ N(0, 1)/0.05 per worker and entry: gradients ~ N(0, 1), distinct per worker.
+        self.a = put({k: (rng.standard_normal((n, *s)) / 0.05).astype(np.float32) for k, s in shapes.items()})
+        stack = lambda t: jax.tree.map(lambda v: np.broadcast_to(np.asarray(v), (n, *np.shape(v))).copy(), t)
+        self.x = put(stack(params))
+        self.state = put(stack(self.tx.init(params)))
+        t0 = time.perf_counter()
+        self.call()  # compile + first run
+        self.compile_s = time.perf_counter() - t0
+        self.call()
+
+    def call(self) -> float:
+        t0 = time.perf_counter()
+        self.x, self.state = self.step(self.a, self.x, self.state)
+        jax.block_until_ready((self.x, self.state))
+        return time.perf_counter() - t0
+
+    def wire_bits(self) -> int:
+        return int(np.asarray(self.state.wire_bits[0], np.int64).sum())
+
+
+def measure(tree: str, name: str, repeats: int, check_vma: bool) -> dict:
+    """Time one compressor against none() on one tree (in this process)."""
+    n = 8
+    devices = jax.devices()
+    if len(devices) < n:
+        raise SystemExit(f"need {n} devices (XLA_FLAGS=--xla_force_host_platform_device_count={n})")
+    mesh = Mesh(np.array(devices[:n]), ("data",))
+    shapes = TREES[tree]()
+    c = jc.compressors.make(name, **KWARGS.get(name, {}))
+    base = Runner(jc.compressors.none(), shapes, n, mesh, check_vma)
+    runner = Runner(c, shapes, n, mesh, check_vma)
+    t_base, t_c = [], []
+    for _ in range(repeats):
+        t_base.append(base.call())
+        t_c.append(runner.call())
+    med_b, med_c = float(np.median(t_base)), float(np.median(t_c))
+    bits, dense_bits = runner.wire_bits(), base.wire_bits()
+    return {
+        "ratio": med_c / med_b,
+        "step_ms": 1e3 * med_c,
+        "baseline_step_ms": 1e3 * med_b,
+        "wire_bits_per_worker": bits,
+        "dense_bits_per_worker": dense_bits,
+        "compression": dense_bits / bits,
+        "strategy": c.strategy + (" (compress_allreduce)" if c.compress_allreduce is not None else ""),
+        "memory": runner.memory.name,
+        "params": c.params,
+        "compile_s": runner.compile_s,
+    }
+
+
+def markdown_table(out: dict) -> str:
+    """The results as a Markdown table: one row per compressor, ratio and wire bits per tree."""
+    trees = list(out["trees"])
+    names = sorted({n for t in trees for n in out["trees"][t]["results"]})
+    head = "| compressor | strategy | memory | " + " | ".join(
+        f"{t}: step / none() | {t}: Mbit/worker/step (x smaller)" for t in trees) + " |"
+    rows = [head, "|" + "---|" * (3 + 2 * len(trees))]
+    for name in names:
+        cells, meta = [], None
+        for t in trees:
+            r = out["trees"][t]["results"].get(name)
+            if r is None or "error" in r:
+                cells += ["failed" if r else "", ""]
+                continue
+            meta = meta or r
+            mark = " **>1.3**" if t == "vgg16" and name in TARGET_NAMES and r["ratio"] > TARGET_RATIO else ""
+            cells += [f"{r['ratio']:.2f}x{mark}", f"{r['wire_bits_per_worker'] / 1e6:.3f} (x{r['compression']:.1f})"]
+        strategy = meta["strategy"] if meta else ""
+        memory = meta["memory"] if meta else ""
+        rows.append(f"| {name} | {strategy} | {memory} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--trees", default="resnet20,vgg16")
+    ap.add_argument("--compressors", default="", help="comma-separated names (default: every registered one)")
+    ap.add_argument("--check-vma", action="store_true", help="build the shard_map with check_vma=True")
+    ap.add_argument("--markdown", metavar="JSON", help="print the table of a results file and exit")
+    ap.add_argument("--one", nargs=2, metavar=("TREE", "NAME"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="experiments/benchmarks/results/step_overhead.json")
+    args = ap.parse_args()
+    if args.markdown:
+        print(markdown_table(json.loads(Path(args.markdown).read_text())))
+        return
+    if args.one:  # child process: one measurement, one JSON line
+        print("RESULT " + json.dumps(measure(*args.one, args.repeats, args.check_vma), default=str), flush=True)
+        return
+    names = [c for c in args.compressors.split(",") if c] or [c for c in jc.compressors.names() if c != "none"]
+    n = 8
+    out = {
+        "meta": {
+            "benchmark": "step_overhead",
+            "devices": f"{n} simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count={n})",
+            "host_cpus": os.cpu_count(),
+            "load_average_at_start": list(os.getloadavg()),
+            "platform": platform.platform(),
+            "jax": jax.__version__,
+            "repeats": args.repeats,
+            "check_vma": args.check_vma,
+            "timing": "median of --repeats steps per compressor, interleaved with the none() baseline, "
+                      "one subprocess per (tree, compressor)",
+            "step": "g_i = a_i * x_i; compressed_mean over 'data'; x_i -= 0.01 * mean (no model compute)",
+            "target": f"{'/'.join(TARGET_NAMES)} <= {TARGET_RATIO}x none() on vgg16",
+        },
+        "trees": {},
+    }
+    for tree in [t for t in args.trees.split(",") if t]:
+        shapes = TREES[tree]()
+        num_params = int(sum(np.prod(s) for s in shapes.values()))
+        print(f"== {tree}: {num_params:,} parameters in {len(shapes)} tensors", flush=True)
+        results = {}
+        for name in names:
+            cmd = [sys.executable, __file__, "--one", tree, name, "--repeats", str(args.repeats)]
+            cmd += ["--check-vma"] if args.check_vma else []
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+                why = next((ln for ln in err if "Check failed" in ln or "Error" in ln), err[-1] if err else "")
+                results[name] = {"error": f"exit {proc.returncode}: {why.strip()[:400]}"}
+                print(f"   {name:22s} FAILED: {results[name]['error'][:160]}", flush=True)
+                continue
+            r = json.loads(line[len("RESULT "):])
+            results[name] = r
+            print(f"   {name:22s} {r['ratio']:6.2f}x  {r['step_ms']:9.1f} ms (none {r['baseline_step_ms']:8.1f} ms)  "
+                  f"{r['wire_bits_per_worker']:>12,d} bits  x{r['compression']:7.1f}", flush=True)
+        out["trees"][tree] = {"num_params": num_params, "num_tensors": len(shapes), "results": results}
+    if "vgg16" in out["trees"]:
+        res = out["trees"]["vgg16"]["results"]
+        out["target_met"] = {k: res[k].get("ratio", float("inf")) <= TARGET_RATIO for k in TARGET_NAMES if k in res}
+    out["meta"]["load_average_at_end"] = list(os.getloadavg())
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    print(markdown_table(out))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""D-PSGD: decentralized parallel SGD with neighbour averaging (Lian et al. 2017).
+
+EventGraD Eq. 2 / Algorithm A. Every iteration ``k`` each worker ``i`` computes a
+stochastic gradient at its own parameters, averages its parameters with its
+neighbours' by the mixing weights, and takes the local step:
+
+    x_{k+1,i} = sum_j W[i, j] x_{k,j}  -  alpha * grad F_i(x_{k,i}; xi_{k,i})      (Eq. 2)
+
+(with a general optax optimizer the last term is its update computed from the
+same gradient). The final model is the average of the workers' models.
+
+Everything here is per worker and pure: ``params`` is one worker's pytree, and
+the neighbour exchange goes through a :class:`~jaxcomm.comm.Communicator`
+(``permute`` per neighbour permutation of the topology): ``jax.lax.ppermute``
+on a mesh axis (inside ``jax.shard_map`` or ``jax.vmap(axis_name=...)``), or
+mpi4jax ``sendrecv`` with :class:`~jaxcomm.comm.MPIComm`. :func:`per_worker`
+runs a per-worker function over stacked (leading worker axis) pytrees.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..comm import resolve
+from ..topology import Topology, as_topology
+
+__all__ = [
+    "DecentralizedAlgorithm",
+    "DPSGDState",
+    "dpsgd",
+    "neighbor_exchange",
+    "mix",
+    "combine",
+    "per_worker",
+    "replicate",
+    "average_model",
+    "consensus_distance",
+]
+
+PyTree = Any
+
+
+class DecentralizedAlgorithm(NamedTuple):
+    """A decentralized algorithm as a pair of pure per-worker functions.
+
+    Attributes:
+      init: ``params -> state`` (one worker's parameters, no worker axis).
+      step: ``(params, grads, state) -> (new_params, new_state)``; ``grads`` is the
+        stochastic gradient evaluated at ``params`` (before mixing). Must run where
+        the communicator is bound (inside ``shard_map``/``vmap`` over the axis, or
+        under MPI).
+    """
+
+    init: Callable[[PyTree], Any]
+    step: Callable[[PyTree, PyTree, Any], tuple]
+
+
+class DPSGDState(NamedTuple):
+    """Per-worker D-PSGD state.
+
+    Attributes:
+      step: ``int32 []``, iterations done (each exchanged every tensor once).
+      opt_state: the local optimizer's state.
+    """
+
+    step: jax.Array
+    opt_state: optax.OptState
+
+
+def _as_optimizer(optimizer) -> optax.GradientTransformation:
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
+        if not optimizer > 0:
+            raise ValueError(f"learning rate (optimizer) must be > 0; got {optimizer}")
+        return optax.sgd(float(optimizer))
+    raise TypeError(
+        f"optimizer must be an optax.GradientTransformation or a learning rate (float); "
+        f"got {type(optimizer).__name__}"
+    )
+
+
+def _weights_here(topology: Topology, index, dtype):
+    """``(W[i, i], receive_weights[:, i])`` of worker ``index`` (traced int), cast to ``dtype``."""
+    self_w = jnp.asarray(topology.self_weights, dtype=dtype)[index]
+    if topology.num_permutations == 0:
+        return self_w, jnp.zeros((0,), dtype)
+    recv_w = jnp.asarray(topology.receive_weights, dtype=dtype)[:, index]
+    return self_w, recv_w
+
+
+def neighbor_exchange(tree: PyTree, topology: Topology, comm) -> list:
+    """One ``comm.permute`` per neighbour permutation of ``topology``.
+
+    Args:
+      tree: this worker's pytree.
+      topology: its :class:`~jaxcomm.topology.Topology` (``n`` must equal ``comm.size``).
+      comm: a bound :class:`~jaxcomm.comm.Communicator`.
+
+    Returns:
+      ``K`` pytrees like ``tree``: entry ``k`` is the value of ``src_k(i)``.
+
+    Raises:
+      ValueError: the topology does not match the number of workers.
+    """
+    topology.check_workers(comm.size)
+    return [comm.permute(tree, [tuple(p) for p in perm]) for perm in topology.permutations]
+
+
+def combine(own: PyTree, received: Sequence[PyTree], topology: Topology, index) -> PyTree:
+    """``W[i, i] * own + sum_k receive_weights[k, i] * received[k]`` (the mixing of Eq. 2/5).
+
+    Args:
+      own: worker ``i``'s pytree.
+      received: ``K`` pytrees (one per permutation), e.g. from :func:`neighbor_exchange`
+        (D-PSGD) or the last received copies (EventGraD Eq. 5).
+      topology: the topology; ``index``: worker ``i`` (int or traced int32).
+    """
+    if len(received) != topology.num_permutations:
+        raise ValueError(f"received must hold {topology.num_permutations} pytrees (one per permutation); "
+                         f"got {len(received)}")
+
+    def one(x, *rs):
+        self_w, recv_w = _weights_here(topology, index, x.dtype)
+        out = self_w * x
+        for k, r in enumerate(rs):
+            out = out + recv_w[k] * r
+        return out
+
+    return jax.tree.map(one, own, *received)
+
+
+def mix(tree: PyTree, topology: Topology, comm) -> PyTree:
+    """``sum_j W[i, j] x_j`` for this worker ``i``: the neighbour averaging of D-PSGD (Eq. 2)."""
+    return combine(tree, neighbor_exchange(tree, topology, comm), topology, comm.index())
+
+
+def dpsgd(topology: Union[Topology, str], optimizer: Union[optax.GradientTransformation, float], *,
+          num_workers: Optional[int] = None, axis_name: Optional[str] = None, comm=None
+          ) -> DecentralizedAlgorithm:
+    """D-PSGD (Lian et al. 2017; EventGraD Eq. 2, Algorithm A).
+
+    ``step(params, grads, state)`` returns ``mix(params) + optimizer_update(grads)``:
+    with ``optimizer = alpha`` (plain SGD) that is exactly Eq. 2,
+    ``x_{k+1,i} = sum_j W_ij x_{k,j} - alpha g_i(x_{k,i})``.
+
+    Args:
+      topology: a :class:`~jaxcomm.topology.Topology` (or a name with ``num_workers``).
+      optimizer: the local optimizer, or a learning rate for plain SGD.
+      num_workers: needed only when ``topology`` is a name.
+      axis_name / comm: the communicator (at most one; neither means the ambient one
+        of :func:`jaxcomm.comm.use`).
+
+    Raises:
+      ValueError: at trace time, if the topology does not match the worker count.
+    """
+    topo = as_topology(topology, num_workers)
+    tx = _as_optimizer(optimizer)
+    communicator = resolve(axis_name, comm)
+
+    def init(params):
+        return DPSGDState(step=jnp.zeros((), jnp.int32), opt_state=tx.init(params))
+
+    def step(params, grads, state):
+        mixed = mix(params, topo, communicator)
+        updates, opt_state = tx.update(grads, state.opt_state, params)
+        return optax.apply_updates(mixed, updates), DPSGDState(state.step + 1, opt_state)
+
+    return DecentralizedAlgorithm(init, step)
+
+
+# --------------------------------------------------------------------------- #
+# running per-worker functions over stacked pytrees
+# --------------------------------------------------------------------------- #
+def per_worker(fn: Callable, *, axis_name: str = "data", mesh: Optional[jax.sharding.Mesh] = None) -> Callable:
+    """Lift a per-worker function to stacked pytrees (leading worker axis of size ``n``).
+
+    With ``mesh=None`` it is ``jax.vmap(fn, axis_name=axis_name)`` (one device; cheap
+    tests and many simulated workers). With a mesh it is ``jax.shard_map`` over
+    ``mesh``'s ``axis_name`` (``n`` must equal that axis' size): every argument and
+    result is sharded ``P(axis_name)`` on its leading axis, and ``fn`` sees one
+    worker's slice without the axis. Inputs must already be placed with
+    ``jax.device_put(x, NamedSharding(mesh, P(axis_name)))``.
+    """
+    if mesh is None:
+        return jax.vmap(fn, axis_name=axis_name)
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+    spec = jax.sharding.PartitionSpec(axis_name)
+
+    def body(*args):
+        squeezed = jax.tree.map(lambda a: a[0], args)
+        out = fn(*squeezed)
+        return jax.tree.map(lambda a: jnp.expand_dims(a, 0), out)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+
+
+def replicate(tree: PyTree, num_workers: int) -> PyTree:
+    """Stack ``num_workers`` copies of ``tree`` on a new leading axis (same initialisation everywhere)."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int; got {num_workers!r}")
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_workers,) + jnp.shape(x)), tree)
+
+
+def average_model(stacked: PyTree) -> PyTree:
+    """The average of the workers' models: mean over the leading worker axis (final model of D-PSGD)."""
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0), stacked)
+
+
+def consensus_distance(stacked: PyTree) -> jax.Array:
+    """``(1/n) sum_i ||x_i - x_bar||^2`` over all leaves (the consensus error bounded in Lian et al.)."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    sq = [jnp.sum((x - jnp.mean(x, axis=0, keepdims=True)) ** 2) for x in jax.tree.leaves(stacked)]
+    return sum(sq) / n

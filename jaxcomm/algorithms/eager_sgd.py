@@ -1,0 +1,518 @@
+"""eager-SGD: solo and majority partial allreduce, simulated on a mesh axis (Li et al., PPoPP 2020).
+
+This is the *semantics* of the partial collectives inside one jit-compiled step,
+for convergence studies: the workers run in lockstep on a mesh axis (inside
+``jax.shard_map`` or ``jax.vmap(axis_name=...)``), and which of them made it into
+each allreduce is decided by a load-imbalance model
+(:mod:`jaxcomm.imbalance`) and a key shared by all workers. The asynchronous
+implementation over real processes is :class:`jaxcomm.comm.PartialAllreduce`
+(MPI, a progress thread per process); both have the same delivery rules.
+
+Round ``t`` (Algorithm 2, Sec. 4-5 of the paper):
+
+* every worker ``i`` computes ``G_t^i`` and *arrives* at the collective after its
+  compute time ``c_i(t)`` (from the imbalance model);
+* the round is triggered by an initiator: the first arrival (**solo**), a worker
+  drawn uniformly from the shared key (**majority**), or the last arrival
+  (**sync**, the ordinary allreduce). Workers that arrived no later than the
+  trigger are *active*;
+* every worker contributes its send buffer; an active worker adds its fresh
+  gradient and empties the buffer, an inactive worker keeps its fresh gradient
+  in the buffer for a later round (it becomes a stale gradient);
+* the result, identical on every worker, is ``(1/P) * sum of contributions``
+  (Algorithm 2 line 6 divides by ``P``, as the reference code does, not by the
+  number of contributors); NAP, the number of active processes, is the number of
+  fresh gradients in it (Sec. 7.1).
+
+Every gradient is delivered exactly once: after ``T`` rounds,
+``sum_t P * result_t + sum_i buffer_i == sum_{t,i} G_t^i``
+(:func:`undelivered` gives the buffers).
+
+Two simulated clocks (``clock=``):
+
+* ``"reset"`` (default): every round starts together; the round takes
+  ``max`` (sync), ``min`` (solo) or the initiator's (majority) compute time, plus
+  ``comm_ms``. A late worker's gradient is exactly one round stale.
+* ``"carry"``: each worker keeps its own clock, as real processes do. A worker
+  starts step ``t + 1`` when it has both finished ``t`` and, if it was active,
+  received round ``t``'s result: ``ready_i(t+1) = max(arrive_i(t), R_t + comm_ms)``
+  where ``arrive_i(t) = ready_i(t) + c_i(t)`` and ``R_t`` is the trigger. A
+  gradient is delivered in the first round triggered at or after its arrival, so
+  a worker that lags by several rounds contributes gradients several rounds
+  stale (Sec. 5, "some slower processes may lag behind by more than one step").
+  Pending gradients live in a FIFO of ``max_lag`` slots per worker; if a worker
+  lags further, its oldest pending gradient is merged into the newest (delivered
+  later, never lost) and ``overflows`` counts it.
+
+``sync_every = N > 0`` makes every ``N``-th round synchronous (the reference's
+"solo limiter" and the paper's periodic model synchronisation, Sec. 5): all
+buffers are flushed and the clocks realigned, so no gradient is more than ``N``
+rounds stale (Lemma 6.1's staleness bound). Because every worker applies the
+same result every round, the workers' models never diverge here (the paper's
+divergence comes from fflib2 keeping only the latest receive buffer, Sec. 5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..comm import resolve
+from ..imbalance import ImbalanceModel
+
+__all__ = [
+    "MODES",
+    "CLOCKS",
+    "EagerSGDConfig",
+    "EagerSGDState",
+    "eager_sgd",
+    "init_eager_state",
+    "partial_allreduce",
+    "flush",
+    "undelivered",
+    "round_trigger",
+    "round_draws",
+    "simulate_training",
+]
+
+PyTree = Any
+MODES = ("sync", "solo", "majority")
+CLOCKS = ("reset", "carry")
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerSGDConfig:
+    """Static configuration of the simulated partial allreduce (hashable).
+
+    Attributes:
+      mode: ``"solo"``, ``"majority"`` or ``"sync"``.
+      imbalance: an :class:`~jaxcomm.imbalance.ImbalanceModel` with ``num_workers == P``.
+      clock: ``"reset"`` or ``"carry"`` (see the module docstring).
+      comm_ms: simulated duration of the allreduce itself, ms >= 0.
+      sync_every: every ``sync_every``-th round is synchronous (0: never).
+      max_lag: FIFO slots per worker for the ``"carry"`` clock (>= 1).
+    """
+
+    mode: str
+    imbalance: ImbalanceModel
+    clock: str = "reset"
+    comm_ms: float = 0.0
+    sync_every: int = 0
+    max_lag: int = 8
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
+        if not isinstance(self.imbalance, ImbalanceModel):
+            raise TypeError(
+                f"imbalance must implement jaxcomm.imbalance.ImbalanceModel; got {type(self.imbalance).__name__}"
+            )
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS}; got {self.clock!r}")
+        c = float(self.comm_ms)
+        if not np.isfinite(c) or c < 0:
+            raise ValueError(f"comm_ms must be finite and >= 0; got {self.comm_ms!r}")
+        object.__setattr__(self, "comm_ms", c)
+        for name, lo in (("sync_every", 0), ("max_lag", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}; got {v!r}")
+            object.__setattr__(self, name, int(v))
+
+    @property
+    def num_workers(self) -> int:
+        return self.imbalance.num_workers
+
+
+class EagerSGDState(NamedTuple):
+    """One worker's state of the simulated partial allreduce.
+
+    Attributes:
+      buffer: the send buffer. ``"reset"`` clock: a pytree like the gradients
+        (stale gradient mass not yet delivered). ``"carry"`` clock: a FIFO, every
+        leaf with a leading axis of ``max_lag`` slots.
+      pending_ms: ``float32[max_lag]`` arrival time of each FIFO slot (``inf`` =
+        empty); ``float32[0]`` for the ``"reset"`` clock.
+      ready_ms: ``float32[P]`` time each worker starts its next compute
+        (identical on every worker; all zeros for ``"reset"``).
+      clock_ms: ``float32[]`` simulated wall clock: end of the last round, ms.
+      step: ``int32[]`` rounds done.
+      nap: ``int32[]`` number of active processes in the last round.
+      active: ``bool[]`` whether this worker's fresh gradient made the last round.
+      overflows: ``int32[]`` FIFO merges on this worker (``"carry"``).
+      key: the PRNG key shared by all workers (imbalance draws, majority initiator).
+    """
+
+    buffer: PyTree
+    pending_ms: jax.Array
+    ready_ms: jax.Array
+    clock_ms: jax.Array
+    step: jax.Array
+    nap: jax.Array
+    active: jax.Array
+    overflows: jax.Array
+    key: jax.Array
+
+
+def _as_key(key) -> jax.Array:
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        return jax.random.key(int(key))
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    if isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape[-1:] == (2,):
+        return jax.random.wrap_key_data(key)
+    raise TypeError(f"key must be a jax PRNG key or an int seed; got {type(key).__name__}")
+
+
+def init_eager_state(params: PyTree, config: EagerSGDConfig, key, comm=None) -> EagerSGDState:
+    """Fresh state for one worker: empty buffer, clocks at 0.
+
+    Args:
+      params: pytree with the gradients' structure (shapes/dtypes only are used).
+      config: :class:`EagerSGDConfig`.
+      key: PRNG key or int seed, **the same on every worker**.
+      comm: optional communicator; inside ``jax.shard_map`` pass it so the
+        per-worker fields are marked device-varying (``comm.varying``), which a
+        ``lax.scan`` carry over rounds requires.
+    """
+    p = config.num_workers
+    if config.clock == "reset":
+        buffer = jax.tree.map(jnp.zeros_like, params)
+        pending = jnp.zeros((0,), jnp.float32)
+    else:
+        k = config.max_lag
+        buffer = jax.tree.map(lambda x: jnp.zeros((k,) + jnp.shape(x), jnp.result_type(x)), params)
+        pending = jnp.full((k,), jnp.inf, jnp.float32)
+    active = jnp.zeros((), bool)
+    overflows = jnp.zeros((), jnp.int32)
+    if comm is not None:
+        buffer, pending, active, overflows = comm.varying((buffer, pending, active, overflows))
+    return EagerSGDState(
+        buffer=buffer,
+        pending_ms=pending,
+        ready_ms=jnp.zeros((p,), jnp.float32),
+        clock_ms=jnp.zeros((), jnp.float32),
+        step=jnp.zeros((), jnp.int32),
+        nap=jnp.zeros((), jnp.int32),
+        active=active,
+        overflows=overflows,
+        key=_as_key(key),
+    )
+
+
+def round_trigger(arrive_ms: jax.Array, mode: str, initiator) -> jax.Array:
+    """Time at which a round is triggered, given every worker's arrival (ms).
+
+    ``sync``: ``max(arrive)``; ``solo``: ``min(arrive)`` (the first arrival is the
+    initiator, Sec. 4.1); ``majority``: ``arrive[initiator]`` (Sec. 4.2). Workers
+    with ``arrive <= trigger`` are the active processes.
+
+    Args:
+      arrive_ms: ``float[P]``.
+      mode: one of :data:`MODES`.
+      initiator: int32 scalar, the majority initiator (ignored otherwise).
+    """
+    if mode == "sync":
+        return jnp.max(arrive_ms)
+    if mode == "solo":
+        return jnp.min(arrive_ms)
+    if mode == "majority":
+        return arrive_ms[initiator]
+    raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+
+
+def round_draws(config: EagerSGDConfig, key, step) -> tuple:
+    """Compute times ``float32[P]`` (ms) and majority initiator ``int32[]`` of round ``step``.
+
+    A pure function of the shared key and the round: identical on every worker
+    (the paper's shared seed, Sec. 4.2).
+    """
+    step = jnp.asarray(step, jnp.int32)
+    k_times, k_init = jax.random.split(jax.random.fold_in(_as_key(key), step.astype(jnp.uint32)))
+    times = config.imbalance.sample(k_times, step).astype(jnp.float32)
+    initiator = jax.random.randint(k_init, (), 0, config.num_workers)
+    return times, initiator
+
+
+def partial_allreduce(grads: PyTree, state: EagerSGDState, config: EagerSGDConfig, comm) -> tuple:
+    """One round of the simulated partial allreduce; returns ``(mean, new_state)``.
+
+    ``mean = (1/P) * sum_i contribution_i`` (Algorithm 2 line 6), identical on every
+    worker; see the module docstring for the contributions. Must run where
+    ``comm`` is bound (inside ``shard_map``/``vmap`` over its axis); ``comm.size``
+    must equal ``config.num_workers``.
+
+    Args:
+      grads: this worker's fresh gradient ``G_t^i`` (pytree).
+      state: this worker's :class:`EagerSGDState`.
+      config: :class:`EagerSGDConfig` (static).
+      comm: a :class:`~jaxcomm.comm.Communicator` (uses ``size``, ``index``, ``sum``).
+    """
+    p = config.num_workers
+    if comm.size != p:
+        raise ValueError(f"the communicator has {comm.size} workers but the imbalance model has num_workers={p}")
+    me = comm.index()
+    times, initiator = round_draws(config, state.key, state.step)
+    is_sync = config.mode == "sync"
+    if config.sync_every:
+        is_sync = jnp.logical_or(is_sync, (state.step + 1) % config.sync_every == 0)
+
+    if config.clock == "reset":
+        arrive = times
+    else:
+        arrive = state.ready_ms + times
+    trigger = round_trigger(arrive, config.mode, initiator)
+    if config.sync_every:
+        trigger = jnp.where(is_sync, jnp.max(arrive), trigger)
+    active_all = arrive <= trigger
+    active = active_all[me]
+
+    if config.clock == "reset":
+        contrib = jax.tree.map(lambda b, g: b + jnp.where(active, g, jnp.zeros_like(g)), state.buffer, grads)
+        new_buffer = jax.tree.map(lambda g: jnp.where(active, jnp.zeros_like(g), g), grads)
+        new_pending = state.pending_ms
+        overflow = jnp.zeros((), bool)
+        ready = state.ready_ms
+        done = state.clock_ms + trigger + config.comm_ms
+    else:
+        slot = state.step % config.max_lag
+        overflow = jnp.isfinite(state.pending_ms[slot])
+        mine = arrive[me]
+
+        def insert(fifo, g):
+            old = fifo[slot]
+            return fifo.at[slot].set(g + jnp.where(overflow, old, jnp.zeros_like(old)))
+
+        fifo = jax.tree.map(insert, state.buffer, grads)
+        pending = state.pending_ms.at[slot].set(mine)
+        deliver = pending <= trigger
+
+        def split(f):
+            mask = deliver.reshape((-1,) + (1,) * (f.ndim - 1))
+            return jnp.sum(jnp.where(mask, f, jnp.zeros_like(f)), axis=0), jnp.where(mask, jnp.zeros_like(f), f)
+
+        pairs = jax.tree.map(split, fifo)
+        contrib = jax.tree.map(lambda f, pr: pr[0], fifo, pairs)
+        new_buffer = jax.tree.map(lambda f, pr: pr[1], fifo, pairs)
+        new_pending = jnp.where(deliver, jnp.inf, pending)
+        done = trigger + config.comm_ms
+        ready = jnp.maximum(arrive, done)
+
+    total, nap = comm.sum((contrib, active.astype(jnp.int32)))
+    mean = jax.tree.map(lambda s, g: (s / p).astype(jnp.result_type(g)), total, grads)
+    new_state = EagerSGDState(
+        buffer=new_buffer,
+        pending_ms=new_pending,
+        ready_ms=ready.astype(jnp.float32),
+        clock_ms=jnp.asarray(done, jnp.float32),
+        step=state.step + 1,
+        nap=nap.astype(jnp.int32),
+        active=active,
+        overflows=state.overflows + overflow.astype(jnp.int32),
+        key=state.key,
+    )
+    return mean, new_state
+
+
+def undelivered(state: EagerSGDState) -> PyTree:
+    """This worker's gradient mass not yet delivered (the send buffer, or the FIFO's sum)."""
+    if state.pending_ms.shape[0] == 0:
+        return state.buffer
+    return jax.tree.map(lambda f: jnp.sum(f, axis=0), state.buffer)
+
+
+def flush(state: EagerSGDState, comm) -> tuple:
+    """Deliver every worker's undelivered gradients in one synchronous round.
+
+    Returns ``(mean, new_state)`` with ``mean = (1/P) sum_i undelivered_i`` and
+    empty buffers (use at the end of training so no gradient is lost). The
+    clock is not advanced.
+    """
+    rest = undelivered(state)
+    total = comm.sum(rest)
+    p = comm.size
+    mean = jax.tree.map(lambda s, g: (s / p).astype(jnp.result_type(g)), total, rest)
+    empty = jax.tree.map(jnp.zeros_like, state.buffer)
+    pending = jnp.full_like(state.pending_ms, jnp.inf)
+    return mean, state._replace(buffer=empty, pending_ms=pending)
+
+
+def eager_sgd(
+    mode: str,
+    imbalance: ImbalanceModel,
+    *,
+    key=0,
+    axis_name: Optional[str] = None,
+    comm=None,
+    clock: str = "reset",
+    comm_ms: float = 0.0,
+    sync_every: int = 0,
+    max_lag: int = 8,
+) -> optax.GradientTransformation:
+    """eager-SGD's gradient accumulation as an optax transformation (Algorithm 2, lines 5-6).
+
+    ``update(grads, state)`` returns ``(1/P) * partial_allreduce(grads)``; chain it
+    with any optimizer: ``optax.chain(eager_sgd("majority", model, axis_name="data"),
+    optax.sgd(0.1))``. Per-worker state: call ``init`` and ``update`` inside
+    ``shard_map``/``vmap`` over the axis, like every per-worker transform.
+
+    Args:
+      mode: ``"solo"``, ``"majority"`` or ``"sync"``.
+      imbalance: load-imbalance model with ``num_workers`` equal to the axis size.
+      key: PRNG key or int seed shared by all workers.
+      axis_name / comm: the communicator (at most one; neither: the ambient one).
+      clock, comm_ms, sync_every, max_lag: see :class:`EagerSGDConfig`.
+    """
+    config = EagerSGDConfig(mode, imbalance, clock, comm_ms, sync_every, max_lag)
+    communicator = resolve(axis_name, comm)
+    key = _as_key(key)
+
+    def init_fn(params):
+        state = init_eager_state(params, config, key)
+        try:  # per-worker fields vary over the axis (needed for scan carries in shard_map)
+            return state._replace(**dict(zip(
+                ("buffer", "pending_ms", "active", "overflows"),
+                communicator.varying((state.buffer, state.pending_ms, state.active, state.overflows)))))
+        except ValueError:  # initialised outside the mapped context
+            return state
+
+    def update_fn(updates, state, params=None):
+        del params
+        return partial_allreduce(updates, state, config, communicator)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def simulate_training(
+    model,
+    loss_fn,
+    x,
+    y,
+    *,
+    mode: str,
+    imbalance: ImbalanceModel,
+    batch_per_worker: int,
+    epochs: int,
+    optimizer: optax.GradientTransformation,
+    key=0,
+    clock: str = "reset",
+    comm_ms: float = 0.0,
+    sync_every: int = 0,
+    max_lag: int = 8,
+    eval_fn=None,
+    eval_every: int = 1,
+    axis_name: str = "workers",
+) -> dict:
+    """Train a Flax NNX model with ``P`` simulated eager-SGD workers (``jax.vmap`` over a named axis).
+
+    Each worker holds the shard ``x[w::P]`` and draws ``batch_per_worker`` examples
+    per step (a fresh permutation of its shard every epoch); its gradient goes
+    through :func:`partial_allreduce` and then ``optimizer`` (Algorithm 2). One jit
+    compilation runs a whole epoch (``lax.scan``). Variables other than
+    ``nnx.Param`` (e.g. BatchNorm statistics) are held fixed: use GroupNorm models.
+
+    Args:
+      model: an ``nnx.Module`` (its parameters are the initial point of every worker).
+      loss_fn: ``(model, x_batch, y_batch) -> scalar`` mean loss.
+      x, y: training arrays with a common leading axis ``N`` (``N >= P * batch_per_worker``).
+      mode, imbalance, clock, comm_ms, sync_every, max_lag: see :class:`EagerSGDConfig`.
+      batch_per_worker: local batch ``b`` (the global batch is ``P * b``).
+      epochs: passes over the shards.
+      optimizer: optax transformation applied to the partial-allreduce mean.
+      key: PRNG key or int seed (imbalance, initiators, data order).
+      eval_fn: optional ``model -> dict of floats``, run on worker 0's model after
+        every ``eval_every`` epochs (all workers hold the same model).
+    Returns:
+      dict with ``history`` (one entry per evaluation: ``epoch``, ``step``,
+      ``sim_time_s``, ``train_loss``, ``nap_mean``, plus ``eval_fn``'s keys),
+      per-step ``nap`` and ``clock_ms`` lists, ``overflows``, and ``model``
+      (worker 0's trained module).
+    """
+    from flax import nnx
+
+    from ..comm import MeshAxis
+
+    config = EagerSGDConfig(mode, imbalance, clock, comm_ms, sync_every, max_lag)
+    p = config.num_workers
+    x = jnp.asarray(x)
+    y = jnp.asarray(y)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"x and y must have the same leading size; got {x.shape[0]} and {y.shape[0]}")
+    if isinstance(batch_per_worker, bool) or not isinstance(batch_per_worker, int) or batch_per_worker < 1:
+        raise ValueError(f"batch_per_worker must be a positive int; got {batch_per_worker!r}")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be a positive int; got {epochs!r}")
+    shard = x.shape[0] // p
+    steps_per_epoch = shard // batch_per_worker
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"{x.shape[0]} examples give {shard} per worker, fewer than batch_per_worker={batch_per_worker}"
+        )
+    key = _as_key(key)
+    k_eager, k_data = jax.random.split(key)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    comm = MeshAxis(axis_name)
+
+    def pure_loss(prm, xb, yb):
+        return loss_fn(nnx.merge(graphdef, prm, rest), xb, yb)
+
+    # Every worker applies the same result every round, so the workers' models are
+    # identical: keep one copy and vmap only the gradients and the collective.
+    opt_state = optimizer.init(params)
+    w_eager = jax.vmap(lambda _: init_eager_state(params, config, k_eager))(jnp.arange(p))
+    collective = jax.vmap(lambda g, st: partial_allreduce(g, st, config, comm), axis_name=axis_name)
+    worker_grads = jax.vmap(jax.value_and_grad(pure_loss), in_axes=(None, 0, 0))
+
+    def epoch_fn(prm, opt_state, eager_states, epoch):
+        perms = jax.vmap(lambda w: jax.random.permutation(jax.random.fold_in(k_data, epoch * p + w), shard))(
+            jnp.arange(p)
+        )
+
+        def step(carry, s):
+            prm, opt_state, eager_states = carry
+            local = jax.lax.dynamic_slice_in_dim(perms, s * batch_per_worker, batch_per_worker, axis=1)
+            idx = jnp.arange(p)[:, None] + p * local  # worker w holds x[w::P]
+            losses, grads = worker_grads(prm, x[idx], y[idx])
+            means, eager_states = collective(grads, eager_states)
+            updates, opt_state = optimizer.update(jax.tree.map(lambda a: a[0], means), opt_state, prm)
+            prm = optax.apply_updates(prm, updates)
+            return (prm, opt_state, eager_states), (jnp.mean(losses), eager_states.nap[0], eager_states.clock_ms[0])
+
+        return jax.lax.scan(step, (prm, opt_state, eager_states), jnp.arange(steps_per_epoch))
+
+    run_epoch = jax.jit(epoch_fn)
+    history, naps, clocks = [], [], []
+    losses = []
+    for epoch in range(epochs):
+        (params, opt_state, w_eager), (loss, nap, clk) = run_epoch(params, opt_state, w_eager, epoch)
+        loss, nap, clk = np.asarray(loss), np.asarray(nap), np.asarray(clk)
+        naps.extend(nap.tolist())
+        clocks.extend(clk.tolist())
+        losses.extend(loss.tolist())
+        if (epoch + 1) % eval_every == 0 or epoch + 1 == epochs:
+            entry = {
+                "epoch": epoch + 1,
+                "step": (epoch + 1) * steps_per_epoch,
+                "sim_time_s": float(clk[-1]) / 1000.0,
+                "train_loss": float(np.mean(loss)),
+                "nap_mean": float(np.mean(nap)),
+            }
+            if eval_fn is not None:
+                trained = nnx.merge(graphdef, params, rest)
+                entry.update({k: float(v) for k, v in eval_fn(trained).items()})
+            history.append(entry)
+    final = nnx.merge(graphdef, params, rest)
+    return {
+        "history": history,
+        "nap": naps,
+        "clock_ms": clocks,
+        "loss": losses,
+        "overflows": int(np.asarray(w_eager.overflows).max()),
+        "steps_per_epoch": steps_per_epoch,
+        "model": final,
+    }

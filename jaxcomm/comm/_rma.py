@@ -1,0 +1,264 @@
+"""One-sided (MPI RMA) neighbour exchange for EventGraD, with mpi4py.
+
+EventGraD Sec. 6: a sender decides locally when a tensor is sent, so its
+neighbours cannot know when to post a receive; the exchange must be one-sided.
+Every worker exposes an RMA window holding its copies of the neighbours'
+tensors, one *slot* per neighbour permutation ``k`` of the topology (slot ``k``
+of worker ``i`` holds the tensors of ``src_k(i)``). When a tensor fires, its
+owner writes it into the matching slot of each neighbour with ``MPI_Put`` inside
+a passive-target ``MPI_LOCK_SHARED`` epoch on that neighbour; nothing is posted
+at the receiver and nothing is sent for quiet tensors. With top-K the put uses an
+indexed target datatype built from the top-K indices, so the values land
+directly at their positions: the window always holds the full last received copy
+(values + indices cross the wire: ``2K`` of the tensor).
+
+Race-free reads (the reference C++ reads its window with plain loads while
+neighbours may be writing it: a data race that can mix two versions of a tensor).
+Here a worker reads its own window only while holding ``MPI_LOCK_EXCLUSIVE`` on
+itself. Writers hold ``MPI_LOCK_SHARED`` (their slots are disjoint), so by MPI's
+lock semantics no put epoch overlaps a read: a read sees each sender's epoch
+entirely or not at all, and a put is complete at the target once ``MPI_Win_unlock``
+returns at the origin. The window is allocated with ``MPI_Win_allocate``; in the
+``MPI_WIN_SEPARATE`` memory model the lock/unlock on self also synchronises the
+public and private copies.
+
+Where the MPI calls run: *outside* jit, between two jitted halves of the step
+(:meth:`EventGrad.prepare` -> puts/read on host NumPy arrays ->
+:meth:`EventGrad.finish`). A host callback inside jit was rejected: RMA epochs
+would run on XLA's callback thread with ordering constraints invisible to the
+compiler, a blocked lock would stall the XLA executor, and on CPU the
+device-to-host copies the split needs are zero-copy anyway.
+
+Two modes. Asynchronous (default): no synchronisation besides the locks, the
+real event-driven execution (a fast worker may read an older copy, as in the
+paper). ``lockstep=True``: a barrier before the puts and one after, so the copies
+read at iteration ``k`` are exactly those sent at ``k``; then the run is
+deterministic and equals :meth:`EventGrad.step` on a mesh (used by the tests).
+
+The window is freed by :meth:`RMAExchange.free` (collective), also on ``with`` exit.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+__all__ = ["RMAExchange", "OneSidedEventGrad"]
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("the one-sided exchange needs mpi4py: pip install 'jaxcomm[mpi]'") from e
+    return MPI
+
+
+class RMAExchange:
+    """The RMA windows of one worker (MPI rank) for EventGraD's one-sided exchange.
+
+    Args:
+      algorithm: an :class:`~jaxcomm.algorithms.EventGrad` (its topology and top-K setting).
+      params: this worker's initial parameters (the window slots start as copies of them,
+        matching :meth:`EventGrad.init`; all workers must start from the same initialisation).
+      comm: an ``mpi4py`` intracommunicator (default ``COMM_WORLD``); rank ``i`` is worker ``i``.
+      lockstep: synchronise every exchange with two barriers (deterministic; see module doc).
+
+    Attributes (cumulative counters of this worker):
+      puts: ``MPI_Put`` calls (one per fired tensor per neighbour: the paper's messages).
+      bytes_put: payload bytes written into neighbours' windows.
+      exchange_seconds: wall time spent in :meth:`exchange`.
+
+    Raises:
+      ValueError: the topology does not match the communicator size.
+    """
+
+    def __init__(self, algorithm, params, *, comm=None, lockstep: bool = False):
+        MPI = _mpi()
+        self._MPI = MPI
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = self.comm.Get_rank()
+        self.topology = algorithm.topology
+        self.topology.check_workers(self.comm.Get_size(), where="the MPI communicator")
+        self.topk = algorithm.topk
+        self.lockstep = bool(lockstep)
+        leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
+        for x in leaves:
+            if x.dtype not in (np.float32, np.float64):
+                raise TypeError(f"params leaves must be float32 or float64 for MPI puts; got {x.dtype}")
+        self.shapes = [x.shape for x in leaves]
+        self.dtypes = [x.dtype for x in leaves]
+        self.nbytes = [x.nbytes for x in leaves]
+        self.slot_bytes = int(sum(self.nbytes))
+        self.num_slots = self.topology.num_permutations
+        self.leaf_offsets = np.concatenate([[0], np.cumsum(self.nbytes)[:-1]]).astype(np.int64)
+        size = max(1, self.num_slots * self.slot_bytes)
+        self.win = MPI.Win.Allocate(size, disp_unit=1, comm=self.comm)
+        self._buf = np.frombuffer(self.win.tomemory(), dtype=np.uint8)[: self.num_slots * self.slot_bytes]
+        # Outgoing real edges: (slot k at the destination, destination rank).
+        send_mask = self.topology.send_mask()
+        self.out_edges = [(k, int(self.topology.destinations(k)[self.rank]))
+                          for k in range(self.num_slots) if send_mask[k, self.rank]]
+        self.puts = 0
+        self.bytes_put = 0
+        self.exchange_seconds = 0.0
+        self._freed = False
+        self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+        for k in range(self.num_slots):
+            for l, x in enumerate(leaves):
+                self._view(k, l)[...] = x
+        self.win.Unlock(self.rank)
+        self.comm.Barrier()
+
+    # ------------------------------------------------------------------ #
+    def _view(self, k: int, l: int) -> np.ndarray:
+        start = k * self.slot_bytes + int(self.leaf_offsets[l])
+        raw = self._buf[start:start + self.nbytes[l]]
+        return raw.view(self.dtypes[l]).reshape(self.shapes[l])
+
+    def _mpi_type(self, dtype):
+        return self._MPI.FLOAT if dtype == np.float32 else self._MPI.DOUBLE
+
+    def exchange(self, fire, payload) -> list:
+        """Put the fired tensors into the neighbours' windows, then read this worker's window.
+
+        Args:
+          fire: per leaf ``bool``: whether the tensor fired (from :meth:`EventGrad.prepare`).
+          payload: per leaf the tensor, or with top-K ``(values [k], indices int32 [k])``.
+
+        Returns:
+          per leaf a NumPy ``[K, *shape]`` array: the last received copy in each slot.
+        """
+        MPI = self._MPI
+        if self._freed:
+            raise ValueError("the RMA window has been freed")
+        t0 = time.perf_counter()
+        fire = [bool(f) for f in fire]
+        if self.lockstep:
+            self.comm.Barrier()  # every worker has read the previous iteration's copies
+        fired = [l for l, f in enumerate(fire) if f]
+        if fired:
+            msgs = []
+            for l in fired:
+                if self.topk is None:
+                    data = np.ascontiguousarray(np.asarray(payload[l], dtype=self.dtypes[l]))
+                    msgs.append((l, data, None))
+                else:
+                    values, indices = payload[l]
+                    values = np.ascontiguousarray(np.asarray(values, dtype=self.dtypes[l]))
+                    indices = np.asarray(indices, dtype=np.int64)
+                    mtype = self._mpi_type(self.dtypes[l])
+                    target_type = mtype.Create_indexed_block(1, indices.tolist()).Commit()
+                    msgs.append((l, values, target_type))
+            for k, dst in self.out_edges:
+                self.win.Lock(dst, MPI.LOCK_SHARED)
+                for l, data, target_type in msgs:
+                    disp = k * self.slot_bytes + int(self.leaf_offsets[l])
+                    if target_type is None:
+                        self.win.Put([data.view(np.uint8), MPI.BYTE], dst, target=(disp, data.nbytes, MPI.BYTE))
+                        self.bytes_put += data.nbytes
+                    else:
+                        self.win.Put([data, self._mpi_type(data.dtype)], dst, target=(disp, 1, target_type))
+                        self.bytes_put += data.nbytes * 2  # values + indices (int32-sized) on the wire
+                    self.puts += 1
+                self.win.Unlock(dst)
+            for _, _, target_type in msgs:
+                if target_type is not None:
+                    target_type.Free()
+        if self.lockstep:
+            self.comm.Barrier()  # every put of this iteration is complete at its target
+        self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+        out = [np.stack([self._view(k, l).copy() for k in range(self.num_slots)])
+               if self.num_slots else np.zeros((0,) + self.shapes[l], self.dtypes[l])
+               for l in range(len(self.shapes))]
+        self.win.Unlock(self.rank)
+        self.exchange_seconds += time.perf_counter() - t0
+        return out
+
+    def free(self) -> None:
+        """Free the window (collective: every rank must call it; idempotent)."""
+        if not self._freed:
+            self.comm.Barrier()
+            self.win.Free()
+            self._freed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+        return False
+
+
+class OneSidedEventGrad:
+    """EventGraD over MPI with one-sided puts: ``prepare`` (jit) -> RMA -> ``finish`` (jit).
+
+    One process per worker; the state has no worker axis. The same
+    :class:`~jaxcomm.algorithms.EventGrad` configuration runs on a mesh through
+    :meth:`EventGrad.step`.
+
+    Args:
+      algorithm: the :class:`~jaxcomm.algorithms.EventGrad`.
+      params: this worker's initial parameters.
+      comm: ``mpi4py`` communicator (default ``COMM_WORLD``).
+      lockstep: see :class:`RMAExchange`.
+
+    >>> # under mpirun -n 4:  eg = eventgrad(ring(4), 0.05)
+    >>> # ose = OneSidedEventGrad(eg, params); state = ose.init(params)
+    >>> # params, state = ose.step(params, grads, state); ...; ose.free()
+    """
+
+    def __init__(self, algorithm, params, *, comm=None, lockstep: bool = False):
+        self.algorithm = algorithm
+        self.exchange = RMAExchange(algorithm, params, comm=comm, lockstep=lockstep)
+        # jit of the algorithm's own functions: compilations are shared by every instance.
+        self._prepare = jax.jit(algorithm.prepare)
+        self._finish = jax.jit(algorithm.finish, static_argnames="index")
+
+    @property
+    def rank(self) -> int:
+        """This worker's index (its MPI rank)."""
+        return self.exchange.rank
+
+    def init(self, params) -> Any:
+        """``algorithm.init(params)``."""
+        return self.algorithm.init(params)
+
+    def step(self, params, grads, state):
+        """One EventGraD iteration (Eq. 5) with one-sided puts of the fired tensors.
+
+        Args:
+          params: this worker's parameters ``x_{k,i}``; grads: the stochastic gradient at them.
+          state: its :class:`~jaxcomm.algorithms.EventGradState`.
+
+        Returns:
+          ``(x_{k+1,i}, new_state)``.
+        """
+        fire, payload, state = self._prepare(params, state)
+        fire = jax.device_get(fire)
+        payload = jax.device_get(payload)
+        replicas = self.exchange.exchange(fire, payload)
+        treedef = jax.tree.structure(params)
+        state = state._replace(replicas=jax.tree.unflatten(treedef, replicas))
+        return self._finish(params, grads, state, index=self.rank)
+
+    def stats(self, state) -> dict:
+        """:func:`~jaxcomm.algorithms.communication_stats` of this worker, plus measured puts and bytes."""
+        out = self.algorithm.stats(state, worker=self.rank)
+        out.update(puts=self.exchange.puts, bytes_put=self.exchange.bytes_put,
+                   exchange_seconds=self.exchange.exchange_seconds)
+        return out
+
+    def free(self) -> None:
+        """Free the RMA window (collective)."""
+        self.exchange.free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+        return False

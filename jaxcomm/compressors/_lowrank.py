@@ -1,0 +1,243 @@
+"""Low-rank compression: PowerSGD (Vogels et al. 2019; GRACE Sec. III-D, Table I).
+
+Each gradient array is viewed as a matrix ``M`` of shape ``(n, m)`` (first
+dimension by the product of the rest, as PyTorch's ``powerSGD_hook`` does) and
+approximated by ``P Q^T`` with ``P: (n, r)``, ``Q: (m, r)`` from one step of
+subspace (power) iteration, warm-started from the previous step's ``Q``:
+
+    P = M Q;   P = orthogonalize(P);   Q = M^T P;   M_hat = P Q^T.
+
+Across workers (``compress_allreduce``) the two products are summed between the
+rounds (Vogels et al., Algorithm 1), so the result is the rank-``r``
+approximation of the *sum* of the workers' matrices:
+
+    P = sum_i M_i Q;   P = orthogonalize(P);   Q = sum_i M_i^T P;   sum_i M_i ~ P Q^T.
+
+Option names follow ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``
+(``matrix_approximation_rank``, ``min_compression_rate``, ``warm_start``,
+``orthogonalization_epsilon``). PyTorch's ``use_error_feedback`` and
+``start_powerSGD_iter`` belong to the transforms here (``jaxcomm.error_feedback``,
+a warm-up schedule), not to the compressor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._base import (
+    Compressor,
+    DensePayload,
+    Payload,
+    check_finite_scalar,
+    check_positive_int,
+    payload_dataclass,
+    register,
+    static_field,
+)
+
+Array = jax.Array
+
+__all__ = ["powersgd", "PowerSGDState", "PowerSGDPayload", "orthogonalize", "powersgd_plan"]
+
+
+class PowerSGDState(NamedTuple):
+    """Per-array state of :func:`powersgd` (arrays it compresses, with ``warm_start``).
+
+    Attributes:
+      q: float32 ``(m, r)``: the last ``Q`` (warm start of the next power iteration).
+      initialized: bool scalar; ``False`` until the first step (then ``Q`` is drawn from the key).
+    """
+
+    q: Array
+    initialized: Array
+
+
+@payload_dataclass
+class PowerSGDPayload(Payload):
+    """The two low-rank factors: ``M_hat = P Q^T`` (float32).
+
+    Attributes:
+      p: ``(n, r)`` with orthonormal columns (or zero columns, see :func:`orthogonalize`).
+      q: ``(m, r)``.
+      shape, dtype: original shape and dtype (static, not sent).
+
+    Wire bits: ``32 (n + m) r``.
+    """
+
+    p: Array
+    q: Array
+    shape: tuple = static_field()
+    dtype: Any = static_field()
+
+
+def powersgd_plan(shape, rank: int, min_compression_rate: float) -> Optional[tuple[int, int, int]]:
+    """``(n, m, r)`` if PowerSGD compresses an array of ``shape``, else ``None``.
+
+    As PyTorch: arrays of rank < 2 are sent uncompressed; otherwise ``n =
+    shape[0]``, ``m = prod(shape[1:])``, ``r = min(rank, n, m)``, and the array is
+    compressed iff ``(n + m) r * min_compression_rate < n m``.
+    """
+    if len(shape) < 2:
+        return None
+    n = int(shape[0])
+    m = int(np.prod(shape[1:], dtype=np.int64))
+    r = min(rank, n, m)
+    if r < 1 or (n + m) * r * min_compression_rate >= n * m:
+        return None
+    return n, m, r
+
+
+def orthogonalize(p, epsilon: float = 0.0):
+    """Gram-Schmidt on the columns of ``p`` (float32 ``(n, r)``), with one re-orthogonalisation pass.
+
+    Column ``i`` has its components along columns ``0..i-1`` removed twice
+    ("twice is enough": a single pass loses orthogonality in float32 when ``p``
+    is rank-deficient, e.g. ``P = M Q`` for a matrix ``M`` of rank ``< r``;
+    PyTorch's hook switches to QR for ``r > 2`` for the same reason), then is
+    normalised as in PyTorch's ``_orthogonalize_gram_schmidt``: ``col / ||col||``
+    if ``epsilon == 0``, else ``col / (||col|| + epsilon)``. A zero column with
+    ``epsilon == 0`` stays zero (PyTorch would divide by zero; its error message
+    says to recover the column as zeros). With ``epsilon = 0`` and full column
+    rank the result is the ``Q`` of a QR decomposition up to column signs.
+    """
+    r = p.shape[1]
+    for i in range(r):
+        col = p[:, i]
+        if i > 0:
+            prev = p[:, :i]
+            for _ in range(2):
+                col = col - prev @ (prev.T @ col)
+        norm = jnp.linalg.norm(col)
+        if epsilon == 0.0:
+            col = jnp.where(norm > 0, col / jnp.where(norm > 0, norm, 1.0), 0.0)
+        else:
+            col = col / (norm + epsilon)
+        p = p.at[:, i].set(col)
+    return p
+
+
+@register("powersgd")
+def powersgd(
+    rank: Optional[int] = None,
+    *,
+    matrix_approximation_rank: int = 1,
+    min_compression_rate: float = 2.0,
+    warm_start: bool = True,
+    orthogonalization_epsilon: float = 0.0,
+    seed: int = 0,
+) -> Compressor:
+    """PowerSGD low-rank compression (Vogels et al. 2019, Algorithm 1; GRACE Table I).
+
+    Per array (viewed as ``M: (n, m)``, :func:`powersgd_plan`): ``P = M Q``,
+    ``P <- orthogonalize(P)``, ``Q = M^T P``; the payload is ``(P, Q)`` and the
+    reconstruction ``P Q^T``, the projection of ``M`` on the span of ``P``. ``Q``
+    is kept in the state and reused (after orthogonalisation) as the next
+    step's starting point when ``warm_start`` (one power-iteration step per SGD
+    step); otherwise, and at the first step, ``Q`` is a standard normal draw
+    from the key (shared by the workers, so they agree). A matrix of rank
+    ``<= r`` is reproduced exactly after one step (up to float rounding).
+
+    Arrays of rank < 2, and those where ``(n + m) r * min_compression_rate >=
+    n m``, are sent uncompressed (:class:`DensePayload`), as in PyTorch.
+
+    ``compress_allreduce(x, key, state, comm)`` is the distributed version with
+    two collectives: ``P = comm.sum(M Q)``, orthogonalize, ``Q = comm.sum(M^T P)``;
+    its payload decompresses to the rank-``r`` approximation of the *sum* over
+    workers, and the state keeps ``Q / comm.size`` (identical on every worker).
+
+    Deterministic given the state and key, biased (``unbiased=False``);
+    strategy ``"allreduce"`` (through ``compress_allreduce``). Computation is in
+    float32; the output has the input's dtype. Wire bits ``32 (n + m) r`` per
+    compressed array, ``d bits(dtype)`` for the others. NaN/Inf propagate into
+    the output; a non-finite warm-start ``Q`` is replaced by a fresh draw, so
+    one bad step does not poison the following ones.
+
+    Args:
+      rank: alias of ``matrix_approximation_rank`` (give one of them).
+      matrix_approximation_rank: ``r >= 1``.
+      min_compression_rate: compress only arrays whose size shrinks by more
+        than this factor (> 0; PyTorch's default 2).
+      warm_start: reuse ``Q`` across steps (PyTorch's ``warm_start``).
+      orthogonalization_epsilon: ``>= 0``, added to column norms in Gram-Schmidt.
+      seed: seed of the optax transformation's key.
+    Raises:
+      ValueError/TypeError: rank < 1, both rank names given with different
+        values, a non-positive or non-finite rate, a negative epsilon.
+    """
+    if rank is not None:
+        rank = check_positive_int(rank, "rank")
+        if matrix_approximation_rank not in (1, rank):
+            raise ValueError(
+                f"rank is an alias of matrix_approximation_rank: got rank={rank} and "
+                f"matrix_approximation_rank={matrix_approximation_rank}; pass only one"
+            )
+        r_max = rank
+    else:
+        r_max = check_positive_int(matrix_approximation_rank, "matrix_approximation_rank")
+    rate = check_finite_scalar(min_compression_rate, "min_compression_rate", positive=True)
+    eps = check_finite_scalar(orthogonalization_epsilon, "orthogonalization_epsilon", nonnegative=True)
+    if not isinstance(warm_start, (bool, np.bool_)):
+        raise TypeError(f"warm_start must be a bool; got {warm_start!r}")
+    warm_start = bool(warm_start)
+
+    def init_state(x):
+        plan = powersgd_plan(tuple(np.shape(x)), r_max, rate)
+        if plan is None or not warm_start:
+            return ()
+        _, m, r = plan
+        return PowerSGDState(q=jnp.zeros((m, r), jnp.float32), initialized=jnp.bool_(False))
+
+    def start_q(key, state, m, r):
+        fresh = jax.random.normal(key, (m, r), jnp.float32)
+        if not warm_start or not isinstance(state, PowerSGDState):
+            return fresh
+        usable = state.initialized & jnp.all(jnp.isfinite(state.q))
+        return jnp.where(usable, orthogonalize(state.q, eps), fresh)
+
+    def new_state(q):
+        if not warm_start:
+            return ()
+        return PowerSGDState(q=q, initialized=jnp.bool_(True))
+
+    def compress(x, key, state):
+        shape = tuple(np.shape(x))
+        plan = powersgd_plan(shape, r_max, rate)
+        if plan is None:
+            return DensePayload(data=x, dtype=x.dtype), state
+        n, m, r = plan
+        mat = jnp.reshape(x, (n, m)).astype(jnp.float32)
+        q = start_q(key, state, m, r)
+        p = orthogonalize(mat @ q, eps)
+        q = mat.T @ p
+        return PowerSGDPayload(p=p, q=q, shape=shape, dtype=x.dtype), new_state(q)
+
+    def compress_allreduce(x, key, state, comm):
+        shape = tuple(np.shape(x))
+        if state is None:
+            state = init_state(x)
+        plan = powersgd_plan(shape, r_max, rate)
+        if plan is None:
+            return DensePayload(data=comm.sum(x), dtype=x.dtype), state
+        n, m, r = plan
+        mat = jnp.reshape(x, (n, m)).astype(jnp.float32)
+        q = start_q(key, state, m, r)
+        p = orthogonalize(comm.sum(mat @ q), eps)  # round 1
+        q = comm.sum(mat.T @ p)  # round 2
+        return PowerSGDPayload(p=p, q=q, shape=shape, dtype=x.dtype), new_state(q / comm.size)
+
+    def decompress(payload):
+        if isinstance(payload, DensePayload):
+            return payload.data.astype(payload.dtype)
+        return (payload.p @ payload.q.T).reshape(payload.shape).astype(payload.dtype)
+
+    return Compressor.create(
+        name="powersgd", compress=compress, decompress=decompress, unbiased=False, strategy="allreduce",
+        init_state=init_state, compress_allreduce=compress_allreduce, seed=seed,
+        params=dict(matrix_approximation_rank=r_max, min_compression_rate=rate, warm_start=warm_start,
+                    orthogonalization_epsilon=eps),
+    )
+

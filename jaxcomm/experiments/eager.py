@@ -1,0 +1,613 @@
+"""eager-SGD experiments (Li et al., PPoPP 2020): partial allreduce under load imbalance.
+
+* ``eager-microbench`` (Sec. 7.1, Fig. 8-9): ``P`` MPI processes, linearly
+  skewed 1..P ms before every call; mean latency of ``MPI_Allreduce`` versus
+  the solo and majority allreduce of :class:`jaxcomm.comm.PartialAllreduce`,
+  and the number of active processes (NAP).
+* ``eager-hyperplane`` (Sec. 7.2.1, Fig. 10, and Sec. 7.2.3, Fig. 12):
+  hyperplane regression (``y = x . w* + noise``) trained by real MPI processes
+  with one random process delayed per step (synch-SGD vs eager-SGD solo and
+  majority): throughput and validation MSE against wall-clock time. Then the
+  severe rotating skew (50..400 ms) on a ResNet-20 with the mesh simulation
+  (:func:`jaxcomm.algorithms.simulate_training`): accuracy against simulated time.
+
+The MPI parts launch ``mpirun`` themselves. Each worker runs *this file as a
+script* and loads ``jaxcomm/comm/_partial_mpi.py`` by path: a worker needs only
+NumPy and mpi4py, and importing the ``jaxcomm`` package (JAX) in 32
+oversubscribed processes would cost ~200 MB and 1.5 CPU-seconds each. The
+load-imbalance schedule (:mod:`jaxcomm.imbalance`) is computed once by the
+launcher and read by every rank: the paper's "same random stream on all ranks".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["mpirun_path", "mpirun_env", "launch_mpi", "run_microbench", "run_hyperplane"]
+
+_THIS = Path(__file__).resolve()
+_ROOT = _THIS.parents[2]
+
+# Paper figures (Li et al. 2020).
+PAPER = {
+    "microbench_speedup_solo": 53.32,  # Sec. 7.1: MPI_Allreduce latency / solo latency, 32 processes
+    "microbench_speedup_majority": 2.46,
+    "microbench_nap_solo": 1.0,  # "around 1"
+    "microbench_nap_majority": 16.0,  # "on average 16 out of 32"
+    "hyperplane_speedup_solo": {"200": 1.50, "300": 1.75, "400": 2.01},  # Sec. 7.2.1
+    "hyperplane_throughput_200": {"solo": 1.64, "majority": 1.37},  # steps/s at 200 ms
+    "hyperplane_final_mse": 4.7,
+    "severe_speedup_majority": 1.29,  # Sec. 7.2.3, ResNet-32 on CIFAR-10, vs Horovod
+}
+
+
+# --------------------------------------------------------------------------- #
+# Launching MPI workers
+# --------------------------------------------------------------------------- #
+def mpirun_path() -> str | None:
+    """``mpirun`` next to the interpreter (Open MPI from PyPI), else on ``PATH``."""
+    here = Path(sys.executable).parent / "mpirun"
+    return str(here) if here.exists() else shutil.which("mpirun")
+
+
+def mpirun_env() -> dict:
+    """Environment for oversubscribed single-node ``mpirun`` (root allowed, shared memory + TCP).
+
+    One BLAS/OpenMP thread per process: the workers are many per core.
+    """
+    env = dict(os.environ)
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_osc="^ucx",
+        OMPI_MCA_pml="ob1",
+        OMPI_MCA_btl="self,vader,tcp",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+        PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+        OMP_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        JAX_PLATFORMS="cpu",
+    )
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def launch_mpi(num_procs: int, args: list, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``python eager.py worker ARGS...`` on ``num_procs`` MPI processes.
+
+    Raises ``RuntimeError`` (with the output's tail) if ``mpirun`` is missing or
+    the job fails, and ``subprocess.TimeoutExpired`` after ``timeout`` seconds.
+    """
+    mpirun = mpirun_path()
+    if mpirun is None:
+        raise RuntimeError("mpirun not found: install the 'mpi' extra (pip install jaxcomm[mpi])")
+    cmd = [mpirun, "-n", str(int(num_procs)), "--oversubscribe", sys.executable, str(_THIS), "worker", *map(str, args)]
+    proc = subprocess.run(cmd, env=mpirun_env(), capture_output=True, text=True, timeout=timeout, cwd=_ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+# --------------------------------------------------------------------------- #
+# Worker side (runs under mpirun; NumPy + mpi4py only)
+# --------------------------------------------------------------------------- #
+def _load_partial_mpi():
+    import importlib.util
+
+    name = "jaxcomm_partial_mpi_standalone"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, _THIS.parents[1] / "comm" / "_partial_mpi.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _worker_microbench(cfg: dict, out: Path) -> None:
+    """Fig. 8: skew, then time one collective; repeat per collective and iteration."""
+    pm = _load_partial_mpi()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    skew = np.load(out / "schedule.npy")[:, rank] / 1000.0  # seconds, [iterations]
+    iters, warmup, count = int(cfg["iterations"]), int(cfg["warmup"]), int(cfg["count"])
+    x = np.full(count, float(rank + 1), np.float32)
+    y = np.empty_like(x)
+    results = {}
+    for name in ("mpi_allreduce", "solo", "majority"):
+        pa = None
+        if name != "mpi_allreduce":
+            pa = pm.PartialAllreduce(count, np.float32, mode=name, seed=int(cfg["seed"]),
+                                     timeout=float(cfg["timeout_s"]), poll_s=float(cfg["poll_s"]))
+        lat = np.zeros(iters)
+        nap = np.zeros(iters, np.int64)
+        included = np.zeros(iters, bool)
+        for it in range(warmup + iters):
+            comm.Barrier()
+            time.sleep(float(skew[it % len(skew)]))
+            t0 = time.perf_counter()
+            if pa is None:
+                comm.Allreduce(x, y, op=MPI.SUM)
+                n_active, inc = size, True
+            else:
+                res = pa(x)
+                n_active, inc = res.nap, res.included
+            dt = time.perf_counter() - t0
+            if it >= warmup:
+                lat[it - warmup], nap[it - warmup], included[it - warmup] = dt, n_active, inc
+        if pa is not None:
+            pa.close()
+        results[name] = (lat, nap, included)
+    np.savez(out / f"micro_rank{rank}.npz", **{f"{k}_{f}": v[i] for k, v in results.items()
+                                                for i, f in enumerate(("latency", "nap", "included"))})
+
+
+def _hyperplane_data(seed: int, rows: int, features: int, noise: float, stream: int):
+    """``(x, y)`` rows of the hyperplane ``y = x . w* + noise`` (float32), deterministic per stream."""
+    w_star = np.random.default_rng([seed, 0]).standard_normal(features, dtype=np.float32)
+    rng = np.random.default_rng([seed, 1, stream])
+    x = rng.standard_normal((rows, features), dtype=np.float32)
+    y = x @ w_star + noise * rng.standard_normal(rows, dtype=np.float32)
+    return x, y.astype(np.float32)
+
+
+def _worker_hyperplane(cfg: dict, out: Path) -> None:
+    """Sec. 7.2.1: one-layer linear model, local batch B/P, sleep-emulated compute + injected delay."""
+    pm = _load_partial_mpi()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mode = cfg["mode"]
+    delays = (np.load(out / "schedule.npy")[:, rank] / 1000.0).astype(float)  # [steps] seconds
+    d, b = int(cfg["features"]), int(cfg["batch_total"]) // size
+    shard_rows = int(cfg["train_points"]) // size
+    x, y = _hyperplane_data(int(cfg["seed"]), shard_rows, d, float(cfg["noise_std"]), stream=2 + rank)
+    steps_per_epoch = shard_rows // b
+    epochs = int(cfg["epochs"])
+    lr, base = float(cfg["lr"]), float(cfg["base_compute_ms"]) / 1000.0
+    w = np.zeros(d + 1, np.float32)  # weights and bias (the paper's 8,193 parameters)
+    grad = np.zeros(d + 1, np.float32)
+    pa = pm.PartialAllreduce(d + 1, np.float32, mode=mode, seed=int(cfg["seed"]), timeout=float(cfg["timeout_s"]),
+                             poll_s=float(cfg["poll_s"]))
+    snaps, times, nap, included = [], [], [], []
+    comm.Barrier()
+    t_start = time.perf_counter()
+    step = 0
+    for epoch in range(epochs):
+        order = np.random.default_rng([int(cfg["seed"]), 3, rank, epoch]).permutation(shard_rows)
+        for s in range(steps_per_epoch):
+            t0 = time.perf_counter()
+            idx = order[s * b:(s + 1) * b]
+            xb, yb = x[idx], y[idx]
+            err = xb @ w[:d] + w[d] - yb  # d(1/2 mean err^2)/dw
+            grad[:d] = xb.T @ err / b
+            grad[d] = err.mean()
+            target = base + float(delays[step])  # emulated accelerator time plus the injected delay
+            left = target - (time.perf_counter() - t0)
+            if left > 0:
+                time.sleep(left)
+            res = pa(grad)
+            w -= lr * res.data / size  # Algorithm 2: G = partial_allreduce(G_local) / P
+            nap.append(res.nap)
+            included.append(res.included)
+            step += 1
+        times.append(time.perf_counter() - t_start)
+        snaps.append(w.copy())
+    t_total = time.perf_counter() - t_start
+    pa.close()
+    leftover = pa.leftover()
+    np.savez(out / f"hyper_rank{rank}.npz", snaps=np.array(snaps), times=np.array(times), nap=np.array(nap),
+             included=np.array(included), total=t_total, leftover=leftover, final=w)
+
+
+def _worker_main(argv: list) -> None:
+    kind, out = argv[0], Path(argv[1])
+    cfg = json.loads((out / "config.json").read_text())
+    {"microbench": _worker_microbench, "hyperplane": _worker_hyperplane}[kind](cfg, out)
+
+
+# --------------------------------------------------------------------------- #
+# Launcher side: the experiments
+# --------------------------------------------------------------------------- #
+MICRO_DEFAULT = {
+    "num_procs": 32,
+    "iterations": 64,
+    "warmup": 4,
+    "skew_unit_ms": 1.0,
+    "count": 256,
+    "seed": 0,
+    "timeout_s": 120.0,
+    "poll_s": 0.001,
+    "launch_timeout_s": 1800.0,
+}
+MICRO_SMOKE = {"num_procs": 4, "iterations": 6, "warmup": 1, "timeout_s": 30.0, "launch_timeout_s": 120.0}
+
+
+def _analytic_microbench(p: int, unit_ms: float) -> dict:
+    """Latency (ms) and NAP of an ideal, zero-cost collective under linear skew ``(r+1) * unit``.
+
+    MPI_Allreduce: rank r waits ``(P-1-r)`` units, mean ``(P-1)/2``. Majority with initiator
+    k uniform: ranks ``r < k`` wait ``k - r`` units, mean ``(1/P^2) sum_k k(k+1)/2``;
+    NAP = k + 1, mean ``(P+1)/2``. Solo: nobody waits; NAP = 1.
+    """
+    k = np.arange(p)
+    return {
+        "latency_ms_mpi_allreduce": unit_ms * (p - 1) / 2,
+        "latency_ms_majority": unit_ms * float(np.sum(k * (k + 1) / 2)) / p**2,
+        "latency_ms_solo": 0.0,
+        "nap_solo": 1.0,
+        "nap_majority": (p + 1) / 2,
+    }
+
+
+def run_microbench(config: dict, out_dir: Path) -> dict:
+    """``eager-microbench``: Fig. 8-9 on ``num_procs`` real MPI processes."""
+    from .. import imbalance
+    from ._registry import write_results
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    p = int(config["num_procs"])
+    model = imbalance.LinearSkew(p, unit_ms=float(config["skew_unit_ms"]))
+    with tempfile.TemporaryDirectory(prefix="eager-micro-") as tmp:
+        tmp = Path(tmp)
+        np.save(tmp / "schedule.npy", imbalance.schedule(model, int(config["seed"]), 1))
+        (tmp / "config.json").write_text(json.dumps(config))
+        t0 = time.time()
+        launch_mpi(p, ["microbench", tmp], timeout=float(config["launch_timeout_s"]))
+        wall = time.time() - t0
+        ranks = [dict(np.load(tmp / f"micro_rank{r}.npz")) for r in range(p)]
+    res = {"config": config, "paper": {k: v for k, v in PAPER.items() if k.startswith("microbench")}, "mpirun_s": wall}
+    per = {}
+    for name in ("mpi_allreduce", "solo", "majority"):
+        lat = np.stack([r[f"{name}_latency"] for r in ranks]) * 1000.0  # [P, iters] ms
+        nap = ranks[0][f"{name}_nap"]
+        agree = all(np.array_equal(r[f"{name}_nap"], nap) for r in ranks)
+        per[name] = {
+            "mean_latency_ms": float(lat.mean()),
+            "latency_ms_by_rank": lat.mean(1).tolist(),
+            "nap_mean": float(nap.mean()),
+            "nap_by_iteration": nap.tolist(),
+            "nap_identical_on_all_ranks": bool(agree),
+        }
+    res["collectives"] = per
+    base = per["mpi_allreduce"]["mean_latency_ms"]
+    res["speedup_solo"] = base / per["solo"]["mean_latency_ms"]
+    res["speedup_majority"] = base / per["majority"]["mean_latency_ms"]
+    res["analytic"] = _analytic_microbench(p, float(config["skew_unit_ms"]))
+    res["summary"] = [
+        {"collective": n, "mean_latency_ms": per[n]["mean_latency_ms"], "speedup": base / per[n]["mean_latency_ms"],
+         "nap": per[n]["nap_mean"], "ideal_latency_ms": res["analytic"][f"latency_ms_{n}"],
+         "paper_speedup": {"mpi_allreduce": 1.0, "solo": PAPER["microbench_speedup_solo"],
+                           "majority": PAPER["microbench_speedup_majority"]}[n]}
+        for n in ("mpi_allreduce", "solo", "majority")
+    ]
+    _plot_microbench(res, out_dir)
+    write_results(out_dir, res)
+    return res
+
+
+def _plot_microbench(res: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per = res["collectives"]
+    names = ["mpi_allreduce", "solo", "majority"]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    axes[0].bar(names, [per[n]["mean_latency_ms"] for n in names], color=["tab:gray", "tab:blue", "tab:orange"])
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("mean latency (ms, log)")
+    axes[0].set_title(f"{res['config']['num_procs']} processes, skew 1..{res['config']['num_procs']} ms")
+    for n in names:
+        axes[1].plot(per[n]["latency_ms_by_rank"], marker=".", label=n)
+    axes[1].set_xlabel("rank (skew = (rank+1) ms)")
+    axes[1].set_ylabel("latency (ms)")
+    axes[1].legend()
+    axes[2].plot(per["solo"]["nap_by_iteration"], label=f"solo (mean {per['solo']['nap_mean']:.2f})")
+    axes[2].plot(per["majority"]["nap_by_iteration"], label=f"majority (mean {per['majority']['nap_mean']:.2f})")
+    axes[2].axhline(res["analytic"]["nap_majority"], color="k", ls=":", label="(P+1)/2")
+    axes[2].set_xlabel("iteration")
+    axes[2].set_ylabel("NAP")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "microbench.png", dpi=110)
+    plt.close(fig)
+
+
+HYPER_DEFAULT = {
+    # Sec. 7.2.1 on real MPI processes.
+    "mpi": True,
+    "num_procs": 8,
+    "features": 8192,
+    "train_points": 32768,
+    "val_points": 4096,
+    "batch_total": 2048,
+    "epochs": 48,
+    "lr": 0.02,
+    "noise_std": 2.0,
+    "delays_ms": [200.0, 300.0, 400.0],
+    "modes": ["sync", "solo", "majority"],
+    # Emulated accelerator time per step and process: the paper's single P100 runs batch 2048 at
+    # 0.64 steps/s (Sec. 7.2.1), i.e. 1562 ms / 2048 * 256 = 195 ms for the local batch of 256.
+    "base_compute_ms": 195.0,
+    "seed": 0,
+    "timeout_s": 120.0,
+    "poll_s": 0.001,
+    "launch_timeout_s": 3600.0,
+    # Sec. 7.2.3 with the mesh simulation: severe rotating skew on a ResNet-20 (Fashion-MNIST).
+    "severe": True,
+    "severe_dataset": "fashion_mnist",
+    "severe_model": "resnet20",
+    "severe_workers": 8,
+    "severe_train_examples": 2048,
+    "severe_test_examples": 1000,
+    "severe_batch_per_worker": 16,
+    "severe_epochs": 8,
+    "severe_lr": 0.05,
+    "severe_momentum": 0.9,
+    "severe_min_ms": 50.0,
+    "severe_max_ms": 400.0,
+    "severe_clock": "carry",
+    "severe_modes": ["sync", "solo", "majority"],
+}
+HYPER_SMOKE = {
+    "num_procs": 4,
+    "features": 256,
+    "train_points": 2048,
+    "val_points": 512,
+    "batch_total": 256,
+    "epochs": 2,
+    "delays_ms": [30.0],
+    "base_compute_ms": 5.0,
+    "timeout_s": 30.0,
+    "launch_timeout_s": 180.0,
+    "severe_dataset": "digits",
+    "severe_model": "mlp",
+    "severe_workers": 4,
+    "severe_train_examples": 0,
+    "severe_test_examples": 0,
+    "severe_batch_per_worker": 16,
+    "severe_epochs": 2,
+    "severe_lr": 0.1,
+    "lr": 0.1,
+}
+
+
+def _time_to_loss(times: np.ndarray, losses: np.ndarray, target: float):
+    hit = np.nonzero(losses <= target)[0]
+    return float(times[hit[0]]) if hit.size else None
+
+
+def run_hyperplane(config: dict, out_dir: Path) -> dict:
+    """``eager-hyperplane``: Sec. 7.2.1 over MPI, then Sec. 7.2.3 in the mesh simulation."""
+    from ._registry import write_results
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = {"config": config, "paper": {k: v for k, v in PAPER.items() if not k.startswith("microbench")}}
+    summary = []
+    if config["mpi"]:
+        res["hyperplane"] = _run_hyperplane_mpi(config)
+        summary += res["hyperplane"]["summary"]
+        _plot_hyperplane(res["hyperplane"], out_dir)
+    if config["severe"]:
+        res["severe"] = _run_severe(config)
+        summary += res["severe"]["summary"]
+        _plot_severe(res["severe"], out_dir)
+    res["summary"] = summary
+    write_results(out_dir, res)
+    return res
+
+
+def _run_hyperplane_mpi(config: dict) -> dict:
+    from .. import imbalance
+
+    p = int(config["num_procs"])
+    if int(config["batch_total"]) % p or int(config["train_points"]) % p:
+        raise ValueError("batch_total and train_points must be multiples of num_procs")
+    steps_per_epoch = (int(config["train_points"]) // p) // (int(config["batch_total"]) // p)
+    steps = steps_per_epoch * int(config["epochs"])
+    x_val, y_val = _hyperplane_data(int(config["seed"]), int(config["val_points"]), int(config["features"]),
+                                    float(config["noise_std"]), stream=1)
+    d = int(config["features"])
+    runs = {}
+    for delay in config["delays_ms"]:
+        # Sec. 7.2.1: one random process of P delayed every step; same table on every rank.
+        model = imbalance.RandomDelay(p, 1, float(delay))
+        table = imbalance.schedule(model, int(config["seed"]), steps)
+        for mode in config["modes"]:
+            with tempfile.TemporaryDirectory(prefix="eager-hyper-") as tmp:
+                tmp = Path(tmp)
+                np.save(tmp / "schedule.npy", table)
+                (tmp / "config.json").write_text(json.dumps({**config, "mode": mode}))
+                launch_mpi(p, ["hyperplane", tmp], timeout=float(config["launch_timeout_s"]))
+                ranks = [dict(np.load(tmp / f"hyper_rank{r}.npz")) for r in range(p)]
+            snaps = ranks[0]["snaps"]
+            mse = [float(np.mean((x_val @ s[:d] + s[d] - y_val) ** 2)) for s in snaps]
+            totals = [float(r["total"]) for r in ranks]
+            nap = ranks[0]["nap"]
+            runs[f"{mode}-{delay:g}"] = {
+                "mode": mode,
+                "delay_ms": float(delay),
+                "steps": steps,
+                "epoch_times_s": ranks[0]["times"].tolist(),
+                "val_mse": mse,
+                "rank0_time_s": totals[0],
+                "slowest_rank_time_s": max(totals),
+                "throughput_steps_s": steps / totals[0],
+                "nap_mean": float(nap.mean()),
+                "fresh_fraction": float(np.mean([r["included"].mean() for r in ranks])),
+                "models_identical": bool(all(np.array_equal(r["final"], ranks[0]["final"]) for r in ranks)),
+                "undelivered_norm": float(np.linalg.norm(sum(r["leftover"] for r in ranks))),
+            }
+    summary = []
+    for delay in config["delays_ms"]:
+        sync = runs.get(f"sync-{delay:g}")
+        for mode in config["modes"]:
+            r = runs[f"{mode}-{delay:g}"]
+            row = {"study": "hyperplane (MPI)", "mode": mode, "delay_ms": delay, "steps_per_s": r["throughput_steps_s"],
+                   "nap": r["nap_mean"], "final_val_mse": r["val_mse"][-1]}
+            if sync is not None:
+                r["speedup_throughput"] = r["throughput_steps_s"] / sync["throughput_steps_s"]
+                target = sync["val_mse"][-1] * 1.01
+                t_sync = _time_to_loss(np.array(sync["epoch_times_s"]), np.array(sync["val_mse"]), target)
+                t_mode = _time_to_loss(np.array(r["epoch_times_s"]), np.array(r["val_mse"]), target)
+                r["time_to_sync_loss_s"] = t_mode
+                r["speedup_equal_loss"] = (t_sync / t_mode) if (t_sync and t_mode) else None
+                row["speedup"] = r["speedup_throughput"]
+                row["speedup_equal_loss"] = r["speedup_equal_loss"]
+            summary.append(row)
+    return {"runs": runs, "summary": summary, "steps_per_epoch": steps_per_epoch}
+
+
+def _run_severe(config: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from .. import imbalance
+    from ..algorithms.eager_sgd import simulate_training
+    from ._common import build_model, load_image_task
+
+    train, test = load_image_task(config["severe_dataset"], int(config["severe_train_examples"]),
+                                  int(config["severe_test_examples"]))
+    p = int(config["severe_workers"])
+    skew = imbalance.RotatingSkew(p, float(config["severe_min_ms"]), float(config["severe_max_ms"]))
+
+    def loss_fn(m, xb, yb):
+        return optax.softmax_cross_entropy_with_integer_labels(m(xb), yb).mean()
+
+    @nnx.jit
+    def accuracy(m, xb, yb):
+        return jnp.mean(jnp.argmax(m(xb, deterministic=True), -1) == yb)
+
+    def evaluate(m):
+        return {"test_acc": float(accuracy(m, jnp.asarray(test.images), jnp.asarray(test.labels)))}
+
+    runs = {}
+    for mode in config["severe_modes"]:
+        model = build_model(config["severe_model"], train, int(config["seed"]))
+        t0 = time.time()
+        out = simulate_training(
+            model, loss_fn, train.images, train.labels, mode=mode, imbalance=skew,
+            batch_per_worker=int(config["severe_batch_per_worker"]), epochs=int(config["severe_epochs"]),
+            optimizer=optax.sgd(float(config["severe_lr"]), momentum=float(config["severe_momentum"])),
+            key=jax.random.key(int(config["seed"])), clock=config["severe_clock"], eval_fn=evaluate,
+        )
+        out.pop("model")
+        out["host_seconds"] = time.time() - t0
+        runs[mode] = out
+    summary = []
+    sync = runs.get("sync")
+    for mode, r in runs.items():
+        last = r["history"][-1]
+        row = {"study": f"severe skew (sim, {config['severe_model']})", "mode": mode, "delay_ms": "50..400",
+               "nap": float(np.mean(r["nap"])), "final_test_acc": last["test_acc"], "sim_time_s": last["sim_time_s"]}
+        if sync is not None:
+            r["speedup_sim_time"] = sync["history"][-1]["sim_time_s"] / last["sim_time_s"]
+            row["speedup"] = r["speedup_sim_time"]
+        summary.append(row)
+    return {"runs": runs, "summary": summary}
+
+
+def _plot_hyperplane(hp: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = hp["runs"]
+    delays = sorted({r["delay_ms"] for r in runs.values()})
+    modes = [m for m in ("sync", "solo", "majority") if any(r["mode"] == m for r in runs.values())]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        vals = [runs.get(f"{mode}-{d:g}", {}).get("throughput_steps_s", 0.0) for d in delays]
+        axes[0].bar(np.arange(len(delays)) + i * width, vals, width, label=mode)
+    axes[0].set_xticks(np.arange(len(delays)) + width * (len(modes) - 1) / 2)
+    axes[0].set_xticklabels([f"{d:g} ms" for d in delays])
+    axes[0].set_ylabel("throughput (steps/s)")
+    axes[0].set_title("(a) throughput, one random process delayed")
+    axes[0].legend()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for key, r in runs.items():
+        axes[1].plot(r["epoch_times_s"], r["val_mse"], marker=".", ms=3, label=key,
+                     color=colors[delays.index(r["delay_ms"]) % len(colors)],
+                     ls={"sync": "-", "solo": "--", "majority": ":"}[r["mode"]])
+    axes[1].set_yscale("log")
+    axes[1].set_xlabel("wall-clock time (s)")
+    axes[1].set_ylabel("validation MSE")
+    axes[1].set_title("(b) validation loss (one point per epoch)")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "hyperplane.png", dpi=110)
+    plt.close(fig)
+
+
+def _plot_severe(sv: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for mode, r in sv["runs"].items():
+        h = r["history"]
+        ax.plot([e["sim_time_s"] for e in h], [e["test_acc"] for e in h], marker="o",
+                label=f"{mode} (NAP {np.mean(r['nap']):.2f})")
+    ax.set_xlabel("simulated wall-clock time (s)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("severe rotating skew 50..400 ms (mesh simulation)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "severe.png", dpi=110)
+    plt.close(fig)
+
+
+def _micro_summary(results: dict) -> list:
+    return results.get("summary", [])
+
+
+if __name__ == "__main__":
+    # MPI worker: keep the package directory off sys.path (it would shadow nothing today, but
+    # a module named like a library must never be picked up by a worker).
+    if sys.path and Path(sys.path[0]).resolve() == _THIS.parent:
+        sys.path.pop(0)
+    if len(sys.argv) < 2 or sys.argv[1] != "worker":
+        raise SystemExit("usage: python eager.py worker {microbench|hyperplane} DIR (launched by jaxcomm run)")
+    _worker_main(sys.argv[2:])
+else:
+    from ._registry import Experiment, register_experiment
+
+    register_experiment(Experiment(
+        name="eager-microbench",
+        description="eager-SGD Fig. 8-9: MPI_Allreduce vs solo/majority allreduce latency and NAP, linear skew",
+        default=MICRO_DEFAULT,
+        smoke=MICRO_SMOKE,
+        run=run_microbench,
+    ))
+    register_experiment(Experiment(
+        name="eager-hyperplane",
+        description="eager-SGD Sec. 7.2.1/7.2.3: hyperplane regression over MPI + severe skew ResNet-20 (simulation)",
+        default=HYPER_DEFAULT,
+        smoke=HYPER_SMOKE,
+        run=run_hyperplane,
+    ))

@@ -1,0 +1,297 @@
+"""Error-feedback memories: the compensation φ and update ψ of GRACE Algorithm 1.
+
+GRACE (Sec. IV-A, Algorithm 1, lines 5-6) runs, on every worker ``i`` and for
+every tensor,
+
+    g̃ = Q(φ(m, g))                       (compensate, then compress)
+    m ← ψ(m, g, g̃)                       (update the memory)
+
+and its default memory (Eq. 4) is
+
+    φ(m, g)    = β m + γ g
+    ψ(m, g, g̃) = φ(m, g) − Q⁻¹(g̃).
+
+A :class:`Memory` is the pair (φ, ψ) acting on one array, plus the state it
+keeps for that array. The transforms :func:`jaxcomm.error_feedback` and
+:func:`jaxcomm.compressed_mean` apply it leaf by leaf. Memories here:
+
+* :func:`none` -- no memory (GRACE footnote 6: φ = g, ψ = 0).
+* :func:`residual` -- Eq. 4 (β = γ = 1 is EF-SGD / MEM-SGD error feedback).
+* :func:`dgc` -- Deep Gradient Compression's momentum correction and factor
+  masking (Lin et al. 2018, Sec. 3.2, Algorithm 1 lines 8-13).
+* :func:`efsignsgd` -- the memory of EF-SignSGD (Karimireddy et al. 2019,
+  Algorithm 1): the learning rate scales the gradient *before* compression.
+
+>>> import jax.numpy as jnp, jaxcomm as jc
+>>> mem = jc.memory.residual()
+>>> m = mem.init(jnp.zeros(3))
+>>> phi = mem.compensate(m, jnp.array([1.0, -2.0, 3.0]))
+>>> g_hat = jnp.array([0.0, 0.0, 3.0])          # e.g. top-1 of phi
+>>> mem.update(m, jnp.array([1.0, -2.0, 3.0]), phi, g_hat).tolist()
+[1.0, -2.0, 0.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .compressors._base import check_finite_scalar
+
+__all__ = [
+    "Memory",
+    "DGCMemoryState",
+    "none",
+    "residual",
+    "dgc",
+    "efsignsgd",
+    "make",
+    "names",
+]
+
+Array = jax.Array
+
+
+class Memory(NamedTuple):
+    """An error-feedback memory acting on one array (GRACE Eq. 4's φ and ψ).
+
+    Attributes:
+      name: registry name (``"none"``, ``"residual"``, ``"dgc"``, ``"efsignsgd"``).
+      init: ``x -> state``: the memory state for an array shaped like ``x``
+        (zeros; ``()`` when stateless).
+      compensate: ``(state, g) -> phi``: φ, the tensor that is compressed
+        (same shape and dtype as the gradient ``g``).
+      update: ``(state, g, phi, g_hat) -> new_state``: ψ, where ``g_hat`` is
+        ``Q⁻¹(Q(phi))``, this worker's own lossy reconstruction of ``phi``.
+      output_scale: Python float the aggregated reconstruction is multiplied
+        by before it leaves the transform (``1/lr`` for :func:`efsignsgd`,
+        which compresses ``lr·g``; ``1`` otherwise).
+      params: the hyper-parameters the factory was called with.
+    """
+
+    name: str
+    init: Callable[[Array], Any]
+    compensate: Callable[[Any, Array], Array]
+    update: Callable[[Any, Array, Array, Array], Any]
+    output_scale: float
+    params: dict
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"jaxcomm.memory.{self.name}({args})"
+
+
+class DGCMemoryState(NamedTuple):
+    """Per-array state of :func:`dgc`.
+
+    Attributes:
+      momentum: ``u``, the locally accumulated momentum (DGC Alg. 1 line 9), shape of the gradient.
+      accumulation: ``v``, the accumulated velocity not yet sent (line 10), shape of the gradient.
+    """
+
+    momentum: Array
+    accumulation: Array
+
+
+def _check_shape(state_array, g, what: str) -> None:
+    if tuple(state_array.shape) != tuple(jnp.shape(g)):
+        raise ValueError(
+            f"updates: a gradient leaf has shape {tuple(jnp.shape(g))} but the {what} was initialised "
+            f"for shape {tuple(state_array.shape)}; init and update must see the same tree"
+        )
+
+
+# --------------------------------------------------------------------------- #
+# none
+# --------------------------------------------------------------------------- #
+def none() -> Memory:
+    """No memory: ``φ(m, g) = g`` and ``ψ = 0`` (GRACE, footnote 6).
+
+    The state is ``()``; the gradient is compressed as it is and the
+    compression error is discarded.
+    """
+
+    def init(x):
+        del x
+        return ()
+
+    def compensate(state, g):
+        del state
+        return g
+
+    def update(state, g, phi, g_hat):
+        del g, phi, g_hat
+        return state
+
+    return Memory("none", init, compensate, update, 1.0, {})
+
+
+# --------------------------------------------------------------------------- #
+# residual (GRACE Eq. 4)
+# --------------------------------------------------------------------------- #
+def residual(beta: float = 1.0, gamma: float = 1.0) -> Memory:
+    """Residual error feedback, GRACE Eq. 4.
+
+    ``φ(m, g) = β m + γ g`` and ``ψ(m, g, g̃) = φ − Q⁻¹(g̃)``: the part of the
+    compensated gradient that compression dropped is kept and added back at the
+    next step. With ``β = γ = 1`` this is the error feedback of EF-SGD and
+    MEM-SGD, and it *conserves gradient mass*: after ``T`` steps,
+    ``Σ_t Q⁻¹(g̃_t) + m_T = Σ_t g_t`` exactly in real arithmetic.
+
+    Args:
+      beta: memory decay ``β > 0`` (GRACE uses 1).
+      gamma: weight ``γ > 0`` of the new gradient (GRACE uses 1).
+    Returns:
+      A :class:`Memory` whose per-array state is an array of zeros shaped and
+      typed like the parameter.
+    Raises:
+      ValueError: ``beta`` or ``gamma`` not a finite number > 0.
+    """
+    beta = check_finite_scalar(beta, "beta", positive=True)
+    gamma = check_finite_scalar(gamma, "gamma", positive=True)
+
+    def init(x):
+        return jnp.zeros(jnp.shape(x), jnp.result_type(x))
+
+    def compensate(m, g):
+        _check_shape(m, g, "residual memory")
+        dtype = jnp.result_type(g)
+        return (beta * m.astype(dtype) + gamma * g).astype(dtype)
+
+    def update(m, g, phi, g_hat):
+        del g
+        return (phi - g_hat.astype(phi.dtype)).astype(m.dtype)
+
+    return Memory("residual", init, compensate, update, 1.0, {"beta": beta, "gamma": gamma})
+
+
+# --------------------------------------------------------------------------- #
+# DGC: momentum correction + factor masking
+# --------------------------------------------------------------------------- #
+def dgc(momentum: float = 0.9) -> Memory:
+    """Deep Gradient Compression's momentum correction and factor masking.
+
+    Lin et al. (2018), Sec. 3.2 and Algorithm 1 (lines 9-13), per worker:
+
+        u ← μ u + g            (momentum correction: accumulate the momentum ...)
+        v ← v + u              (... not the gradient)
+        φ = v                  (what is sparsified and sent)
+        mask = entries sent;   u ← u ⊙ ¬mask;   v ← v ⊙ ¬mask   (factor masking)
+
+    Because the momentum is applied here, chain the transform with a plain
+    ``optax.sgd(lr)`` (no momentum), as DGC does. The sent entries are those
+    where the worker's own reconstruction ``Q⁻¹(Q(φ))`` is non-zero, i.e. the
+    selected set of a sparsifier (a selected entry whose value is exactly 0
+    carries no information and is treated as not sent). Intended for
+    sparsifiers (top-k, random-k, threshold, DGC): with a dense compressor every
+    entry is "sent" each step and both buffers are cleared.
+
+    Args:
+      momentum: ``μ`` in ``[0, 1)``.
+    Returns:
+      A :class:`Memory` whose per-array state is :class:`DGCMemoryState`.
+    Raises:
+      ValueError: ``momentum`` outside ``[0, 1)``.
+    """
+    momentum = check_finite_scalar(momentum, "momentum", nonnegative=True)
+    if momentum >= 1.0:
+        raise ValueError(f"momentum must be in [0, 1); got {momentum}")
+
+    def init(x):
+        z = jnp.zeros(jnp.shape(x), jnp.result_type(x))
+        return DGCMemoryState(momentum=z, accumulation=z)
+
+    def corrected(state, g):
+        _check_shape(state.momentum, g, "dgc memory")
+        dtype = jnp.result_type(g)
+        u = (momentum * state.momentum.astype(dtype) + g).astype(dtype)
+        v = (state.accumulation.astype(dtype) + u).astype(dtype)
+        return u, v
+
+    def compensate(state, g):
+        return corrected(state, g)[1]
+
+    def update(state, g, phi, g_hat):
+        del phi
+        u, v = corrected(state, g)
+        sent = g_hat != 0
+        return DGCMemoryState(
+            momentum=jnp.where(sent, 0, u).astype(state.momentum.dtype),
+            accumulation=jnp.where(sent, 0, v).astype(state.accumulation.dtype),
+        )
+
+    return Memory("dgc", init, compensate, update, 1.0, {"momentum": momentum})
+
+
+# --------------------------------------------------------------------------- #
+# EF-SignSGD
+# --------------------------------------------------------------------------- #
+def efsignsgd(learning_rate: float) -> Memory:
+    """The error-feedback memory of EF-SignSGD (Karimireddy et al. 2019, Algorithm 1).
+
+    EF-SignSGD compresses the *step* rather than the gradient:
+
+        p = γ g + e;   Δ = Q(p) = (‖p‖₁ / d) sign(p);   x ← x − Δ;   e ← p − Δ
+
+    with step size ``γ``. Here ``φ(m, g) = m + γ g`` and ``ψ = φ − Q⁻¹(g̃)``
+    (GRACE's ``EFSignSGDMemory``), and the aggregated reconstruction is divided
+    by ``γ`` on the way out (``output_scale = 1/γ``, GRACE's EF-SignSGD
+    aggregate), so that ``optax.chain(compressed_mean(signsgd-like, memory=
+    efsignsgd(γ)), optax.sgd(γ))`` applies exactly ``x ← x − mean_i Δ_i``.
+
+    Args:
+      learning_rate: ``γ > 0``, the constant step size of the optimizer that
+        follows. (With a schedule use :func:`residual`: for positively
+        homogeneous compressors such as scaled sign, EF-SignSGD with a constant
+        ``γ`` equals residual feedback on ``g`` with memory ``e/γ``.)
+    Returns:
+      A :class:`Memory` whose per-array state is an array of zeros like the parameter.
+    Raises:
+      ValueError: ``learning_rate`` not a finite number > 0.
+    """
+    lr = check_finite_scalar(learning_rate, "learning_rate", positive=True)
+
+    def init(x):
+        return jnp.zeros(jnp.shape(x), jnp.result_type(x))
+
+    def compensate(m, g):
+        _check_shape(m, g, "efsignsgd memory")
+        dtype = jnp.result_type(g)
+        return (m.astype(dtype) + lr * g).astype(dtype)
+
+    def update(m, g, phi, g_hat):
+        del g
+        return (phi - g_hat.astype(phi.dtype)).astype(m.dtype)
+
+    return Memory("efsignsgd", init, compensate, update, 1.0 / lr, {"learning_rate": lr})
+
+
+# --------------------------------------------------------------------------- #
+# Registry (for configuration files: memory: residual)
+# --------------------------------------------------------------------------- #
+_FACTORIES: dict[str, Callable[..., Memory]] = {
+    "none": none,
+    "residual": residual,
+    "dgc": dgc,
+    "efsignsgd": efsignsgd,
+}
+
+
+def make(name: str, **kwargs) -> Memory:
+    """Build a memory by name: ``make("residual", beta=0.9)``.
+
+    Raises:
+      ValueError: unknown name (the message lists the valid ones).
+    """
+    try:
+        factory = _FACTORIES[name]
+    except KeyError:
+        raise ValueError(f"unknown memory {name!r}; valid names: {', '.join(names())}") from None
+    return factory(**kwargs)
+
+
+def names() -> list[str]:
+    """Sorted names of the memories :func:`make` knows."""
+    return sorted(_FACTORIES)

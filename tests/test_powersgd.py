@@ -1,0 +1,169 @@
+"""PowerSGD against closed-form facts and a NumPy transcription of its two rounds.
+
+Facts used: one power-iteration step reproduces a matrix of rank <= r exactly
+(P spans its column space, and P P^T M = M); P has orthonormal columns; warm
+started steps converge to the best rank-r approximation (Eckart-Young: the
+error tends to the norm of the discarded singular values); the distributed
+version equals the local one applied to the sum of the workers' matrices.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomm as jc
+from jaxcomm.comm import MeshAxis
+from jaxcomm.compressors import _lowrank as L
+
+KEY = jax.random.PRNGKey(0)
+
+
+def low_rank(n, m, r, seed=0):
+    rs = np.random.RandomState(seed)
+    return (rs.randn(n, r) @ rs.randn(r, m)).astype(np.float32)
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("r", [1, 2])
+def test_exact_on_rank_r_matrix_after_one_step(r):
+    m = low_rank(40, 30, r)
+    c = jc.compressors.powersgd(r)
+    y, state = jax.jit(c.roundtrip)(jnp.asarray(m), KEY)
+    assert rel_err(y, m) < 1e-5
+    assert isinstance(state, L.PowerSGDState) and bool(state.initialized)
+    # A second (warm-started) step stays exact.
+    y2, _ = jax.jit(c.roundtrip)(jnp.asarray(m), jax.random.PRNGKey(1), state)
+    assert rel_err(y2, m) < 1e-5
+
+
+def test_p_is_orthonormal_and_orthogonalize_matches_qr():
+    x = np.random.RandomState(1).randn(50, 20).astype(np.float32)
+    c = jc.compressors.powersgd(matrix_approximation_rank=4)
+    payload, _ = jax.jit(lambda x, k: c.compress(x, k))(jnp.asarray(x), KEY)
+    p = np.asarray(payload.p, np.float64)
+    np.testing.assert_allclose(p.T @ p, np.eye(4), atol=1e-5)
+    a = np.random.RandomState(2).randn(30, 5).astype(np.float32)
+    q_ref, _ = np.linalg.qr(a.astype(np.float64))
+    orth = jax.jit(L.orthogonalize, static_argnums=1)
+    q = np.asarray(orth(jnp.asarray(a), 0.0), np.float64)
+    np.testing.assert_allclose(np.abs(q), np.abs(q_ref), atol=1e-5)  # Q of QR up to column signs
+    # a zero column stays zero with epsilon = 0; epsilon > 0 divides by norm + epsilon
+    z = np.asarray(orth(jnp.zeros((6, 2)), 0.0))
+    assert np.all(z == 0)
+    e = np.asarray(orth(jnp.asarray([[3.0], [4.0]]), 1.0))
+    np.testing.assert_allclose(e[:, 0], [0.5, 2.0 / 3.0], rtol=1e-6)
+
+
+def test_warm_start_converges_to_best_rank_r_approximation():
+    # Spectrum 10, 5, 1, 0.5, ...: the error of the rank-2 approximation must reach the Eckart-Young
+    # bound sqrt(sum_{i>2} s_i^2) as the warm-started power iteration converges (ratio s3/s2 = 0.2/step).
+    rs = np.random.RandomState(3)
+    u, _ = np.linalg.qr(rs.randn(60, 8))
+    v, _ = np.linalg.qr(rs.randn(45, 8))
+    s = np.array([10, 5, 1, 0.5, 0.3, 0.2, 0.1, 0.05])
+    m = (u * s) @ v.T
+    bound = np.sqrt(np.sum(s[2:] ** 2))
+    c = jc.compressors.powersgd(2)
+    step = jax.jit(c.roundtrip)
+    state = c.init_state(jnp.asarray(m, jnp.float32))
+    errs = []
+    for t in range(12):
+        y, state = step(jnp.asarray(m, jnp.float32), jax.random.PRNGKey(t), state)
+        errs.append(np.linalg.norm(np.asarray(y, np.float64) - m))
+    assert errs[-1] <= bound * (1 + 1e-3)
+    assert min(errs) >= bound * (1 - 1e-4)  # never better than the best rank-2 approximation
+    # Without warm start the compressor is stateless (a fresh Q every step).
+    cold = jc.compressors.powersgd(2, warm_start=False)
+    assert cold.init_state(jnp.asarray(m)) == ()
+
+
+def np_two_rounds(mats, q, eps=0.0):
+    """NumPy transcription of Vogels et al. Alg. 1 across workers: P = sum M_i Q; orth; Q = sum M_i^T P."""
+    p = sum(mi @ q for mi in mats)
+    for i in range(p.shape[1]):  # Gram-Schmidt, projections applied twice
+        col = p[:, i].copy()
+        for _ in range(2 if i else 0):
+            col -= p[:, :i] @ (p[:, :i].T @ col)
+        nrm = np.linalg.norm(col)
+        p[:, i] = col / (nrm + eps) if eps else (col / nrm if nrm > 0 else col * 0)
+    qn = sum(mi.T @ p for mi in mats)
+    return p, qn
+
+
+def test_compress_allreduce_under_vmap_is_the_compression_of_the_sum():
+    n_workers, shape = 4, (24, 3, 6)
+    xs = jax.random.normal(jax.random.PRNGKey(5), (n_workers,) + shape)
+    c = jc.compressors.powersgd(matrix_approximation_rank=2)
+    comm = MeshAxis("w")
+
+    def worker(x, state):
+        payload, new_state = c.compress_allreduce(x, KEY, state, comm)
+        return c.decompress(payload), new_state, payload
+
+    state0 = c.init_state(xs[0])
+    states = jax.tree.map(lambda a: jnp.broadcast_to(a, (n_workers,) + a.shape), state0)
+    out, new_states, payloads = jax.jit(jax.vmap(worker, axis_name="w"))(xs, states)
+    total = jnp.sum(xs, axis=0)
+    local, _ = jax.jit(c.roundtrip)(total, KEY, state0)
+    for w in range(n_workers):
+        np.testing.assert_allclose(np.asarray(out[w]), np.asarray(local), rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(new_states.q[w]), np.asarray(new_states.q[0]))
+    # NumPy transcription of the two rounds, from the same initial Q (drawn from the shared key).
+    q0 = np.asarray(jax.random.normal(KEY, (18, 2), jnp.float32), np.float64)
+    mats = [np.asarray(x, np.float64).reshape(24, 18) for x in xs]
+    p_ref, q_ref = np_two_rounds(mats, q0)
+    np.testing.assert_allclose(np.asarray(payloads.p[0]), p_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(payloads.q[0]), q_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(new_states.q[0]), q_ref / n_workers, rtol=1e-4, atol=1e-4)
+    assert jc.wire_bits(jax.tree.map(lambda a: a[0], payloads)) == 32 * (24 + 18) * 2
+
+
+def test_small_and_1d_arrays_are_sent_uncompressed():
+    c = jc.compressors.powersgd(matrix_approximation_rank=2)
+    comm = MeshAxis("w")
+    allreduce = jax.jit(jax.vmap(lambda v: c.decompress(c.compress_allreduce(v, KEY, c.init_state(v), comm)[0]),
+                                 axis_name="w"))
+    for shape in [(7,), (3, 5, 7)]:  # rank < 2, or (n + m) r * 2 >= n m
+        x = jax.random.normal(KEY, (3,) + shape)
+        assert L.powersgd_plan(shape, 2, 2.0) is None
+        np.testing.assert_allclose(np.asarray(allreduce(x)[0]), np.asarray(x.sum(0)), rtol=1e-6)
+        p, _ = c.compress(x[0], KEY)
+        assert isinstance(p, jc.compressors.DensePayload)
+        np.testing.assert_array_equal(np.asarray(c.decompress(p)), np.asarray(x[0]))
+    assert L.powersgd_plan((), 2, 2.0) is None and L.powersgd_plan((4, 4), 2, 2.0) is None
+    assert L.powersgd_plan((40, 30), 2, 2.0) == (40, 30, 2)
+    assert L.powersgd_plan((40, 30), 2, 20.0) is None  # (40+30)*2*20 >= 1200
+    assert L.powersgd_plan((5, 30), 8, 0.5) == (5, 30, 5)  # r capped at min(n, m); (5+30)*5*0.5 < 150
+
+
+def test_dtype_rank_alias_and_nonfinite_recovery():
+    m = low_rank(32, 16, 1)
+    a = jc.compressors.powersgd(2)
+    b = jc.compressors.powersgd(matrix_approximation_rank=2)
+    step = jax.jit(a.roundtrip)
+    ya, _ = step(jnp.asarray(m), KEY)
+    yb, _ = jax.jit(b.roundtrip)(jnp.asarray(m), KEY)
+    np.testing.assert_array_equal(np.asarray(ya), np.asarray(yb))
+    yh, _ = jax.jit(a.roundtrip)(jnp.asarray(m, jnp.bfloat16), KEY)
+    assert yh.dtype == jnp.bfloat16 and rel_err(yh.astype(jnp.float32), m) < 2e-2
+    # NaN propagates to the output and the state; the next finite step starts afresh from the key.
+    bad = jnp.asarray(m).at[0, 0].set(jnp.nan)
+    y, state = step(bad, KEY, a.init_state(bad))
+    assert bool(jnp.isnan(y).any()) and not bool(jnp.all(jnp.isfinite(state.q)))
+    y, state = step(jnp.asarray(m), KEY, state)
+    assert rel_err(y, m) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(rank=0), "rank"), (dict(matrix_approximation_rank=0), "matrix_approximation_rank"),
+    (dict(rank=2, matrix_approximation_rank=3), "alias"), (dict(rank=2, min_compression_rate=0.0), "min_compression_rate"),
+    (dict(rank=2, orthogonalization_epsilon=-1.0), "orthogonalization_epsilon"),
+    (dict(rank=2, min_compression_rate=float("inf")), "min_compression_rate"), (dict(rank=2, warm_start=1), "warm_start"),
+])
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        jc.compressors.powersgd(**kwargs)
