@@ -3,5 +3,25 @@
 from ._protocol import Communicator, current, is_communicator, resolve, use
 from ._mesh import MeshAxis
 from ._mpi import MPIComm
+from ._partial_mpi import (
+    PartialAllreduce,
+    PartialCollectiveError,
+    PartialCollectiveTimeout,
+    PartialResult,
+    majority_initiator,
+)
 
-__all__ = ["Communicator", "MeshAxis", "MPIComm", "current", "is_communicator", "resolve", "use"]
+__all__ = [
+    "Communicator",
+    "MeshAxis",
+    "MPIComm",
+    "PartialAllreduce",
+    "PartialCollectiveError",
+    "PartialCollectiveTimeout",
+    "PartialResult",
+    "current",
+    "is_communicator",
+    "majority_initiator",
+    "resolve",
+    "use",
+]
