@@ -339,6 +339,30 @@ def test_every_compressor_matches_per_worker_roundtrips(name):
         np.testing.assert_array_equal(np.asarray(u["w"][i]), np.asarray(u["w"][0]))
 
 
+@pytest.mark.parametrize("name", jc.compressors.names())
+def test_every_compressor_traces_inside_shard_map(name):
+    """Every compressor runs in a shard_map step with jax's varying-axes check on (trace only, no compile).
+
+    A 3x3x32x32 kernel (9216 entries) takes the large-tensor code paths of the
+    sparsifiers; values must keep consistent device-varying types through
+    their loops and branches, or the step cannot be built inside shard_map.
+    """
+    c = jc.compressors.make(name, **KWARGS.get(name, {}))
+    n, mesh = 4, mesh_of(4)
+    tx = compressed_mean(c, "data", memory=mem.residual())
+    x0 = {"b": jnp.zeros(16), "w": jnp.zeros((3, 3, 32, 32))}
+
+    def worker(a, x, state):
+        a, x, state = jax.tree.map(lambda v: v[0], (a, x, state))
+        u, state = tx.update(jax.tree.map(lambda p, s: p * s, x, a), state, x)
+        return jax.tree.map(lambda v: v[None], (optax.apply_updates(x, u), state))
+
+    f = jax.jit(jax.shard_map(worker, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P("data")))
+    spec = lambda t: jax.tree.map(lambda v: jax.ShapeDtypeStruct((n, *jnp.shape(v)), jnp.result_type(v),
+                                                                  sharding=NamedSharding(mesh, P("data"))), t)
+    f.trace(spec(x0), spec(x0), spec(tx.init(x0)))
+
+
 # --------------------------------------------------------------------------- #
 # The payload that crosses the axis is the compressed one
 # --------------------------------------------------------------------------- #

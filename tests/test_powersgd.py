@@ -143,11 +143,9 @@ def test_small_and_1d_arrays_are_sent_uncompressed():
 def test_dtype_rank_alias_and_nonfinite_recovery():
     m = low_rank(32, 16, 1)
     a = jc.compressors.powersgd(2)
-    b = jc.compressors.powersgd(matrix_approximation_rank=2)
+    assert a.params == jc.compressors.powersgd(matrix_approximation_rank=2).params
+    assert a.params == jc.compressors.powersgd(2, matrix_approximation_rank=2).params
     step = jax.jit(a.roundtrip)
-    ya, _ = step(jnp.asarray(m), KEY)
-    yb, _ = jax.jit(b.roundtrip)(jnp.asarray(m), KEY)
-    np.testing.assert_array_equal(np.asarray(ya), np.asarray(yb))
     yh, _ = jax.jit(a.roundtrip)(jnp.asarray(m, jnp.bfloat16), KEY)
     assert yh.dtype == jnp.bfloat16 and rel_err(yh.astype(jnp.float32), m) < 2e-2
     # NaN propagates to the output and the state; the next finite step starts afresh from the key.

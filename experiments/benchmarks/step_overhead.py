@@ -16,7 +16,9 @@ and the exact wire bits one worker sends per step (``state.wire_bits``).
 Biased compressors run with ``memory.residual()`` (error feedback, as they are
 used), unbiased ones with ``memory.none()``. Each compressor is timed
 interleaved with the ``none()`` baseline (none, c, none, c, ...) so drifts in
-machine load hit both alike; the ratio is median(c) / median(none). Every
+machine load hit both alike; the ratio is median(c) / median(none) (``--repeats``
+pairs, fewer -- at least 3 -- for compressors slower than 120 s per ``--repeats``
+steps; the count used is recorded). Every
 (tree, compressor) pair runs in its own subprocess, so a compiler crash in one
 compressor is recorded as an error instead of ending the run. The shard_map is
 built with ``check_vma=False`` by default (``--check-vma`` turns jax's
@@ -70,6 +72,7 @@ KWARGS = {
 # The compressors the 1.3x target names: sign (signsgd, signum, efsignsgd, scaled_sign), 1-bit, QSGD, top-k.
 TARGET_NAMES = ("signsgd", "signum", "efsignsgd", "scaled_sign", "onebit", "qsgd", "topk")
 TARGET_RATIO = 1.3
+TIME_BUDGET_S = 120.0  # per compressor and tree: timed compressed steps beyond 3 pairs stop here
 
 
 def resnet20_shapes(num_classes: int = 10, in_channels: int = 3):
@@ -159,8 +162,11 @@ def measure(tree: str, name: str, repeats: int, check_vma: bool) -> dict:
     c = jc.compressors.make(name, **KWARGS.get(name, {}))
     base = Runner(jc.compressors.none(), shapes, n, mesh, check_vma)
     runner = Runner(c, shapes, n, mesh, check_vma)
-    t_base, t_c = [], []
-    for _ in range(repeats):
+    t_base, t_c = [base.call()], [runner.call()]
+    # Slow compressors (seconds per step on the large tree) get fewer pairs, at least 3:
+    # about TIME_BUDGET_S of timed compressed steps each.
+    repeats = max(1, min(repeats, max(3, int(TIME_BUDGET_S / max(t_c[0], 1e-9)))))
+    for _ in range(repeats - 1):
         t_base.append(base.call())
         t_c.append(runner.call())
     med_b, med_c = float(np.median(t_base)), float(np.median(t_c))

@@ -872,39 +872,48 @@ def dgc(
         sample = imp[dgc_sample_indices(key, d, plan.num_samples)]
         # min over all top-k values (not [-1]): a one-element slice makes XLA rewrite top_k into a full sort.
         thr = jnp.min(lax.top_k(sample, plan.top_k_samples)[0])
-        count = jnp.sum(imp >= thr, dtype=jnp.int32)
+        # The selection mask lives bit-packed: its popcount is the count, its compaction the indices.
+        words = _pack_words(imp >= thr)
+        count = jnp.sum(_popcount(words))
+        adapt = d > plan.num_samples and max_adaptation_iters > 0
         resample = jnp.bool_(False)
-        if d > plan.num_samples and max_adaptation_iters > 0:
+        if adapt:
             kf = float(k)
 
             def cond(c):
-                _, _, it, done, _ = c
+                it, done = c[3], c[4]
                 return (~done) & (it < max_adaptation_iters)
 
             def body(c):
-                thr, count, it, done, resample = c
+                thr, words, count, it, _, resample = c
                 cf = count.astype(jnp.float32)
                 too_many = cf > kf
                 resample_now = too_many & (cf > upper_bound * kf)
                 too_few = (~too_many) & (cf < lower_bound * kf)
-                thr = jnp.where(too_few, thr * lower_bound, thr)
-                count = jnp.where(too_few, jnp.sum(imp >= thr, dtype=jnp.int32), count)
-                return thr, count, it + 1, ~too_few, resample | resample_now
 
-            thr, count, _, _, resample = lax.while_loop(
-                cond, body, (thr, count, jnp.int32(0), jnp.bool_(False), jnp.bool_(False))
+                def lower():  # a pass over the tensor only when the threshold is lowered
+                    t = thr * lower_bound
+                    w = _pack_words(imp >= t)
+                    return t, w, jnp.sum(_popcount(w))
+
+                thr, words, count = lax.cond(too_few, lower, lambda: (thr, words, count))
+                return thr, words, count, it + 1, ~too_few, resample | resample_now
+
+            zero = jnp.zeros_like(count)
+            thr, words, count, _, _, resample = lax.while_loop(
+                cond, body, (thr, words, count, zero, zero < 0, zero < 0)
             )
 
         def exact_topk():
             idx, _ = top_indices(imp, k, jax.random.fold_in(key, 1),
                                  keys_of=lambda v: lax.bitcast_convert_type(v, jnp.int32))
-            return idx, jnp.int32(k)
+            return idx, jnp.int32(k) + jnp.zeros_like(count)
 
         def first_k():
-            pos, total = compact(imp >= thr, k)
+            pos, total = _compact_words(words, k)
             return pos, jnp.minimum(total, k)
 
-        if d > plan.num_samples and max_adaptation_iters > 0:
+        if adapt:
             idx, n = lax.cond(resample, exact_topk, first_k)
         else:  # the whole tensor was "sampled": no adaptation, hence no resampling
             idx, n = first_k()

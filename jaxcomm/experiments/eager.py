@@ -582,10 +582,6 @@ def _plot_severe(sv: dict, out_dir: Path) -> None:
     plt.close(fig)
 
 
-def _micro_summary(results: dict) -> list:
-    return results.get("summary", [])
-
-
 if __name__ == "__main__":
     # MPI worker: keep the package directory off sys.path (it would shadow nothing today, but
     # a module named like a library must never be picked up by a worker).

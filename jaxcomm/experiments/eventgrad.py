@@ -20,8 +20,8 @@ Reductions against the paper (2 CPU cores): a fixed number of iterations per run
 instead of 10 (MNIST) / 20 (CIFAR) epochs, 16 (CNN) / 8 (ResNet) examples per
 worker and step instead of 64, 10 forced iterations instead of 30 (scaled with the
 shorter runs), ResNet-20 on 4 workers only by default, test subsets. Every
-one of them is a config key (``--set``); the paper's protocol is
-``--set iterations=0 epochs=10 batch_per_worker=64 forced_iterations=30``.
+one of them is a config key (``--set KEY=VALUE``, repeated); the paper's MNIST protocol is
+``--set iterations=0 --set epochs=10 --set batch_per_worker=64 --set forced_iterations=30``.
 """
 
 from __future__ import annotations
