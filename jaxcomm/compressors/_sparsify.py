@@ -49,7 +49,7 @@ from ._base import (
     register,
     static_field,
 )
-from ._primitives import desparsify, index_dtype, pack, packed_size
+from ._primitives import desparsify, index_dtype, pack, packed_size, unpack
 
 Array = jax.Array
 
@@ -141,6 +141,8 @@ def uniform_indices(key, n: int, d: int) -> Array:
 # Bit-packed compaction
 # --------------------------------------------------------------------------- #
 _SHIFTS = np.arange(32, dtype=np.uint32)
+_SMALL = 2048
+"""Vectors up to this length use a stable sort for selection and compaction (cheap to compile)."""
 
 
 def _pack_words(mask) -> Array:
@@ -241,8 +243,14 @@ def compact(mask, cap: int):
     Equivalent to ``(jnp.nonzero(mask, size=cap, fill_value=0)[0], mask.sum())``
     but a few memory passes instead of two prefix sums over ``mask``.
     """
-    if cap == 0 or mask.shape[0] == 0:
+    n = mask.shape[0]
+    if cap == 0 or n == 0:
         return jnp.zeros((cap,), jnp.int32), jnp.sum(mask, dtype=jnp.int32)
+    if n <= _SMALL:  # small vectors: one stable sort (cheaper to compile than the packed machinery)
+        total = jnp.sum(mask, dtype=jnp.int32)
+        order = lax.sort((~mask, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)[1]
+        pos = order[:cap] if cap <= n else jnp.pad(order, (0, cap - n))
+        return jnp.where(jnp.arange(cap, dtype=jnp.int32) < total, pos, 0), total
     return _compact_words(_pack_words(mask), cap)
 
 
@@ -574,10 +582,13 @@ def _decompress_mask(p: MaskSparsePayload):
     cap = p.values.shape[0]
     if d == 0 or cap == 0:
         return jnp.zeros(p.shape, p.dtype)
-    b = p.mask.astype(jnp.uint32)
-    b = jnp.pad(b, (0, (-b.shape[0]) % 4)).reshape(-1, 4)
-    words = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
-    pos, total = _compact_words(words, cap)
+    if d <= _SMALL:
+        pos, total = compact(unpack(p.mask, 1, d).astype(bool), cap)
+    else:
+        b = p.mask.astype(jnp.uint32)
+        b = jnp.pad(b, (0, (-b.shape[0]) % 4)).reshape(-1, 4)
+        words = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+        pos, total = _compact_words(words, cap)
     vals = jnp.where(jnp.arange(cap) < total, p.values.astype(jnp.float32), 0.0)
     return _scatter_count(vals, pos, total, p.shape, p.dtype, p.scale)
 
@@ -872,9 +883,18 @@ def dgc(
         sample = imp[dgc_sample_indices(key, d, plan.num_samples)]
         # min over all top-k values (not [-1]): a one-element slice makes XLA rewrite top_k into a full sort.
         thr = jnp.min(lax.top_k(sample, plan.top_k_samples)[0])
-        # The selection mask lives bit-packed: its popcount is the count, its compaction the indices.
-        words = _pack_words(imp >= thr)
-        count = jnp.sum(_popcount(words))
+        # The selection mask lives bit-packed: its popcount is the count, its compaction the indices
+        # (small tensors keep the plain mask, compacted by a sort).
+        packed = d > _SMALL
+
+        def select(t):
+            m = imp >= t
+            if packed:
+                w = _pack_words(m)
+                return w, jnp.sum(_popcount(w))
+            return m, jnp.sum(m, dtype=jnp.int32)
+
+        words, count = select(thr)
         adapt = d > plan.num_samples and max_adaptation_iters > 0
         resample = jnp.bool_(False)
         if adapt:
@@ -893,8 +913,7 @@ def dgc(
 
                 def lower():  # a pass over the tensor only when the threshold is lowered
                     t = thr * lower_bound
-                    w = _pack_words(imp >= t)
-                    return t, w, jnp.sum(_popcount(w))
+                    return (t, *select(t))
 
                 thr, words, count = lax.cond(too_few, lower, lambda: (thr, words, count))
                 return thr, words, count, it + 1, ~too_few, resample | resample_now
@@ -910,7 +929,7 @@ def dgc(
             return idx, jnp.int32(k) + jnp.zeros_like(count)
 
         def first_k():
-            pos, total = _compact_words(words, k)
+            pos, total = _compact_words(words, k) if packed else compact(words, k)
             return pos, jnp.minimum(total, k)
 
         if adapt:
