@@ -1,4 +1,4 @@
-"""EventGraD: event-triggered neighbour exchange for decentralized SGD (Ghosh & Gupta).
+"""EventGraD: event-triggered neighbour exchange for decentralized SGD (Ghosh et al.).
 
 EventGraD Eq. 3-6, Algorithm B. Every worker ``i`` keeps, for every parameter
 tensor ``l``, the norm it last sent ``||x^l||_{last}`` and the iteration of that

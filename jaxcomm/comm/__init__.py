@@ -3,6 +3,7 @@
 from ._protocol import Communicator, current, is_communicator, resolve, use
 from ._mesh import MeshAxis
 from ._mpi import MPIComm
+from ._rma import OneSidedEventGrad, RMAExchange
 from ._partial_mpi import (
     PartialAllreduce,
     PartialCollectiveError,
@@ -15,6 +16,8 @@ __all__ = [
     "Communicator",
     "MeshAxis",
     "MPIComm",
+    "OneSidedEventGrad",
+    "RMAExchange",
     "PartialAllreduce",
     "PartialCollectiveError",
     "PartialCollectiveTimeout",
