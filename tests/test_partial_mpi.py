@@ -96,7 +96,16 @@ def test_missing_process_raises_timeout_naming_it(tmp_path, scenario):
         assert rep["error"] == "PartialCollectiveTimeout" and rep["is_timeout"]
         assert rep["missing"] == [culprit], rep["message"]
         assert f"missing ranks [{culprit}]" in rep["message"]
-        assert rep["round"] == (-1 if scenario == "absent" else 3)
+        if scenario == "absent":
+            assert rep["round"] == -1  # the construction handshake
+        elif scenario == "initiator":
+            assert rep["round"] == 3  # round 3 can only start when its initiator arrives
+        else:
+            # Solo: the culprit's progress thread keeps serving rounds while its application
+            # lags, so it may have finished round 3 (or later) before SIGSTOP; the survivors
+            # then stall in the first round it never served, the same round for all of them.
+            assert rep["round"] >= 3
+            assert rep["round"] == reports[0]["round"]
         # Fails fast: the 2 s timeout plus the liveness probe, not a hang.
         assert rep["seconds"] < 30
 

@@ -126,6 +126,7 @@ class EagerSGDConfig:
 
     @property
     def num_workers(self) -> int:
+        """``P``, the number of workers (that of the imbalance model)."""
         return self.imbalance.num_workers
 
 

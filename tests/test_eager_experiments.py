@@ -1,0 +1,70 @@
+"""The eager-SGD experiments' smoke configurations (jaxcomm run eager-microbench / eager-hyperplane --smoke).
+
+Both launch ``mpirun`` themselves (4 processes). The assertions check what the
+runs must get right whatever the machine's load: the per-process results agree,
+the synchronous baselines see every process, the partial collectives respect
+their quorum, and the models of all processes stay identical.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxcomm.experiments import get_experiment
+
+pytest.importorskip("mpi4py")
+
+
+@pytest.mark.mpi
+def test_microbench_smoke(tmp_path):
+    exp = get_experiment("eager-microbench")
+    cfg = exp.config(smoke=True)
+    res = exp.run(cfg, tmp_path)
+    p, iters = cfg["num_procs"], cfg["iterations"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["config"]["num_procs"] == p and (tmp_path / "microbench.png").stat().st_size > 0
+    per = res["collectives"]
+    for name in ("mpi_allreduce", "solo", "majority"):
+        c = per[name]
+        assert c["nap_identical_on_all_ranks"]  # every process saw the same contributor set
+        assert len(c["nap_by_iteration"]) == iters and len(c["latency_ms_by_rank"]) == p
+        assert all(np.isfinite(c["latency_ms_by_rank"])) and min(c["latency_ms_by_rank"]) >= 0
+        assert all(1 <= n <= p for n in c["nap_by_iteration"])  # quorum: at least the initiator
+    assert per["mpi_allreduce"]["nap_mean"] == p
+    # Under linear skew the slowest rank (skew P ms) can only be fresh in a solo round if it
+    # arrived before the activation; the fastest always is. Majority: NAP = initiator + 1 at most
+    # P, its analytic mean (P+1)/2 is recorded.
+    assert res["analytic"]["nap_majority"] == (p + 1) / 2 and res["analytic"]["nap_solo"] == 1.0
+    assert res["speedup_solo"] > 0 and res["speedup_majority"] > 0
+    assert [r["collective"] for r in res["summary"]] == ["mpi_allreduce", "solo", "majority"]
+
+
+@pytest.mark.mpi
+def test_hyperplane_smoke(tmp_path):
+    exp = get_experiment("eager-hyperplane")
+    cfg = exp.config(smoke=True)
+    res = exp.run(cfg, tmp_path)
+    assert (tmp_path / "hyperplane.png").stat().st_size > 0 and (tmp_path / "severe.png").stat().st_size > 0
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["epochs"] == cfg["epochs"]
+    runs = res["hyperplane"]["runs"]
+    p, delay = cfg["num_procs"], cfg["delays_ms"][0]
+    assert set(runs) == {f"{m}-{delay:g}" for m in ("sync", "solo", "majority")}
+    for key, r in runs.items():
+        assert r["models_identical"], key  # every process applied every round's result
+        assert len(r["val_mse"]) == cfg["epochs"]
+        # Starting from w = 0 the validation MSE is |w*|^2 + noise^2 ~ features + 4; training lowers it.
+        assert r["val_mse"][-1] < 0.5 * cfg["features"], key
+        assert 1 <= r["nap_mean"] <= p
+    assert runs[f"sync-{delay:g}"]["nap_mean"] == p and runs[f"sync-{delay:g}"]["fresh_fraction"] == 1.0
+    # Partial collectives leave some processes out some of the time under an injected delay.
+    assert runs[f"solo-{delay:g}"]["nap_mean"] < p
+    sv = res["severe"]["runs"]
+    assert set(sv) == set(cfg["severe_modes"])
+    assert all(n == p for n in sv["sync"]["nap"]) and min(sv["solo"]["nap"]) == 1
+    assert np.mean(sv["solo"]["nap"]) < np.mean(sv["majority"]["nap"]) < p
+    for mode, r in sv.items():
+        assert r["history"][-1]["test_acc"] > 0.3, mode  # digits: chance is 0.1
+    # Simulated time: solo rounds end at the first arrival, sync ones at the last.
+    assert sv["solo"]["history"][-1]["sim_time_s"] < sv["majority"]["history"][-1]["sim_time_s"] \
+        < sv["sync"]["history"][-1]["sim_time_s"]
