@@ -13,14 +13,18 @@ compressor, this times one jitted step
 inside ``jax.shard_map`` over 8 simulated CPU devices, and reports
 ``ratio = median step time with the compressor / median step time with none()``
 and the exact wire bits one worker sends per step (``state.wire_bits``).
-Biased compressors run with ``memory.residual()`` (error feedback, as they are
-used), unbiased ones with ``memory.none()``. Each compressor is timed
+Every compressor runs with ``memory.residual()`` (GRACE's error feedback, as
+in ``compressed_mean(c, "data", memory=jaxcomm.memory.residual())``); the
+baseline is ``none()`` with ``memory.none()``: the plain uncompressed mean (one
+all-reduce per tensor), so the ratio includes the memory's own passes. Each compressor is timed
 interleaved with the ``none()`` baseline (none, c, none, c, ...) so drifts in
 machine load hit both alike; the ratio is median(c) / median(none) (``--repeats``
 pairs, fewer -- at least 3 -- for compressors slower than 120 s per ``--repeats``
 steps; the count used is recorded). Every
-(tree, compressor) pair runs in its own subprocess, so a compiler crash in one
-compressor is recorded as an error instead of ending the run. The shard_map is
+(tree, compressor) pair runs in its own subprocess (``--in-process`` turns this
+off), so a compiler crash in one compressor is recorded as an error instead of
+ending the run. ``--trees tiny`` (three small tensors) is the smoke
+configuration the test suite runs. The shard_map is
 built with ``check_vma=False`` by default (``--check-vma`` turns jax's
 trace-time varying-axes type check on): the check changes no compiled
 operation, and a compressor whose code fails it is still timed.
@@ -31,7 +35,8 @@ Target (issue 3, item 7): sign, 1-bit, QSGD and top-k at most 1.3x the
 uncompressed step on the VGG16-shaped tree.
 
 usage: python experiments/benchmarks/step_overhead.py [--repeats 7] [--trees resnet20,vgg16]
-       [--compressors topk,qsgd,...] [--check-vma] [--out experiments/benchmarks/results/step_overhead.json]
+       [--compressors topk,qsgd,...] [--check-vma] [--in-process]
+       [--out experiments/benchmarks/results/step_overhead.json]
 """
 
 from __future__ import annotations
@@ -105,11 +110,16 @@ def vgg16_shapes(num_classes: int = 10, in_channels: int = 3):
     return shapes
 
 
-TREES = {"resnet20": resnet20_shapes, "vgg16": vgg16_shapes}
+def tiny_shapes():
+    """Three small tensors: the smoke configuration of the test suite (not a model)."""
+    return {"kernel": (3, 3, 4, 8), "bias": (8,), "dense": (16, 300)}
+
+
+TREES = {"resnet20": resnet20_shapes, "vgg16": vgg16_shapes, "tiny": tiny_shapes}
 
 
 def build_step(compressor, n: int, mesh, check_vma: bool = False):
-    memory = mem.none() if compressor.unbiased or compressor.name in ("none", "fp16", "bf16") else mem.residual()
+    memory = mem.none() if compressor.name == "none" else mem.residual()
     tx = compressed_mean(compressor, "data", memory=memory)
 
     def worker(a, x, state):
@@ -163,6 +173,7 @@ def measure(tree: str, name: str, repeats: int, check_vma: bool) -> dict:
     base = Runner(jc.compressors.none(), shapes, n, mesh, check_vma)
     runner = Runner(c, shapes, n, mesh, check_vma)
     t_base, t_c = [base.call()], [runner.call()]
+    requested = repeats
     # Slow compressors (seconds per step on the large tree) get fewer pairs, at least 3:
     # about TIME_BUDGET_S of timed compressed steps each.
     repeats = max(1, min(repeats, max(3, int(TIME_BUDGET_S / max(t_c[0], 1e-9)))))
@@ -182,6 +193,10 @@ def measure(tree: str, name: str, repeats: int, check_vma: bool) -> dict:
         "memory": runner.memory.name,
         "params": c.params,
         "compile_s": runner.compile_s,
+        "repeats": repeats,
+        "repeats_requested": requested,
+        "steps_ms": [1e3 * v for v in t_c],
+        "baseline_steps_ms": [1e3 * v for v in t_base],
     }
 
 
@@ -208,23 +223,49 @@ def markdown_table(out: dict) -> str:
     return "\n".join(rows)
 
 
-def main():
+def run_one(tree: str, name: str, repeats: int, check_vma: bool, in_process: bool) -> dict:
+    """One (tree, compressor) measurement, in a subprocess unless ``in_process``; a failure becomes an error row."""
+    if in_process:
+        try:
+            return measure(tree, name, repeats, check_vma)
+        except Exception as e:  # record and go on
+            return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", tree, name, "--repeats", str(repeats)]
+    cmd += ["--check-vma"] if check_vma else []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        why = next((ln for ln in err if "Check failed" in ln or "Error" in ln), err[-1] if err else "")
+        return {"error": f"exit {proc.returncode}: {why.strip()[:400]}"}
+    return json.loads(line[len("RESULT "):])
+
+
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--trees", default="resnet20,vgg16")
     ap.add_argument("--compressors", default="", help="comma-separated names (default: every registered one)")
     ap.add_argument("--check-vma", action="store_true", help="build the shard_map with check_vma=True")
+    ap.add_argument("--in-process", action="store_true", help="no subprocess per (tree, compressor)")
     ap.add_argument("--markdown", metavar="JSON", help="print the table of a results file and exit")
     ap.add_argument("--one", nargs=2, metavar=("TREE", "NAME"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default="experiments/benchmarks/results/step_overhead.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.markdown:
         print(markdown_table(json.loads(Path(args.markdown).read_text())))
-        return
+        return {}
     if args.one:  # child process: one measurement, one JSON line
-        print("RESULT " + json.dumps(measure(*args.one, args.repeats, args.check_vma), default=str), flush=True)
-        return
+        r = measure(*args.one, args.repeats, args.check_vma)
+        print("RESULT " + json.dumps(r, default=str), flush=True)
+        return r
     names = [c for c in args.compressors.split(",") if c] or [c for c in jc.compressors.names() if c != "none"]
+    unknown = [c for c in names if c not in jc.compressors.names()]
+    trees = [t for t in args.trees.split(",") if t]
+    if unknown or set(trees) - set(TREES):
+        ap.error(f"unknown compressor(s) {unknown} or tree(s) {sorted(set(trees) - set(TREES))}")
     n = 8
     out = {
         "meta": {
@@ -237,30 +278,25 @@ def main():
             "repeats": args.repeats,
             "check_vma": args.check_vma,
             "timing": "median of --repeats steps per compressor, interleaved with the none() baseline, "
-                      "one subprocess per (tree, compressor)",
+                      + ("in one process" if args.in_process else "one subprocess per (tree, compressor)"),
+            "memory": "residual() for every compressor; none() baseline with memory none()",
+            "command": " ".join(["python", "experiments/benchmarks/step_overhead.py", *(argv or sys.argv[1:])]),
             "step": "g_i = a_i * x_i; compressed_mean over 'data'; x_i -= 0.01 * mean (no model compute)",
             "target": f"{'/'.join(TARGET_NAMES)} <= {TARGET_RATIO}x none() on vgg16",
         },
         "trees": {},
     }
-    for tree in [t for t in args.trees.split(",") if t]:
+    for tree in trees:
         shapes = TREES[tree]()
         num_params = int(sum(np.prod(s) for s in shapes.values()))
         print(f"== {tree}: {num_params:,} parameters in {len(shapes)} tensors", flush=True)
         results = {}
         for name in names:
-            cmd = [sys.executable, __file__, "--one", tree, name, "--repeats", str(args.repeats)]
-            cmd += ["--check-vma"] if args.check_vma else []
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if proc.returncode != 0 or line is None:
-                err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-                why = next((ln for ln in err if "Check failed" in ln or "Error" in ln), err[-1] if err else "")
-                results[name] = {"error": f"exit {proc.returncode}: {why.strip()[:400]}"}
-                print(f"   {name:22s} FAILED: {results[name]['error'][:160]}", flush=True)
-                continue
-            r = json.loads(line[len("RESULT "):])
+            r = run_one(tree, name, args.repeats, args.check_vma, args.in_process)
             results[name] = r
+            if "error" in r:
+                print(f"   {name:22s} FAILED: {r['error'][:160]}", flush=True)
+                continue
             print(f"   {name:22s} {r['ratio']:6.2f}x  {r['step_ms']:9.1f} ms (none {r['baseline_step_ms']:8.1f} ms)  "
                   f"{r['wire_bits_per_worker']:>12,d} bits  x{r['compression']:7.1f}", flush=True)
         out["trees"][tree] = {"num_params": num_params, "num_tensors": len(shapes), "results": results}
@@ -272,7 +308,11 @@ def main():
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, default=str) + "\n")
     print(markdown_table(out))
+    for k, met in out.get("target_met", {}).items():
+        print(f"target {k}@vgg16: {res[k].get('ratio', float('nan')):.2f}x {'met' if met else 'MISSED'} "
+              f"(<= {TARGET_RATIO}x)")
     print(f"wrote {path}")
+    return out
 
 
 if __name__ == "__main__":

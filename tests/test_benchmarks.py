@@ -1,0 +1,81 @@
+"""The speed benchmarks in experiments/benchmarks/ run end to end in a tiny configuration.
+
+Not timings (those are noise at this size): the scripts' plumbing -- the
+registry sweep, the reference, the target bookkeeping, JSON out -- so that
+they cannot rot between the runs whose tables are in docs/benchmarks.md.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+import jaxcomm as jc
+
+BENCH = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_compressor_benchmark_tiny(tmp_path, capsys):
+    bench = _load("compressors")
+    out = tmp_path / "compressors.json"
+    # One compressor of each target group and PowerSGD (1-D sweep and matrix).
+    result = bench.main(["--sizes", "2000", "--repeats", "1", "--only", "fp16,qsgd,topk,powersgd",
+                         "--powersgd-shape", "16x40", "--in-process", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["sizes"] == [2000] and saved["repeats"] == 1
+    rows = {r["name"]: r for r in saved["results"]}
+    assert set(rows) == {"fp16", "qsgd", "topk", "powersgd"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["median_s"] > 0 and r["ref_median_s"] > 0 and r["ratio"] > 0 and r["wire_bits"] > 0
+    assert rows["topk"]["wire_bits"] == 20 * (32 + 16)  # k = 1% of 2000, float32 values + uint16 indices
+    assert [r["kwargs"]["matrix_approximation_rank"] for r in saved["powersgd_matrix"]] == [1, 2, 4]
+    # Targets are evaluated only at 10 and 100 MB (not measured here), and for the PowerSGD matrix.
+    assert sorted(saved["targets"]) == ["powersgd_r1@16x40", "powersgd_r2@16x40", "powersgd_r4@16x40"]
+    assert result["targets"] == saved["targets"]
+    text = capsys.readouterr().out
+    assert "| topk |" in text and "targets:" in text
+
+
+def test_compressor_benchmark_targets_cover_issue_list():
+    bench = _load("compressors")
+    groups = {g: set(names) for g, (names, _) in bench.TARGETS.items()}
+    assert groups["elementwise"] == {"fp16", "bf16", "signsgd", "onebit", "efsignsgd", "terngrad", "qsgd",
+                                     "natural", "eightbit"}
+    assert groups["sparsifier"] == {"topk", "dgc", "qsparse"}
+    assert set().union(*groups.values()) <= set(jc.compressors.names())
+    rows = [dict(name=n, size=s, ratio=5.0) for n in ("qsgd", "topk") for s in bench.TARGET_SIZES]
+    rows.append(dict(name="dgc", size=bench.TARGET_SIZES[0], error="boom"))
+    t = bench.evaluate_targets(rows, [])
+    assert not t["qsgd@10MB"]["met"] and t["topk@100MB"]["met"] and not t["dgc@10MB"]["met"]
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices (tests/conftest.py)")
+def test_step_overhead_benchmark_tiny(tmp_path):
+    bench = _load("step_overhead")
+    out = tmp_path / "step.json"
+    result = bench.main(["--trees", "tiny", "--compressors", "signsgd,topk", "--repeats", "1",
+                         "--in-process", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    res = saved["trees"]["tiny"]["results"]
+    assert set(res) == {"signsgd", "topk"} and saved["trees"]["tiny"]["num_tensors"] == 3
+    d = saved["trees"]["tiny"]["num_params"]
+    for r in res.values():
+        assert "error" not in r, r
+        assert r["ratio"] > 0 and r["memory"] == "residual"
+        assert r["dense_bits_per_worker"] == 32 * d
+    assert res["signsgd"]["wire_bits_per_worker"] < d + 32 * 3 + 1  # 1 bit per entry + a scale per tensor
+    assert result["trees"] == saved["trees"]
+    # The documented trees have the sizes the issue names.
+    for tree, lo, hi, n in (("resnet20", 260_000, 280_000, 59), ("vgg16", 14_500_000, 15_500_000, 30)):
+        shapes = bench.TREES[tree]()
+        assert len(shapes) == n and lo <= sum(int(jax.numpy.prod(jax.numpy.array(s))) for s in shapes.values()) <= hi
