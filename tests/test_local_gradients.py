@@ -192,6 +192,72 @@ def test_drop_ratio_warmup_schedule_drives_the_selection():
     assert [num_kept(0.5 ** max(1.0, 4 / t), 17) for t in range(1, 5)] == [16, 13, 10, 8]
 
 
+def _per_step_bits(tx, L_all, axis="i"):
+    """Run ``tx`` under vmap; return C per step and each step's ``wire_bits`` summed over groups, per worker."""
+    n = len(L_all[0])
+    state = jax.vmap(lambda _: tx.init({k: jnp.zeros(s) for k, s in SHAPES.items()}))(jnp.arange(n))
+    step = jax.jit(jax.vmap(tx.update, axis_name=axis))
+    outs, bits = [], []
+    for L_t in L_all:
+        C, state = step(stack(L_t), state)
+        outs.append(C)
+        bits.append(np.asarray(state.wire_bits).sum(axis=-1).tolist())
+    return outs, bits, state
+
+
+def test_warmup_switches_to_the_sparse_exchange_after_warmup():
+    # K_t = 16, 13, 10, then the final 8 of 17 entries. While K_t > 8 the masked tensor goes
+    # dense (17 float32 = 544 bits); from step 4 on, 8 (float32 value, uint8 index) pairs = 320 bits.
+    L_all = local_gradients(4, steps=6, seed=5)
+    schedule = drop_ratio_warmup(0.5, warmup_steps=4)
+    assert schedule.final_drop_ratio == 0.5
+    outs, bits, state = _per_step_bits(gradient_dropping(schedule, mode="partial", axis_name="i"), L_all)
+    assert bits == [[544] * 4] * 3 + [[320] * 4] * 3
+    C_ref, E_ref = algorithm2(L_all, lambda t: 0.5 ** max(1.0, 4 / t), "partial")
+    assert_matches(outs, C_ref, E_ref, state)
+
+
+def test_schedule_without_final_ratio_stays_dense():
+    L_all = local_gradients(4, steps=5, seed=5)
+    warm = drop_ratio_warmup(0.5, warmup_steps=4)
+    _, bits, _ = _per_step_bits(gradient_dropping(lambda c: warm(c), mode="partial", axis_name="i"), L_all)
+    assert bits == [[544] * 4] * 5
+    _, bits, _ = _per_step_bits(gradient_dropping(warm, mode="partial", axis_name="i", exchange="dense"), L_all)
+    assert bits == [[544] * 4] * 5
+
+
+def test_switch_pads_the_sparse_payload_when_fewer_are_kept():
+    # A schedule whose ratio passes its declared final one: K_t = 4 < K_cap = 8. The sparse
+    # branch still sends 8 pairs (4 of them zero padding) and selects exactly the top 4.
+    def schedule(count):
+        return jnp.where(count < 1, jnp.float32(0.1), jnp.float32(0.75))
+
+    schedule.final_drop_ratio = 0.5
+    L_all = local_gradients(4, steps=3, seed=9)
+    outs, bits, state = _per_step_bits(gradient_dropping(schedule, mode="sum", axis_name="i"), L_all)
+    assert bits == [[544] * 4] + [[320] * 4] * 2
+    C_ref, E_ref = algorithm2(L_all, lambda t: 0.1 if t == 1 else 0.75, "sum")
+    assert_matches(outs, C_ref, E_ref, state)
+
+
+def test_switch_per_leaf_scope():
+    # scope="leaf": w has 12 entries (K: 11, 9, 7, then 6), b has 5 (K: 5, 4, 3, then 2 or 3 by rounding).
+    L_all = local_gradients(4, steps=5, seed=11)
+    schedule = drop_ratio_warmup(0.5, warmup_steps=4)
+    outs, bits, state = _per_step_bits(
+        gradient_dropping(schedule, mode="partial", axis_name="i", scope="leaf"), L_all)
+    caps = {k: max(num_kept(0.5, int(np.prod(s))), int(num_kept(jnp.float32(0.5), int(np.prod(s)))))
+            for k, s in SHAPES.items()}
+    assert bits[-1] == [sum(caps[k] * 40 for k in SHAPES)] * 4  # both leaves sparse after warm-up
+    assert bits[0] == [17 * 32] * 4
+    for key in sorted(SHAPES):
+        leaf_L = [[{"x": L[key]} for L in L_t] for L_t in L_all]
+        C_ref, E_ref = _algorithm2_single(leaf_L, lambda t: 0.5 ** max(1.0, 4 / t), "partial")
+        for t in range(5):
+            for n in range(4):
+                np.testing.assert_allclose(np.ravel(outs[t][key][n]), C_ref[t][n], rtol=1e-5, atol=1e-5)
+
+
 def test_local_clipping_matches_numpy():
     L_all = local_gradients(4, seed=7)
     tx = gradient_dropping(0.75, mode="partial", axis_name="i", clip_norm=2.0)  # local threshold 2/sqrt(4) = 1
@@ -304,6 +370,34 @@ def test_shard_map_eight_devices_matches_numpy():
     for w in range(n):
         np.testing.assert_allclose(flat(jax.tree.map(lambda x: np.asarray(x)[w], state[0].residual)), E_ref[w],
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_shard_map_warmup_switch_eight_devices():
+    # The dense/sparse switch is a lax.cond around the collectives; on a real mesh (vma checks on)
+    # every worker takes the same branch and the result is Algorithm 2's.
+    n = 8
+    L_all = local_gradients(n, steps=5, seed=17)
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    tx = gradient_dropping(drop_ratio_warmup(0.5, warmup_steps=4), mode="partial", axis_name="data")
+    zeros = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+    state = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), tx.init(zeros))
+    put = lambda tree: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), tree)
+
+    def body(g, s):
+        g, s = jax.tree.map(lambda x: x[0], (g, s))
+        u, s = tx.update(g, s)
+        return jax.tree.map(lambda x: x[None], (u, s))
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    state = put(state)
+    outs, bits = [], []
+    for L_t in L_all:
+        C, state = step(put(stack(L_t)), state)
+        outs.append(C)
+        bits.append(np.asarray(state.wire_bits).sum(axis=-1).tolist())
+    assert bits == [[544] * n] * 3 + [[320] * n] * 2
+    C_ref, E_ref = algorithm2(L_all, lambda t: 0.5 ** max(1.0, 4 / t), "partial")
+    assert_matches(outs, C_ref, E_ref, state)
 
 
 def test_step_traces_once():

@@ -87,7 +87,9 @@ def drop_ratio_warmup(drop_ratio: float = 0.99, warmup_steps: int = 1000) -> Cal
       drop_ratio: final fraction ``R`` of entries dropped, in ``[0, 1)``.
       warmup_steps: warm-up length ``T`` in steps, an integer ``>= 1``.
     Returns:
-      ``schedule(count) -> R_t``, a float32 scalar, jit-compatible.
+      ``schedule(count) -> R_t``, a float32 scalar, jit-compatible. Its
+      ``final_drop_ratio`` attribute (``R``) lets :func:`gradient_dropping`
+      switch to the sparse exchange once the warm-up is over.
     Raises:
       ValueError: ``warmup_steps < 1`` or ``drop_ratio`` outside ``[0, 1)``.
     """
@@ -102,6 +104,7 @@ def drop_ratio_warmup(drop_ratio: float = 0.99, warmup_steps: int = 1000) -> Cal
         exponent = jnp.maximum(1.0, warmup_steps / t)
         return jnp.exp(exponent * jnp.float32(log_ratio))
 
+    schedule.final_drop_ratio = drop_ratio  # lets gradient_dropping switch to a sparse exchange after warm-up
     return schedule
 
 
@@ -123,7 +126,8 @@ def dgc_warmup(
       steps_per_stage: steps per stage, integer ``>= 1``.
       initial_drop_ratio: ratio of the first stage, in ``[0, 1)``.
     Returns:
-      ``schedule(count) -> R`` (float32 scalar), jit-compatible.
+      ``schedule(count) -> R`` (float32 scalar), jit-compatible, with the
+      attribute ``final_drop_ratio`` (see :func:`drop_ratio_warmup`).
     """
     final_drop_ratio = _check_drop_ratio(final_drop_ratio, "final_drop_ratio")
     initial_drop_ratio = _check_drop_ratio(initial_drop_ratio, "initial_drop_ratio")
@@ -138,6 +142,7 @@ def dgc_warmup(
         density = jnp.power(jnp.float32(1.0 - initial_drop_ratio), stage.astype(jnp.float32) + 1.0)
         return jnp.minimum(jnp.float32(final_drop_ratio), 1.0 - density)
 
+    schedule.final_drop_ratio = final_drop_ratio
     return schedule
 
 
@@ -247,9 +252,17 @@ def gradient_dropping(
       scope: ``"global"`` (one threshold over the whole tree) or ``"leaf"``.
       exchange: ``"sparse"`` (all-gather of ``K`` values and narrow indices per
         worker; needs a fixed ``drop_ratio`` so that ``K`` is static),
-        ``"dense"`` (all-reduce of the masked dense tensor), or ``"auto"``
-        (sparse for a fixed ratio, dense for a schedule, since warm-up starts
-        almost dense).
+        ``"dense"`` (all-reduce of the masked dense tensor), or ``"auto"``:
+        sparse for a fixed ratio; for a schedule, dense while ``K_t`` is above
+        the final ``K`` and sparse from then on, when the schedule has a
+        ``final_drop_ratio`` attribute (as :func:`drop_ratio_warmup` and
+        :func:`dgc_warmup` do; warm-up starts almost dense, where a sparse
+        payload would cost more than the dense one), dense throughout
+        otherwise. The switch is a ``lax.cond`` on the step count, which is
+        the same on every worker, so all take the same branch; its sparse
+        branch sends a fixed capacity ``K_cap`` (the final ``K``) of
+        (value, index) pairs, zero-padded when ``K_t < K_cap``. ``wire_bits``
+        records the branch actually taken.
 
     Returns:
       An optax transformation; its state is a :class:`GradientDroppingState`
@@ -270,8 +283,10 @@ def gradient_dropping(
     scheduled = callable(drop_ratio)
     if not scheduled:
         drop_ratio = _check_drop_ratio(drop_ratio, "drop_ratio")
+    final_ratio = None
     if exchange == "auto":
-        exchange = "dense" if scheduled else "sparse"
+        final_ratio = getattr(drop_ratio, "final_drop_ratio", None) if scheduled else None
+        exchange = "switch" if final_ratio is not None else ("dense" if scheduled else "sparse")
     if exchange == "sparse" and scheduled:
         raise ValueError(
             "exchange='sparse' needs a fixed drop_ratio (the payload size K must be static under jit); "
@@ -327,7 +342,9 @@ def gradient_dropping(
             accum.append(E)
             kept.append(num_kept(ratio, int(E.shape[0])))
 
-        if exchange == "sparse":
+        if exchange == "switch":
+            selected, global_sparse, bits = _switch_exchange(communicator, accum, kept, final_ratio, drop_ratio)
+        elif exchange == "sparse":
             selected, payloads = [], []
             for E, k in zip(accum, kept):
                 d = int(E.shape[0])
@@ -384,6 +401,67 @@ def gradient_dropping(
         return jax.tree.unflatten(treedef, out_leaves), new_state
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _sparse_capacity(final_ratio: float, schedule, d: int) -> int:
+    """The final ``K`` of a schedule for ``d`` entries, as the traced ``num_kept`` computes it.
+
+    ``num_kept`` of a traced ratio rounds in float32; the schedule's own float32
+    value late in training is what the step sees. Taking the larger of that and
+    the float64 count makes ``K_t <= K_cap`` hold once the warm-up is over even
+    where the two roundings differ by one entry.
+    """
+    with jax.ensure_compile_time_eval():  # concrete even while the step is being traced
+        late = int(num_kept(jnp.asarray(schedule(jnp.int32(2**30)), jnp.float32), d))
+    return max(num_kept(final_ratio, d), late)
+
+
+def _switch_exchange(communicator, accum, kept, final_ratio, schedule):
+    """Dense all-reduce while any ``K_t > K_cap``, sparse all-gather of ``K_cap`` pairs after."""
+    caps = [_sparse_capacity(final_ratio, schedule, int(E.shape[0])) for E in accum]
+    use_sparse = jnp.all(jnp.stack([jnp.asarray(k <= c) for k, c in zip(kept, caps)]))
+
+    def sparse(accum):
+        selected, payloads = [], []
+        for E, k, cap in zip(accum, kept, caps):
+            d = int(E.shape[0])
+            _, index = jax.lax.top_k(jnp.abs(E), cap)  # sorted by magnitude; ties: lower index
+            values = jnp.where(jnp.arange(cap) < k, E[index], jnp.zeros((), E.dtype))  # K_t of K_cap slots
+            payloads.append((values, index.astype(index_dtype(d))))
+            selected.append(desparsify(values, index, (d,), E.dtype))
+        gathered = communicator.all_gather(payloads)
+        global_sparse = [
+            desparsify(v.reshape(-1), i.reshape(-1), (int(E.shape[0]),), E.dtype) for (v, i), E in zip(gathered, accum)
+        ]
+        bits = [
+            bits_int32(cap * (jnp.dtype(E.dtype).itemsize + jnp.dtype(index_dtype(int(E.shape[0]))).itemsize) * 8)
+            for E, cap in zip(accum, caps)
+        ]
+        return selected, global_sparse, bits
+
+    def dense(accum):
+        selected = []
+        for E, k in zip(accum, kept):
+            d = int(E.shape[0])
+            magnitude = jnp.abs(E)
+            threshold = jnp.sort(magnitude)[d - k]
+            selected.append(jnp.where(magnitude >= threshold, E, jnp.zeros_like(E)))
+        global_sparse = communicator.sum(selected)
+        bits = [bits_int32(int(E.shape[0]) * jnp.dtype(E.dtype).itemsize * 8) for E in accum]
+        return selected, global_sparse, bits
+
+    # Both branches must return the same varying-axes types under shard_map's checks: mark
+    # every output as varying over the axes the accumulated gradients vary over.
+    axes = frozenset().union(*[_vma(E) for E in accum])
+
+    def typed(branch):
+        def run(accum):
+            selected, global_sparse, bits = branch(accum)
+            return ([_cast_varying(x, axes) for x in selected], [_cast_varying(x, axes) for x in global_sparse],
+                    [_cast_varying(b, axes) for b in bits])
+        return run
+
+    return jax.lax.cond(use_sparse, typed(sparse), typed(dense), accum)
 
 
 # --------------------------------------------------------------------------- #
@@ -486,7 +564,11 @@ def periodic_average(
 
 def _vma(x) -> frozenset:
     """The manual mesh axes ``x`` varies over (empty outside ``shard_map``)."""
-    return frozenset(getattr(jax.typeof(x), "vma", None) or ())
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10 keeps the varying axes here
+    if mat is not None and getattr(mat, "varying", None) is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", None) or ())
 
 
 def _cast_varying(x, axes: frozenset):
