@@ -223,6 +223,15 @@ def markdown_table(out: dict) -> str:
     return "\n".join(rows)
 
 
+def save(out: dict, path) -> Path:
+    """Write ``out`` as JSON (with the load average now) to ``path``."""
+    out["meta"]["load_average_at_end"] = list(os.getloadavg())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return path
+
+
 def run_one(tree: str, name: str, repeats: int, check_vma: bool, in_process: bool) -> dict:
     """One (tree, compressor) measurement, in a subprocess unless ``in_process``; a failure becomes an error row."""
     if in_process:
@@ -280,6 +289,7 @@ def main(argv=None) -> dict:
             "timing": "median of --repeats steps per compressor, interleaved with the none() baseline, "
                       + ("in one process" if args.in_process else "one subprocess per (tree, compressor)"),
             "memory": "residual() for every compressor; none() baseline with memory none()",
+            "complete": False,
             "command": " ".join(["python", "experiments/benchmarks/step_overhead.py", *(argv or sys.argv[1:])]),
             "step": "g_i = a_i * x_i; compressed_mean over 'data'; x_i -= 0.01 * mean (no model compute)",
             "target": f"{'/'.join(TARGET_NAMES)} <= {TARGET_RATIO}x none() on vgg16",
@@ -291,22 +301,21 @@ def main(argv=None) -> dict:
         num_params = int(sum(np.prod(s) for s in shapes.values()))
         print(f"== {tree}: {num_params:,} parameters in {len(shapes)} tensors", flush=True)
         results = {}
+        out["trees"][tree] = {"num_params": num_params, "num_tensors": len(shapes), "results": results}
         for name in names:
             r = run_one(tree, name, args.repeats, args.check_vma, args.in_process)
             results[name] = r
+            save(out, args.out)  # after every measurement: an interrupted run keeps what it measured
             if "error" in r:
                 print(f"   {name:22s} FAILED: {r['error'][:160]}", flush=True)
                 continue
             print(f"   {name:22s} {r['ratio']:6.2f}x  {r['step_ms']:9.1f} ms (none {r['baseline_step_ms']:8.1f} ms)  "
                   f"{r['wire_bits_per_worker']:>12,d} bits  x{r['compression']:7.1f}", flush=True)
-        out["trees"][tree] = {"num_params": num_params, "num_tensors": len(shapes), "results": results}
     if "vgg16" in out["trees"]:
         res = out["trees"]["vgg16"]["results"]
         out["target_met"] = {k: res[k].get("ratio", float("inf")) <= TARGET_RATIO for k in TARGET_NAMES if k in res}
-    out["meta"]["load_average_at_end"] = list(os.getloadavg())
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    out["meta"]["complete"] = True
+    path = save(out, args.out)
     print(markdown_table(out))
     for k, met in out.get("target_met", {}).items():
         print(f"target {k}@vgg16: {res[k].get('ratio', float('nan')):.2f}x {'met' if met else 'MISSED'} "
