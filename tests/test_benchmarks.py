@@ -44,6 +44,8 @@ def test_compressor_benchmark_tiny(tmp_path, capsys):
     assert result["targets"] == saved["targets"]
     text = capsys.readouterr().out
     assert "| topk |" in text and "targets:" in text
+    bench.main(["--markdown", str(out)])  # the docs' tables, from the JSON
+    assert "| rank 4 |" in capsys.readouterr().out
 
 
 def test_compressor_benchmark_targets_cover_issue_list():

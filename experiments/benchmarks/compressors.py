@@ -182,13 +182,13 @@ def machine_info() -> dict:
     )
 
 
-def markdown_table(rows: list[dict], sizes) -> str:
-    """Rows: compressors; columns: sizes; cells ``ratio (ms)``."""
+def markdown_table(rows: list[dict], sizes, cpu: bool = False) -> str:
+    """Rows: compressors; columns: sizes; cells ``ratio (ms)`` (``wall ratio / CPU ratio (ms)`` with ``cpu``)."""
     by = {}
     for r in rows:
         by.setdefault(r["name"], {})[r["size"]] = r
-    head = "| compressor | " + " | ".join(f"{4 * d / 2**20:g} MB" for d in sizes) + " |"
-    sep = "|---|" + "---:|" * len(sizes)
+    head = "| compressor | " + " | ".join(f"{4 * d / 2**20:g} MB" for d in sizes) + " | wire bits/entry |"
+    sep = "|---|" + "---:|" * (len(sizes) + 1)
     lines = [head, sep]
     for name in sorted(by):
         cells = []
@@ -198,14 +198,18 @@ def markdown_table(rows: list[dict], sizes) -> str:
                 cells.append("")
             elif "error" in r:
                 cells.append("error")
+            elif cpu:
+                cells.append(f"{r['ratio']:.1f}x / {r['cpu_ratio']:.1f}x ({1e3 * r['median_s']:.1f} ms)")
             else:
                 cells.append(f"{r['ratio']:.1f}x ({1e3 * r['median_s']:.1f} ms)")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        last = by[name].get(sizes[-1]) or {}
+        bits = f"{last['wire_bits'] / last['size']:.3g}" if "wire_bits" in last else ""
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {bits} |")
     refs = []
     for d in sizes:
         vals = [r["ref_median_s"] for r in rows if r["size"] == d and "ref_median_s" in r]
         refs.append(f"{1e3 * float(np.median(vals)):.2f} ms" if vals else "")
-    lines.append("| *reference (2x+1)* | " + " | ".join(refs) + " |")
+    lines.append("| *reference (2x+1)* | " + " | ".join(refs) + " | |")
     return "\n".join(lines)
 
 
@@ -217,33 +221,37 @@ def evaluate_targets(rows: list[dict], matrix_rows: list[dict], shape=POWERSGD_M
             if r["name"] in names and r.get("size") in TARGET_SIZES:
                 ratio = r.get("ratio", float("inf"))
                 targets[f"{r['name']}@{4 * r['size'] / 2**20:g}MB"] = dict(
-                    group=group, ratio=ratio, limit=limit, met=bool(ratio <= limit), error=r.get("error"))
+                    group=group, ratio=ratio, cpu_ratio=r.get("cpu_ratio"), limit=limit, met=bool(ratio <= limit),
+                    error=r.get("error"))
     for r in matrix_rows:
         ratio = r.get("ratio", float("inf"))
         targets[f"powersgd_r{r['kwargs'].get('matrix_approximation_rank', '?')}@{shape[0]}x{shape[1]}"] = dict(
-            group="powersgd", ratio=ratio, limit=POWERSGD_TARGET, met=bool(ratio <= POWERSGD_TARGET),
+            group="powersgd", ratio=ratio, cpu_ratio=r.get("cpu_ratio"), limit=POWERSGD_TARGET,
+            met=bool(ratio <= POWERSGD_TARGET),
             error=r.get("error"))
     return targets
 
 
 def powersgd_table(matrix_rows: list[dict]) -> str:
     shape = "x".join(map(str, matrix_rows[0].get("shape", POWERSGD_MATRIX))) if matrix_rows else ""
-    lines = [f"| PowerSGD on {shape} | ratio | ms | bits/entry |", "|---|---:|---:|---:|"]
+    lines = [f"| PowerSGD on {shape} | ratio | CPU-time ratio | ms | wire bits/entry |", "|---|---:|---:|---:|---:|"]
     for r in matrix_rows:
         rank = r["kwargs"].get("matrix_approximation_rank", "?")
         if "ratio" in r:
-            lines.append(f"| rank {rank} | {r['ratio']:.1f}x | {1e3 * r['median_s']:.1f} | "
+            lines.append(f"| rank {rank} | {r['ratio']:.1f}x | {r['cpu_ratio']:.1f}x | {1e3 * r['median_s']:.1f} | "
                          f"{r['wire_bits'] / r['size']:.4f} |")
         else:
-            lines.append(f"| rank {rank} | error: {r['error']} | | |")
+            lines.append(f"| rank {rank} | error: {r['error']} | | | |")
     return "\n".join(lines)
 
 
 def targets_table(targets: dict) -> str:
-    lines = ["| target | ratio | limit | |", "|---|---:|---:|---|"]
+    """One line per target: wall-time ratio (the one judged), CPU-time ratio, limit, met or missed."""
+    lines = ["| target | ratio | CPU-time ratio | limit | |", "|---|---:|---:|---:|---|"]
     for k, v in targets.items():
         ratio = "error" if v.get("error") else f"{v['ratio']:.2f}x"
-        lines.append(f"| {k} | {ratio} | {v['limit']:g}x | {'met' if v['met'] else '**missed**'} |")
+        cpu = f"{v['cpu_ratio']:.2f}x" if v.get("cpu_ratio") is not None else ""
+        lines.append(f"| {k} | {ratio} | {cpu} | {v['limit']:g}x | {'met' if v['met'] else '**missed**'} |")
     return "\n".join(lines)
 
 
@@ -258,7 +266,16 @@ def main(argv=None) -> dict:
                     help="matrix shape of the PowerSGD runs, ROWSxCOLS (default 1024x2560)")
     ap.add_argument("--in-process", action="store_true", help="run every compressor in this process")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # internal: one compressor, rows to stdout
+    ap.add_argument("--markdown", metavar="JSON", help="print the tables of a results file (wall / CPU ratios) and exit")
     args = ap.parse_args(argv)
+    if args.markdown:
+        res = json.loads(Path(args.markdown).read_text())
+        print(markdown_table(res["results"], res["sizes"], cpu=True))
+        if res["powersgd_matrix"]:
+            print("\n" + powersgd_table(res["powersgd_matrix"]))
+        shape = tuple(res["powersgd_matrix"][0]["shape"]) if res["powersgd_matrix"] else POWERSGD_MATRIX
+        print("\n" + targets_table(evaluate_targets(res["results"], res["powersgd_matrix"], shape)))
+        return res
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     sizes = [int(s) for s in args.sizes.split(",") if s]
