@@ -53,7 +53,7 @@ def run(config: dict, out_dir: Path) -> dict:
     if unknown:
         raise ValueError(f"unknown compressors {unknown}; valid: {compressors.names()}")
     train, test = load_image_task(config["dataset"], config["train_examples"], config["test_examples"])
-    runs = []
+    runs, failed = [], []
     for name in names:
         for ef in config["error_feedback"]:
             if ef and name in LOSSLESS:
@@ -64,11 +64,16 @@ def run(config: dict, out_dir: Path) -> dict:
                 optax.sgd(config["learning_rate"], momentum=config["momentum"]),
             )
             label = f"{name}{'+EF' if ef else ''}"
-            r = train_data_parallel(
-                name=label, tx=tx, model=config["model"], train=train, test=test, workers=config["devices"],
-                batch_size=config["batch_size"], steps=config["steps"], eval_every=config["eval_every"],
-                seed=config["seed"], strategy=c.strategy,
-            )
+            try:
+                r = train_data_parallel(
+                    name=label, tx=tx, model=config["model"], train=train, test=test, workers=config["devices"],
+                    batch_size=config["batch_size"], steps=config["steps"], eval_every=config["eval_every"],
+                    seed=config["seed"], strategy=c.strategy,
+                )
+            except Exception as e:  # one failing compressor must not lose the rest of a long study
+                failed.append({"compressor": name, "error_feedback": bool(ef), "error": f"{type(e).__name__}: {e}"})
+                print(f"grace: {label} failed: {type(e).__name__}: {e}", flush=True)
+                continue
             r.update(compressor=name, error_feedback=bool(ef), strategy=c.strategy)
             r["est_total_time_s_10Gbps"] = r["compute_time_s"] + r["est_comm_time_s"]["10Gbps"]
             runs.append(r)
@@ -86,7 +91,7 @@ def run(config: dict, out_dir: Path) -> dict:
     ]
     for r in runs:  # keep the JSON small: drop per-step rows without evaluation
         r["history"] = [row for row in r["history"] if "eval_accuracy" in row or row["step"] % 10 == 0]
-    return {"runs": runs, "summary": summary,
+    return {"runs": runs, "summary": summary, "failed": failed,
             "note": "GRACE used ResNet-20 on CIFAR-10, which is not available offline: the default "
                     "configuration uses Fashion-MNIST with the ResNet-20-style network as the stand-in."}
 
