@@ -72,3 +72,30 @@ def test_quickstart_smoke_via_cli(tmp_path, capsys):
     by = {r["method"]: r for r in results["summary"]}
     assert by["topk-1%+EF"]["Mbit_per_worker"] < by["none"]["Mbit_per_worker"] / 10
     assert "test_accuracy" in capsys.readouterr().out
+
+
+def test_grace_records_a_failing_run_and_goes_on(monkeypatch, tmp_path):
+    # A run that raises (here: a fake trainer that "diverges" for qsgd) is listed under `failed`;
+    # the remaining runs still happen and the figures are still written.
+    from jaxcomm.experiments import grace
+    from jaxcomm.train import NonFiniteLossError
+
+    monkeypatch.setattr(grace, "load_image_task", lambda *a, **k: (None, None))
+
+    def fake_train(*, name, **kwargs):
+        if name.startswith("qsgd"):
+            raise NonFiniteLossError("loss became nan at step 3")
+        return {"name": name, "history": [{"step": 1, "eval_accuracy": 0.5}], "final_accuracy": 0.5,
+                "wire_bits_per_worker": 10.0, "dense_bits_per_worker": 320.0, "compute_time_s": 1.0,
+                "est_comm_time_s": {"10Gbps": 0.1}}
+
+    monkeypatch.setattr(grace, "train_data_parallel", fake_train)
+    cfg = get_experiment("grace").config(smoke=True)
+    cfg["compressors"] = ["none", "qsgd", "topk"]
+    out = grace.run(cfg, tmp_path)
+    assert [r["name"] for r in out["runs"]] == ["none", "topk", "topk+EF"]
+    assert out["failed"] == [
+        {"compressor": "qsgd", "error_feedback": False, "error": "NonFiniteLossError: loss became nan at step 3"},
+        {"compressor": "qsgd", "error_feedback": True, "error": "NonFiniteLossError: loss became nan at step 3"},
+    ]
+    assert (tmp_path / "quality_vs_bits.png").exists()

@@ -8,7 +8,8 @@ casts ``none``/``fp16``/``bf16`` run once), through ``compressed_mean`` on 8
 mesh devices, followed by SGD with momentum. Per run we record test accuracy,
 exact wire bits per worker and the estimated time = measured compute time +
 α-β communication time at 10 Gbps (ring allreduce for summable payloads,
-allgather otherwise).
+allgather otherwise). A run that fails (e.g. diverges to a NaN loss) is listed
+under ``failed`` in the results and the study goes on with the next one.
 """
 
 from __future__ import annotations
