@@ -95,7 +95,7 @@ def np_two_rounds(mats, q, eps=0.0):
 
 
 def test_compress_allreduce_under_vmap_is_the_compression_of_the_sum():
-    n_workers, shape = 4, (24, 3, 6)
+    n_workers, shape = 4, (4, 6, 18)  # viewed as the 24 x 18 matrix (prod(shape[:-1]), shape[-1])
     xs = jax.random.normal(jax.random.PRNGKey(5), (n_workers,) + shape)
     c = jc.compressors.powersgd(matrix_approximation_rank=2)
     comm = MeshAxis("w")
@@ -127,7 +127,7 @@ def test_small_and_1d_arrays_are_sent_uncompressed():
     comm = MeshAxis("w")
     allreduce = jax.jit(jax.vmap(lambda v: c.decompress(c.compress_allreduce(v, KEY, c.init_state(v), comm)[0]),
                                  axis_name="w"))
-    for shape in [(7,), (3, 5, 7)]:  # rank < 2, or (n + m) r * 2 >= n m
+    for shape in [(7,), (2, 3, 4)]:  # rank < 2, or (n + m) r * 2 >= n m  (6 x 4: 40 >= 24)
         x = jax.random.normal(KEY, (3,) + shape)
         assert L.powersgd_plan(shape, 2, 2.0) is None
         np.testing.assert_allclose(np.asarray(allreduce(x)[0]), np.asarray(x.sum(0)), rtol=1e-6)
@@ -138,6 +138,9 @@ def test_small_and_1d_arrays_are_sent_uncompressed():
     assert L.powersgd_plan((40, 30), 2, 2.0) == (40, 30, 2)
     assert L.powersgd_plan((40, 30), 2, 20.0) is None  # (40+30)*2*20 >= 1200
     assert L.powersgd_plan((5, 30), 8, 0.5) == (5, 30, 5)  # r capped at min(n, m); (5+30)*5*0.5 < 150
+    # Flax kernels (kh, kw, in, out) are fan-in x outputs: 3x3x16x16 -> 144 x 16, compressed at rank 2.
+    assert L.powersgd_plan((3, 3, 16, 16), 2, 2.0) == (144, 16, 2)
+    assert L.powersgd_plan((3, 5, 7), 2, 2.0) == (15, 7, 2)
 
 
 def test_dtype_rank_alias_and_nonfinite_recovery():

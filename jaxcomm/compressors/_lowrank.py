@@ -77,14 +77,19 @@ class PowerSGDPayload(Payload):
 def powersgd_plan(shape, rank: int, min_compression_rate: float) -> Optional[tuple[int, int, int]]:
     """``(n, m, r)`` if PowerSGD compresses an array of ``shape``, else ``None``.
 
-    As PyTorch: arrays of rank < 2 are sent uncompressed; otherwise ``n =
-    shape[0]``, ``m = prod(shape[1:])``, ``r = min(rank, n, m)``, and the array is
-    compressed iff ``(n + m) r * min_compression_rate < n m``.
+    Arrays of rank < 2 are sent uncompressed, as in PyTorch's hook. Otherwise the
+    array is viewed as the matrix ``(n, m) = (prod(shape[:-1]), shape[-1])``:
+    fan-in by outputs for Flax's ``(in, out)`` dense and ``(kh, kw, in, out)``
+    convolution kernels, the same matrix PyTorch forms from its ``(out, in, kh,
+    kw)`` layout (``shape[0]`` by the rest), transposed. ``r = min(rank, n, m)``,
+    and the array is compressed iff ``(n + m) r * min_compression_rate < n m``.
+    (Viewing a Flax 3x3x16x16 kernel PyTorch's way, as 3 x 768, would leave it
+    uncompressed at rank 2.)
     """
     if len(shape) < 2:
         return None
-    n = int(shape[0])
-    m = int(np.prod(shape[1:], dtype=np.int64))
+    n = int(np.prod(shape[:-1], dtype=np.int64))
+    m = int(shape[-1])
     r = min(rank, n, m)
     if r < 1 or (n + m) * r * min_compression_rate >= n * m:
         return None
