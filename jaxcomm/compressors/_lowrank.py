@@ -1,7 +1,9 @@
 """Low-rank compression: PowerSGD (Vogels et al. 2019; GRACE Sec. III-D, Table I).
 
-Each gradient array is viewed as a matrix ``M`` of shape ``(n, m)`` (first
-dimension by the product of the rest, as PyTorch's ``powerSGD_hook`` does) and
+Each gradient array is viewed as a matrix ``M`` of shape ``(n, m)`` (the
+product of the leading dimensions by the last: fan-in by outputs for Flax's
+``(..., in, out)`` kernels, the transpose of the matrix PyTorch's
+``powerSGD_hook`` forms from its ``(out, in, ...)`` layout) and
 approximated by ``P Q^T`` with ``P: (n, r)``, ``Q: (m, r)`` from one step of
 subspace (power) iteration, warm-started from the previous step's ``Q``:
 
