@@ -184,6 +184,7 @@ def measure(tree: str, name: str, repeats: int, check_vma: bool) -> dict:
     bits, dense_bits = runner.wire_bits(), base.wire_bits()
     return {
         "ratio": med_c / med_b,
+        "paired_ratio": float(np.median(np.asarray(t_c) / np.asarray(t_base))),
         "step_ms": 1e3 * med_c,
         "baseline_step_ms": 1e3 * med_b,
         "wire_bits_per_worker": bits,
@@ -200,23 +201,34 @@ def measure(tree: str, name: str, repeats: int, check_vma: bool) -> dict:
     }
 
 
+def paired_ratio(r: dict):
+    """Median over the interleaved pairs of (compressed step / the none() step timed beside it), or None."""
+    c, b = r.get("steps_ms"), r.get("baseline_steps_ms")
+    if not c or not b or len(c) != len(b):
+        return None
+    return float(np.median(np.asarray(c) / np.asarray(b)))
+
+
 def markdown_table(out: dict) -> str:
     """The results as a Markdown table: one row per compressor, ratio and wire bits per tree."""
     trees = list(out["trees"])
     names = sorted({n for t in trees for n in out["trees"][t]["results"]})
     head = "| compressor | strategy | memory | " + " | ".join(
-        f"{t}: step / none() | {t}: Mbit/worker/step (x smaller)" for t in trees) + " |"
+        f"{t}: step / none() (paired) | {t}: Mbit/worker/step (x smaller)" for t in trees) + " |"
     rows = [head, "|" + "---|" * (3 + 2 * len(trees))]
     for name in names:
         cells, meta = [], None
         for t in trees:
             r = out["trees"][t]["results"].get(name)
             if r is None or "error" in r:
-                cells += ["failed" if r else "", ""]
+                cells += ["failed" if r else "not measured", ""]
                 continue
             meta = meta or r
             mark = " **>1.3**" if t == "vgg16" and name in TARGET_NAMES and r["ratio"] > TARGET_RATIO else ""
-            cells += [f"{r['ratio']:.2f}x{mark}", f"{r['wire_bits_per_worker'] / 1e6:.3f} (x{r['compression']:.1f})"]
+            paired = paired_ratio(r)
+            paired = f" ({paired:.2f}x)" if paired is not None else ""
+            cells += [f"{r['ratio']:.2f}x{paired}{mark}",
+                      f"{r['wire_bits_per_worker'] / 1e6:.3f} (x{r['compression']:.1f})"]
         strategy = meta["strategy"] if meta else ""
         memory = meta["memory"] if meta else ""
         rows.append(f"| {name} | {strategy} | {memory} | " + " | ".join(cells) + " |")
