@@ -33,7 +33,7 @@ keeps for that array. The transforms :func:`jaxcomm.error_feedback` and
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,13 @@ class Memory(NamedTuple):
         by before it leaves the transform (``1/lr`` for :func:`efsignsgd`,
         which compresses ``lr·g``; ``1`` otherwise).
       params: the hyper-parameters the factory was called with.
+      from_error: optional ``(state, error) -> new_state`` for memories whose
+        ψ is the compression error itself, ``error = phi − g_hat``
+        (:func:`residual`, :func:`efsignsgd`): equal to
+        ``update(state, g, phi, phi − error)``. Transforms then take the error
+        from the compressor's ``compression_error`` hook when it has one (a
+        sparse compressor zeroes the sent entries of ``phi`` in place instead
+        of building a dense ``g_hat``). ``None``: only ``update`` is used.
     """
 
     name: str
@@ -77,10 +84,16 @@ class Memory(NamedTuple):
     update: Callable[[Any, Array, Array, Array], Any]
     output_scale: float
     params: dict
+    from_error: Optional[Callable[[Any, Array], Any]] = None
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"jaxcomm.memory.{self.name}({args})"
+
+
+def _error_state(m, error):
+    """``from_error`` of the residual memories: the new state is the compression error, in the state's dtype."""
+    return error.astype(m.dtype)
 
 
 class DGCMemoryState(NamedTuple):
@@ -164,7 +177,7 @@ def residual(beta: float = 1.0, gamma: float = 1.0) -> Memory:
         del g
         return (phi - g_hat.astype(phi.dtype)).astype(m.dtype)
 
-    return Memory("residual", init, compensate, update, 1.0, {"beta": beta, "gamma": gamma})
+    return Memory("residual", init, compensate, update, 1.0, {"beta": beta, "gamma": gamma}, _error_state)
 
 
 # --------------------------------------------------------------------------- #
@@ -265,7 +278,7 @@ def efsignsgd(learning_rate: float) -> Memory:
         del g
         return (phi - g_hat.astype(phi.dtype)).astype(m.dtype)
 
-    return Memory("efsignsgd", init, compensate, update, 1.0 / lr, {"learning_rate": lr})
+    return Memory("efsignsgd", init, compensate, update, 1.0 / lr, {"learning_rate": lr}, _error_state)
 
 
 # --------------------------------------------------------------------------- #

@@ -11,7 +11,10 @@ the shapes ``(), (1,), (7,), (33, 17), (3, 5, 7)`` in float32 and bfloat16;
 determinism for a fixed key; use as an optax transformation (``chain``,
 ``MultiSteps``, jit); exact ``wire_bits`` type and range; finite output on finite
 input and no crash on NaN/Inf; and, for compressors declared ``unbiased``, a
-Monte Carlo test of ``E[Q(x)] = x`` whose tolerance comes from the sample variance.
+Monte Carlo test of ``E[Q(x)] = x`` whose tolerance comes from the sample variance;
+and, for compressors with a ``decompress_sum`` or ``compression_error`` hook,
+that it equals decompressing each stacked payload and adding, or
+``x − decompress(payload)`` bit for bit.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ __all__ = [
     "check_wire_bits",
     "check_nonfinite",
     "check_unbiased",
+    "check_decompress_sum",
+    "check_compression_error",
     "monte_carlo_mean",
 ]
 
@@ -161,6 +166,58 @@ def check_unbiased(c: Compressor, num_samples: int = 4000, z: float = 6.0, seed:
     )
 
 
+def check_decompress_sum(c: Compressor, n: int = 5) -> None:
+    """A ``decompress_sum`` hook equals ``sum_i decompress(payload_i)`` (up to summation order).
+
+    ``n`` payloads of different (correlated, so sparse supports overlap)
+    inputs and keys, stacked on a leading axis as an all-gather returns them;
+    float32 on ``(33, 17)`` and ``(3, 5, 7)`` and bfloat16 on ``(33, 17)``,
+    summed in float32. Skipped (passes) when the hook is ``None``.
+    """
+    hook = getattr(c, "decompress_sum", None)
+    if hook is None:
+        return
+    compress = jax.jit(lambda x, key: c.compress(x, key)[0])
+    decompress = jax.jit(c.decompress)
+    for shape, dtype in (((33, 17), jnp.float32), ((3, 5, 7), jnp.float32), ((33, 17), jnp.bfloat16)):
+        base = _sample(shape, jnp.float32, seed=7)
+        payloads = [
+            compress((base + 0.5 * _sample(shape, jnp.float32, seed=10 + i)).astype(dtype), jax.random.PRNGKey(20 + i))
+            for i in range(n)
+        ]
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *payloads)
+        got = jax.jit(lambda g: hook(g, jnp.float32))(stacked)
+        want = sum(np.asarray(decompress(p), np.float64) for p in payloads)
+        assert got.shape == shape and got.dtype == jnp.float32, f"{c.name}: decompress_sum gave {got.shape} {got.dtype}"
+        scale = max(1.0, float(np.max(np.abs(want))))
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-5 * scale,
+                                   err_msg=f"{c.name}: decompress_sum differs from the sum of decompressions")
+
+
+def check_compression_error(c: Compressor) -> None:
+    """A ``compression_error`` hook equals ``x − decompress(payload)`` exactly (NaN where it is NaN).
+
+    float32 on :data:`SHAPES`, bfloat16 on ``(33, 17)``, and float32 with NaN
+    and Inf entries. Skipped (passes) when the hook is ``None``.
+    """
+    hook = getattr(c, "compression_error", None)
+    if hook is None:
+        return
+    nonfinite = _sample((33, 17)).at[0, 0].set(jnp.nan).at[1, 1].set(jnp.inf).at[2, 2].set(-jnp.inf)
+    cases = [_sample(s) for s in SHAPES] + [_sample((33, 17), jnp.bfloat16), nonfinite]
+
+    @jax.jit
+    def both(x, key):
+        payload, _ = c.compress(x, key)
+        return hook(x, payload), x - c.decompress(payload).astype(x.dtype)
+
+    for x in cases:
+        got, want = both(x, jax.random.PRNGKey(5))
+        assert got.shape == x.shape and got.dtype == x.dtype, f"{c.name}: compression_error gave {got.shape} {got.dtype}"
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                      err_msg=f"{c.name}: compression_error differs from x - decompress(payload)")
+
+
 def contract_checks() -> dict[str, Callable[[Compressor], None]]:
     """Name -> check function, for ``pytest.mark.parametrize``."""
     return {
@@ -170,6 +227,8 @@ def contract_checks() -> dict[str, Callable[[Compressor], None]]:
         "wire_bits": check_wire_bits,
         "nonfinite": check_nonfinite,
         "unbiased": check_unbiased,
+        "decompress_sum": check_decompress_sum,
+        "compression_error": check_compression_error,
     }
 
 

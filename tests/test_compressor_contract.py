@@ -1,5 +1,6 @@
 """The contract battery (jaxcomm.testing) over every registered compressor."""
 
+import jax
 import pytest
 
 import jaxcomm as jc
@@ -53,3 +54,33 @@ def test_battery_catches_a_biased_estimator():
     )
     with pytest.raises(AssertionError, match="biased"):
         testing.check_unbiased(bad)
+
+
+def test_battery_catches_a_wrong_decompress_sum():
+    # A decompress_sum hook that drops all payloads but the first must fail the battery.
+    base = jc.compressors.topk(ratio=0.3)
+    bad = jc.compressors.Compressor.create(
+        name="bad", compress=lambda x, k, s: base.compress(x, k), decompress=base.decompress,
+        decompress_sum=lambda g, dtype: base.decompress(jax.tree.map(lambda a: a[0], g)).astype(dtype),
+        unbiased=False, strategy="allgather",
+    )
+    with pytest.raises(AssertionError, match="decompress_sum differs"):
+        testing.check_decompress_sum(bad)
+
+
+def test_battery_catches_a_wrong_compression_error():
+    # A compression_error hook that forgets the sent entries (returns x) must fail the battery.
+    base = jc.compressors.topk(ratio=0.3)
+    bad = jc.compressors.Compressor.create(
+        name="bad", compress=lambda x, k, s: base.compress(x, k), decompress=base.decompress,
+        compression_error=lambda x, p: x, unbiased=False, strategy="allgather",
+    )
+    with pytest.raises(AssertionError, match="compression_error differs"):
+        testing.check_compression_error(bad)
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc", "threshold", "qsparse"])
+def test_sparse_compressors_have_the_fast_hooks(name):
+    # The step-overhead benchmark depends on these: one scatter per sum, in-place error.
+    c = build(name)
+    assert c.decompress_sum is not None and c.compression_error is not None

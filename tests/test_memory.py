@@ -66,6 +66,24 @@ def test_residual_is_grace_eq4(beta, gamma, seed):
     np.testing.assert_allclose(np.asarray(m1), beta * m0 + gamma * g - g_hat, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("memory", [mem.residual(), mem.residual(0.5, 2.0), mem.efsignsgd(0.1)], ids=repr)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_from_error_is_update_with_the_error(memory, dtype):
+    # from_error(m, phi - g_hat) must be update(m, g, phi, g_hat): the transforms use either.
+    rng = np.random.default_rng(3)
+    m0, g, g_hat = (jnp.asarray(rng.normal(size=(5, 7)), dtype) for _ in range(3))
+    phi = memory.compensate(m0, g)
+    want = memory.update(m0, g, phi, g_hat)
+    got = memory.from_error(m0, phi - g_hat.astype(phi.dtype))
+    assert got.dtype == want.dtype == m0.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_memories_without_from_error():
+    # dgc's state is not the error (it masks momentum); none keeps nothing: both use update only.
+    assert mem.dgc().from_error is None and mem.none().from_error is None
+
+
 def test_none_memory_and_init_states():
     x = jnp.ones((2, 3), jnp.bfloat16)
     none = mem.none()

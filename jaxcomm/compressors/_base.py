@@ -220,6 +220,18 @@ class Compressor(optax.GradientTransformationExtraArgs):
         for multi-round methods (PowerSGD): runs the collectives itself through
         the communicator ``comm`` (``comm.sum(a)``, ``comm.size``), and returns a
         payload whose ``decompress`` is the *sum* over workers.
+      decompress_sum: optional ``(gathered, dtype) -> total``: given ``n``
+        payloads stacked on a leading axis (what an all-gather returns), the
+        sum ``sum_i decompress(gathered[i])`` in ``dtype`` (shape of ``x``).
+        Equal to the loop up to floating-point summation order. Sparse
+        compressors scatter-add all ``n k`` entries into one dense buffer
+        (one pass over the tensor) instead of building ``n`` dense tensors;
+        ``None`` (default): the transforms decompress each payload and add.
+      compression_error: optional ``(x, payload) -> x − decompress(payload)``
+        (shape and dtype of ``x``), the error an error-feedback memory keeps.
+        Sparse compressors subtract the sent entries from ``x`` in place (one
+        scatter) instead of building the dense reconstruction and subtracting
+        it. ``None`` (default): the transforms compute the difference.
       params: the hyper-parameters the factory was called with.
     """
 
@@ -238,6 +250,8 @@ class Compressor(optax.GradientTransformationExtraArgs):
         strategy: str,
         init_state: Optional[Callable] = None,
         compress_allreduce: Optional[Callable] = None,
+        decompress_sum: Optional[Callable] = None,
+        compression_error: Optional[Callable] = None,
         seed: int = 0,
         params: Optional[dict] = None,
     ) -> "Compressor":
@@ -290,6 +304,8 @@ class Compressor(optax.GradientTransformationExtraArgs):
         self.unbiased = bool(unbiased)
         self.strategy = strategy
         self.compress_allreduce = compress_allreduce
+        self.decompress_sum = decompress_sum
+        self.compression_error = compression_error
         self.seed = seed
         self.params = dict(params or {})
         return self
@@ -298,6 +314,13 @@ class Compressor(optax.GradientTransformationExtraArgs):
         """``decompress(compress(x))``: the local lossy round trip of one array."""
         payload, state = self.compress(x, key, state)
         return self.decompress(payload), state
+
+    def error(self, x, payload):
+        """``x − decompress(payload)`` in ``x``'s dtype: the compression error of ``payload``
+        (compressed from ``x``), via the ``compression_error`` hook when there is one."""
+        if self.compression_error is not None:
+            return self.compression_error(x, payload)
+        return x - self.decompress(payload).astype(jnp.result_type(x))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())

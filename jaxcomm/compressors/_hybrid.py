@@ -17,7 +17,7 @@ import numpy as np
 
 from ._base import Compressor, Payload, check_positive_int, check_ratio, payload_dataclass, register, static_field
 from ._primitives import dequantize, index_dtype, pack, quantize, unpack
-from ._sparsify import _magnitude_keys, _scatter, _scatter_count, num_selected, top_indices, topk_indices
+from ._sparsify import _magnitude_keys, _scatter, _scatter_count, num_selected, subtract_sparse, sum_scatter, top_indices, topk_indices
 
 Array = jax.Array
 
@@ -228,7 +228,21 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
         vals = dequantize(level, sign, p.norm, p.num_levels, jnp.float32)
         return _scatter(vals, p.indices, p.shape, p.dtype)
 
+    def decompress_sum(g: QSparsePayload, dtype):
+        n, k = g.indices.shape
+        level = jax.vmap(lambda a: unpack(a, g.level_bits, k))(g.levels) if g.level_bits else g.levels
+        sign = jax.vmap(lambda a: unpack(a, 1, k))(g.signs).astype(bool)
+        vals = dequantize(level, sign, g.norm[:, None], g.num_levels, jnp.float32)
+        return sum_scatter(vals, g.indices, g.shape, dtype, value_dtype=g.dtype)
+
+    def compression_error(x, p: QSparsePayload):
+        k = p.indices.shape[0]
+        level = unpack(p.levels, p.level_bits, k) if p.level_bits else p.levels
+        sign = unpack(p.signs, 1, k).astype(bool)
+        return subtract_sparse(x, dequantize(level, sign, p.norm, p.num_levels, jnp.float32), p.indices)
+
     return Compressor.create(
-        name="qsparse", compress=compress, decompress=decompress, unbiased=False,
+        name="qsparse", compress=compress, decompress=decompress, decompress_sum=decompress_sum,
+        compression_error=compression_error, unbiased=False,
         strategy="allgather", seed=seed, params=dict(ratio=ratio, levels=levels),
     )

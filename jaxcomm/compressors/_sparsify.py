@@ -616,6 +616,95 @@ def _decompress_count(p: CountSparsePayload):
     return _scatter_count(p.values, p.indices, p.count, p.shape, p.dtype, p.scale)
 
 
+def sum_scatter(values, indices, shape, dtype, scale=1.0, value_dtype=None):
+    """Scatter-add the entries of ``n`` sparse payloads into one dense tensor.
+
+    ``sum_i scatter(values[i], indices[i])``: one zero-filled buffer and one
+    scatter-add of all ``n k`` entries (repeated positions add up), instead of
+    ``n`` dense tensors added together, so the cost is one pass over the tensor
+    plus ``n k`` scattered adds.
+
+    Args:
+      values: ``(n, k)`` entries (any float dtype).
+      indices: ``(n, k)`` flat positions into a tensor of ``shape``.
+      shape: the dense tensor's shape.
+      dtype: the result's dtype (the accumulation dtype).
+      scale: multiplier applied to every value in float32 (static).
+      value_dtype: if given, each scaled value is first rounded to it (the
+        tensor's dtype: what a single payload's ``decompress`` returns), so the
+        sum matches decompress-then-add up to summation order.
+    Returns:
+      ``(shape)`` array of ``dtype``.
+    """
+    v = jnp.ravel(values).astype(jnp.float32)
+    if scale != 1.0:
+        v = v * jnp.float32(scale)
+    if value_dtype is not None:
+        v = v.astype(value_dtype)
+    return desparsify(v.astype(dtype), jnp.ravel(indices), shape, dtype)
+
+
+def _decompress_sum_sparse(g: SparsePayload, dtype):
+    """``decompress_sum`` of stacked :class:`SparsePayload` (top-k): one scatter."""
+    return sum_scatter(g.values, g.indices, g.shape, dtype, value_dtype=g.dtype)
+
+
+def _decompress_sum_count(g: CountSparsePayload, dtype):
+    """``decompress_sum`` of stacked :class:`CountSparsePayload`.
+
+    One scatter of all ``n cap`` slots (unused slots hold 0 at index 0) when
+    the buffers are small (``cap <= d / 16``); for large buffers each payload
+    is decompressed on its own, so that :func:`_scatter_count` can skip the
+    unused tail of each.
+    """
+    n, cap = g.values.shape
+    d = int(np.prod(g.shape, dtype=np.int64))
+    if cap <= d // 16 or d // 16 < 1024:
+        return sum_scatter(g.values, g.indices, g.shape, dtype, g.scale, value_dtype=g.dtype)
+    total = jnp.zeros(g.shape, dtype)
+    for i in range(n):
+        total = total + _decompress_count(jax.tree.map(lambda a: a[i], g)).astype(dtype)
+    return total
+
+
+def subtract_sparse(x, values, indices, scale=1.0):
+    """``x − scatter(values · scale at indices)`` as one in-place scatter-add into ``x``.
+
+    The compression error of a sparse payload compressed from ``x``:
+    ``x − decompress(payload)`` without a dense reconstruction. Each value is
+    scaled in float32 and rounded to ``x``'s dtype first, as ``decompress``
+    does, so the result is identical (a sent entry of ``x`` becomes exactly 0;
+    NaN and Inf entries become NaN, as ``x − x`` does).
+
+    Args:
+      x: the tensor the payload was compressed from, any shape.
+      values: ``(k,)`` sent entries; indices: ``(k,)`` their flat positions.
+      scale: multiplier of the values (static).
+    Returns:
+      array of ``x``'s shape and dtype.
+    """
+    v = values.astype(jnp.float32)
+    if scale != 1.0:
+        v = v * jnp.float32(scale)
+    flat = jnp.ravel(x)
+    return flat.at[indices.astype(jnp.int32)].add(-v.astype(flat.dtype)).reshape(jnp.shape(x))
+
+
+def _error_sparse(x, p: SparsePayload):
+    """``compression_error`` of :class:`SparsePayload` (top-k): one scatter into ``x``."""
+    return subtract_sparse(x, p.values, p.indices)
+
+
+def _error_count(x, p: CountSparsePayload):
+    """``compression_error`` of :class:`CountSparsePayload`: one scatter into ``x`` when the
+    buffer is small (``cap <= d / 16``), else ``x − decompress(p)`` (which skips unused slots)."""
+    d = int(np.size(x))
+    cap = p.values.shape[0]
+    if cap <= d // 16 or d // 16 < 1024:
+        return subtract_sparse(x, p.values, p.indices, p.scale)
+    return x - _decompress_count(p).astype(x.dtype)
+
+
 def _decompress_mask(p: MaskSparsePayload):
     d = int(np.prod(p.shape, dtype=np.int64))
     cap = p.values.shape[0]
@@ -771,7 +860,8 @@ def topk(*, ratio: float, seed: int = 0) -> Compressor:
         return SparsePayload(values=vals, indices=idx, shape=tuple(np.shape(x)), dtype=x.dtype), state
 
     return Compressor.create(
-        name="topk", compress=compress, decompress=_decompress_sparse, unbiased=False,
+        name="topk", compress=compress, decompress=_decompress_sparse, decompress_sum=_decompress_sum_sparse,
+        compression_error=_error_sparse, unbiased=False,
         strategy="allgather", seed=seed, params=dict(ratio=ratio),
     )
 
@@ -817,7 +907,8 @@ def threshold(*, v: float, max_ratio: float = 1.0, seed: int = 0) -> Compressor:
         return CountSparsePayload(values=vals, indices=idx, count=count, shape=tuple(np.shape(x)), dtype=x.dtype), state
 
     return Compressor.create(
-        name="threshold", compress=compress, decompress=_decompress_count, unbiased=False,
+        name="threshold", compress=compress, decompress=_decompress_count, decompress_sum=_decompress_sum_count,
+        compression_error=_error_count, unbiased=False,
         strategy="allgather", seed=seed, params=dict(v=v, max_ratio=max_ratio),
     )
 
@@ -979,7 +1070,8 @@ def dgc(
         return CountSparsePayload(values=vals, indices=idx, count=n, shape=shape, dtype=x.dtype), state
 
     return Compressor.create(
-        name="dgc", compress=compress, decompress=_decompress_count, unbiased=False, strategy="allgather",
+        name="dgc", compress=compress, decompress=_decompress_count, decompress_sum=_decompress_sum_count,
+        compression_error=_error_count, unbiased=False, strategy="allgather",
         seed=seed, params=dict(ratio=ratio, sample_ratio=sample_ratio, upper_bound=upper_bound,
                                lower_bound=lower_bound, max_adaptation_iters=max_adaptation_iters),
     )

@@ -142,7 +142,12 @@ def compressed_mean(
     identical on every worker; chain an optimizer after it (its state is then
     replicated). Per tensor: compensate → compress → communicate → decompress →
     average → memory update ``m_i ← ψ(m_i, g_i, Q(φ_i))`` with this worker's
-    own reconstruction ``Q⁻¹(Q(φ_i))``.
+    own reconstruction ``Q⁻¹(Q(φ_i))``. (For the residual memories, whose ψ is
+    the compression error ``φ_i − Q⁻¹(Q(φ_i))``, the error comes from
+    ``compressor.error``: sparse compressors zero the sent entries of ``φ_i``
+    in place rather than building a dense reconstruction. Sparse compressors
+    also sum the ``n`` gathered payloads with one scatter-add,
+    ``compressor.decompress_sum``.)
 
     Strategies (GRACE Sec. IV-B):
       * ``"allreduce"``: the payload's ``summable`` fields are summed with one
@@ -270,9 +275,14 @@ def compressed_mean(
                         total = total + compressor.decompress(c.broadcast(payload, r)).astype(acc_dtype)
                     mean = total / n
                     nbits = bits_int32(wire_bits(payload))
-                g_hat = compressor.decompress(payload)
+                g_hat = None  # this worker's own reconstruction, only if the memory needs it
+                if memory.from_error is None:
+                    g_hat = compressor.decompress(payload)
                 cs = cs_new
-            mems.append(memory.update(m, g, phi, g_hat))
+            if g_hat is None:
+                mems.append(memory.from_error(m, compressor.error(phi, payload)))
+            else:
+                mems.append(memory.update(m, g, phi, g_hat))
             out = mean if scale == 1.0 else mean * scale
             outs.append(out.astype(dtype))
             cstates.append(cs)
@@ -296,13 +306,21 @@ _UNROLL_MAX = 16
 def _sum_decompressed(compressor: Compressor, gathered, n: int, acc_dtype):
     """``sum_i decompress(gathered[i])`` over the ``n`` gathered payloads, in ``acc_dtype``.
 
-    For ``n <= _UNROLL_MAX`` the sum is written out: for an elementwise decoder
-    (sign, 1-bit, QSGD, ... codes) XLA fuses the ``n`` decodes and the adds into
-    one pass that reads the ``n`` payloads and writes the dense sum once (measured
-    on 8 simulated CPU devices, VGG16-sized signSGD: 2.4x faster than a loop,
-    faster than the uncompressed all-reduce). Beyond that, a ``lax.scan`` keeps
-    the program small: one decode and one dense read-modify-write per payload.
+    A compressor with a ``decompress_sum`` hook computes the sum itself (sparse
+    payloads: one scatter-add of all ``n k`` entries into one dense buffer; on 8
+    simulated CPU devices with a VGG16-sized tree at 1 % density, XXX).
+    Otherwise, for ``n <= _UNROLL_MAX`` the sum is written out: for an
+    elementwise decoder (sign, 1-bit, QSGD, ... codes) XLA fuses the ``n``
+    decodes and the adds into one pass that reads the ``n`` payloads and writes
+    the dense sum once (measured on 8 simulated CPU devices, VGG16-sized
+    signSGD: 2.4x faster than a loop, faster than the uncompressed all-reduce).
+    Beyond that, a ``lax.scan`` keeps the program small: one decode and one
+    dense read-modify-write per payload.
     """
+    hook = getattr(compressor, "decompress_sum", None)
+    if hook is not None:
+        return hook(gathered, acc_dtype)
+
     def one(i):
         return compressor.decompress(jax.tree.map(lambda a: a[i], gathered)).astype(acc_dtype)
 
