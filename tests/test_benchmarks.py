@@ -77,6 +77,14 @@ def test_step_overhead_benchmark_tiny(tmp_path):
         assert r["dense_bits_per_worker"] == 32 * d
     assert res["signsgd"]["wire_bits_per_worker"] < d + 32 * 3 + 1  # 1 bit per entry + a scale per tensor
     assert result["trees"] == saved["trees"]
+    # --memory grace: GRACE's Table I choice (no error feedback for signSGD, residual for top-k).
+    grace = bench.main(["--trees", "tiny", "--compressors", "signsgd,topk", "--repeats", "1",
+                        "--in-process", "--memory", "grace", "--out", str(tmp_path / "grace.json")])
+    res = grace["trees"]["tiny"]["results"]
+    assert res["signsgd"]["memory"] == "none" and res["topk"]["memory"] == "residual"
+    assert bench.memory_for("qsgd", "grace").name == "none" and bench.memory_for("qsgd").name == "residual"
+    with pytest.raises(ValueError, match="memory must be one of"):
+        bench.memory_for("qsgd", "sometimes")
     # The documented trees have the sizes the issue names.
     for tree, lo, hi, n in (("resnet20", 260_000, 280_000, 59), ("vgg16", 14_500_000, 15_500_000, 30)):
         shapes = bench.TREES[tree]()

@@ -13,10 +13,14 @@ compressor, this times one jitted step
 inside ``jax.shard_map`` over 8 simulated CPU devices, and reports
 ``ratio = median step time with the compressor / median step time with none()``
 and the exact wire bits one worker sends per step (``state.wire_bits``).
-Every compressor runs with ``memory.residual()`` (GRACE's error feedback, as
-in ``compressed_mean(c, "data", memory=jaxcomm.memory.residual())``); the
-baseline is ``none()`` with ``memory.none()``: the plain uncompressed mean (one
-all-reduce per tensor), so the ratio includes the memory's own passes. Each compressor is timed
+With ``--memory residual`` (the default) every compressor runs with
+``memory.residual()`` (GRACE's error feedback, as in ``compressed_mean(c,
+"data", memory=jaxcomm.memory.residual())``); with ``--memory grace`` each runs
+with the memory of GRACE's own experiments (Table I, column "EF-On"): none for
+signSGD, SIGNUM, QSGD, TernGrad and INCEPTIONN, whose convergence GRACE found
+error feedback to harm (Sec. V), residual for the others. The baseline is
+``none()`` with ``memory.none()``: the plain uncompressed mean (one all-reduce
+per tensor), so the ratio includes the memory's own passes. Each compressor is timed
 interleaved with the ``none()`` baseline (none, c, none, c, ...) so drifts in
 machine load hit both alike; the ratio is median(c) / median(none) (``--repeats``
 pairs, fewer -- at least 3 -- for compressors slower than 120 s per ``--repeats``
@@ -35,7 +39,7 @@ Target (issue 3, item 7): sign, 1-bit, QSGD and top-k at most 1.3x the
 uncompressed step on the VGG16-shaped tree.
 
 usage: python experiments/benchmarks/step_overhead.py [--repeats 7] [--trees resnet20,vgg16]
-       [--compressors topk,qsgd,...] [--check-vma] [--in-process]
+       [--compressors topk,qsgd,...] [--memory residual|grace] [--check-vma] [--in-process]
        [--out experiments/benchmarks/results/step_overhead.json]
 """
 
@@ -77,6 +81,11 @@ KWARGS = {
 # The compressors the 1.3x target names: sign (signsgd, signum, efsignsgd, scaled_sign), 1-bit, QSGD, top-k.
 TARGET_NAMES = ("signsgd", "signum", "efsignsgd", "scaled_sign", "onebit", "qsgd", "topk")
 TARGET_RATIO = 1.3
+# GRACE Table I, column "EF-On": the compressors GRACE ran *without* error feedback
+# (Sec. V: "EF harms the convergence of several quantization methods (SignSGD,
+# SIGNUM, QSGD and Terngrad)"; INCEPTIONN is also marked off). All others: residual.
+GRACE_NO_MEMORY = ("signsgd", "signum", "qsgd", "terngrad", "inceptionn")
+MEMORIES = ("residual", "grace")
 TIME_BUDGET_S = 120.0  # per compressor and tree: timed compressed steps beyond 3 pairs stop here
 
 
@@ -118,8 +127,18 @@ def tiny_shapes():
 TREES = {"resnet20": resnet20_shapes, "vgg16": vgg16_shapes, "tiny": tiny_shapes}
 
 
-def build_step(compressor, n: int, mesh, check_vma: bool = False):
-    memory = mem.none() if compressor.name == "none" else mem.residual()
+def memory_for(name: str, memory: str = "residual"):
+    """The memory a compressor runs with: ``none()`` for the baseline (and, under
+    ``memory="grace"``, for :data:`GRACE_NO_MEMORY`), else ``residual()``."""
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {MEMORIES}; got {memory!r}")
+    if name == "none" or (memory == "grace" and name in GRACE_NO_MEMORY):
+        return mem.none()
+    return mem.residual()
+
+
+def build_step(compressor, n: int, mesh, check_vma: bool = False, memory: str = "residual"):
+    memory = memory_for(compressor.name, memory)
     tx = compressed_mean(compressor, "data", memory=memory)
 
     def worker(a, x, state):
@@ -136,8 +155,8 @@ def build_step(compressor, n: int, mesh, check_vma: bool = False):
 class Runner:
     """Holds one compressor's compiled step and its (donated) buffers."""
 
-    def __init__(self, compressor, shapes, n, mesh, check_vma=False, seed=0):
-        self.tx, self.memory, self.step = build_step(compressor, n, mesh, check_vma)
+    def __init__(self, compressor, shapes, n, mesh, check_vma=False, seed=0, memory="residual"):
+        self.tx, self.memory, self.step = build_step(compressor, n, mesh, check_vma, memory)
         put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))
         rng = np.random.default_rng(seed)
         params = {k: (rng.standard_normal(s) * 0.05).astype(np.float32) for k, s in shapes.items()}
@@ -161,7 +180,7 @@ class Runner:
         return int(np.asarray(self.state.wire_bits[0], np.int64).sum())
 
 
-def measure(tree: str, name: str, repeats: int, check_vma: bool) -> dict:
+def measure(tree: str, name: str, repeats: int, check_vma: bool, memory: str = "residual") -> dict:
     """Time one compressor against none() on one tree (in this process)."""
     n = 8
     devices = jax.devices()
@@ -171,7 +190,7 @@ def measure(tree: str, name: str, repeats: int, check_vma: bool) -> dict:
     shapes = TREES[tree]()
     c = jc.compressors.make(name, **KWARGS.get(name, {}))
     base = Runner(jc.compressors.none(), shapes, n, mesh, check_vma)
-    runner = Runner(c, shapes, n, mesh, check_vma)
+    runner = Runner(c, shapes, n, mesh, check_vma, memory=memory)
     t_base, t_c = [base.call()], [runner.call()]
     requested = repeats
     # Slow compressors (seconds per step on the large tree) get fewer pairs, at least 3:
@@ -244,14 +263,15 @@ def save(out: dict, path) -> Path:
     return path
 
 
-def run_one(tree: str, name: str, repeats: int, check_vma: bool, in_process: bool) -> dict:
+def run_one(tree: str, name: str, repeats: int, check_vma: bool, in_process: bool, memory: str = "residual") -> dict:
     """One (tree, compressor) measurement, in a subprocess unless ``in_process``; a failure becomes an error row."""
     if in_process:
         try:
-            return measure(tree, name, repeats, check_vma)
+            return measure(tree, name, repeats, check_vma, memory)
         except Exception as e:  # record and go on
             return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", tree, name, "--repeats", str(repeats)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", tree, name, "--repeats", str(repeats),
+           "--memory", memory]
     cmd += ["--check-vma"] if check_vma else []
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
@@ -269,6 +289,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--trees", default="resnet20,vgg16")
     ap.add_argument("--compressors", default="", help="comma-separated names (default: every registered one)")
+    ap.add_argument("--memory", choices=MEMORIES, default="residual",
+                    help="residual for every compressor, or GRACE's Table I choice (none for signsgd, signum, "
+                         "qsgd, terngrad, inceptionn)")
     ap.add_argument("--check-vma", action="store_true", help="build the shard_map with check_vma=True")
     ap.add_argument("--in-process", action="store_true", help="no subprocess per (tree, compressor)")
     ap.add_argument("--markdown", metavar="JSON", help="print the table of a results file and exit")
@@ -279,7 +302,7 @@ def main(argv=None) -> dict:
         print(markdown_table(json.loads(Path(args.markdown).read_text())))
         return {}
     if args.one:  # child process: one measurement, one JSON line
-        r = measure(*args.one, args.repeats, args.check_vma)
+        r = measure(*args.one, args.repeats, args.check_vma, args.memory)
         print("RESULT " + json.dumps(r, default=str), flush=True)
         return r
     names = [c for c in args.compressors.split(",") if c] or [c for c in jc.compressors.names() if c != "none"]
@@ -300,7 +323,9 @@ def main(argv=None) -> dict:
             "check_vma": args.check_vma,
             "timing": "median of --repeats steps per compressor, interleaved with the none() baseline, "
                       + ("in one process" if args.in_process else "one subprocess per (tree, compressor)"),
-            "memory": "residual() for every compressor; none() baseline with memory none()",
+            "memory": ("residual() for every compressor" if args.memory == "residual" else
+                       f"GRACE Table I: none() for {', '.join(GRACE_NO_MEMORY)}, residual() for the others")
+                      + "; none() baseline with memory none()",
             "complete": False,
             "command": " ".join(["python", "experiments/benchmarks/step_overhead.py", *(argv or sys.argv[1:])]),
             "step": "g_i = a_i * x_i; compressed_mean over 'data'; x_i -= 0.01 * mean (no model compute)",
@@ -315,7 +340,7 @@ def main(argv=None) -> dict:
         results = {}
         out["trees"][tree] = {"num_params": num_params, "num_tensors": len(shapes), "results": results}
         for name in names:
-            r = run_one(tree, name, args.repeats, args.check_vma, args.in_process)
+            r = run_one(tree, name, args.repeats, args.check_vma, args.in_process, args.memory)
             results[name] = r
             save(out, args.out)  # after every measurement: an interrupted run keeps what it measured
             if "error" in r:
