@@ -17,7 +17,16 @@ import numpy as np
 
 from ._base import Compressor, Payload, check_positive_int, check_ratio, payload_dataclass, register, static_field
 from ._primitives import dequantize, index_dtype, pack, quantize, unpack
-from ._sparsify import _magnitude_keys, _scatter, _scatter_count, num_selected, subtract_sparse, sum_scatter, top_indices, topk_indices
+from ._sparsify import (
+    _magnitude_keys,
+    _scatter,
+    _scatter_count,
+    num_selected,
+    subtract_sparse,
+    sum_scatter,
+    top_indices,
+    topk_indices,
+)
 
 Array = jax.Array
 

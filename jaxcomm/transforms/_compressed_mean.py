@@ -307,8 +307,10 @@ def _sum_decompressed(compressor: Compressor, gathered, n: int, acc_dtype):
     """``sum_i decompress(gathered[i])`` over the ``n`` gathered payloads, in ``acc_dtype``.
 
     A compressor with a ``decompress_sum`` hook computes the sum itself (sparse
-    payloads: one scatter-add of all ``n k`` entries into one dense buffer; on 8
-    simulated CPU devices with a VGG16-sized tree at 1 % density, XXX).
+    payloads: one scatter-add of all ``n k`` entries into one dense buffer,
+    instead of ``n`` dense tensors; with ``compression_error`` it took the
+    top-k step on 8 simulated CPU devices with a VGG16-sized tree at 1 %
+    density from 2.05x to 1.82x the uncompressed step, docs/benchmarks.md).
     Otherwise, for ``n <= _UNROLL_MAX`` the sum is written out: for an
     elementwise decoder (sign, 1-bit, QSGD, ... codes) XLA fuses the ``n``
     decodes and the adds into one pass that reads the ``n`` payloads and writes
