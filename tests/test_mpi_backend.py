@@ -54,3 +54,15 @@ def test_mpicomm_protocol_under_mpirun(mpi_results):
     (float32, uint8, bfloat16 and bool leaves; bad roots and permutations raise), checked in the
     worker script by ``compressed_mean_common.check_protocol``."""
     assert int(mpi_results["protocol_ok"]) == 1
+
+
+def test_mpirun_env_is_one_cpu_device_per_process():
+    from jaxcomm.comm import mpirun_env
+
+    base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "KEEP": "me"}
+    env = mpirun_env(base=base)
+    assert "XLA_FLAGS" not in env and env["KEEP"] == "me" and env["JAX_PLATFORMS"] == "cpu"
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    assert env["OMPI_MCA_osc"] == "^ucx" and "OMP_NUM_THREADS" not in env
+    assert base["XLA_FLAGS"]  # the caller's dict is not modified
+    assert mpirun_env(single_thread=True, base={})["OMP_NUM_THREADS"] == "1"

@@ -5,7 +5,6 @@ assertions are here, on the arrays the ranks saved.
 """
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpirun import ROOT, mpirun_path, run_mpi
+from mpirun import ROOT, mpirun_env, mpirun_path, run_mpi
 
 pytest.importorskip("mpi4py")
 import jaxcomm.comm._partial_mpi as pm  # noqa: E402
@@ -72,12 +71,7 @@ def test_exactly_once_and_identical_under_random_delays(tmp_path, size, steps):
 
 
 def run_failure(tmp_path: Path, scenario: str, size: int = 4, timeout_s: float = 2.0) -> list:
-    env = dict(os.environ)
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_osc="^ucx", OMPI_MCA_pml="ob1",
-        OMPI_MCA_btl="self,vader,tcp", OMPI_MCA_rmaps_base_oversubscribe="1",
-        PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
-    )
+    env = mpirun_env()
     cmd = [mpirun_path(), "-n", str(size), "--oversubscribe", sys.executable, str(SCRIPTS / "eager_failure.py"),
            str(tmp_path), scenario, str(timeout_s)]
     # Backstop: the job must end by itself well before this; a hang fails the test, never the suite.

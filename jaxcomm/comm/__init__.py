@@ -3,6 +3,7 @@
 from ._protocol import Communicator, current, is_communicator, resolve, use
 from ._mesh import MeshAxis
 from ._mpi import MPIComm
+from ._launch import mpirun_env, mpirun_path
 from ._rma import OneSidedEventGrad, RMAExchange
 from ._partial_mpi import (
     PartialAllreduce,
@@ -25,6 +26,8 @@ __all__ = [
     "current",
     "is_communicator",
     "majority_initiator",
+    "mpirun_env",
+    "mpirun_path",
     "resolve",
     "use",
 ]

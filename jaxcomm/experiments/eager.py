@@ -22,8 +22,6 @@ launcher and read by every rank: the paper's "same random stream on all ranks".
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["mpirun_path", "mpirun_env", "launch_mpi", "run_microbench", "run_hyperplane"]
+__all__ = ["launch_mpi", "run_microbench", "run_hyperplane"]
 
 _THIS = Path(__file__).resolve()
 _ROOT = _THIS.parents[2]
@@ -53,46 +51,19 @@ PAPER = {
 # --------------------------------------------------------------------------- #
 # Launching MPI workers
 # --------------------------------------------------------------------------- #
-def mpirun_path() -> str | None:
-    """``mpirun`` next to the interpreter (Open MPI from PyPI), else on ``PATH``."""
-    here = Path(sys.executable).parent / "mpirun"
-    return str(here) if here.exists() else shutil.which("mpirun")
-
-
-def mpirun_env() -> dict:
-    """Environment for oversubscribed single-node ``mpirun`` (root allowed, shared memory + TCP).
-
-    One BLAS/OpenMP thread per process: the workers are many per core.
-    """
-    env = dict(os.environ)
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_osc="^ucx",
-        OMPI_MCA_pml="ob1",
-        OMPI_MCA_btl="self,vader,tcp",
-        OMPI_MCA_rmaps_base_oversubscribe="1",
-        PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
-        OMP_NUM_THREADS="1",
-        OPENBLAS_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        JAX_PLATFORMS="cpu",
-    )
-    env.pop("XLA_FLAGS", None)
-    return env
-
-
 def launch_mpi(num_procs: int, args: list, timeout: float) -> subprocess.CompletedProcess:
     """Run ``python eager.py worker ARGS...`` on ``num_procs`` MPI processes.
 
     Raises ``RuntimeError`` (with the output's tail) if ``mpirun`` is missing or
     the job fails, and ``subprocess.TimeoutExpired`` after ``timeout`` seconds.
     """
+    from ..comm import mpirun_env, mpirun_path  # here, not at the top: the MPI workers run this file as a script
+
     mpirun = mpirun_path()
     if mpirun is None:
         raise RuntimeError("mpirun not found: install the 'mpi' extra (pip install jaxcomm[mpi])")
     cmd = [mpirun, "-n", str(int(num_procs)), "--oversubscribe", sys.executable, str(_THIS), "worker", *map(str, args)]
-    proc = subprocess.run(cmd, env=mpirun_env(), capture_output=True, text=True, timeout=timeout, cwd=_ROOT)
+    proc = subprocess.run(cmd, env=mpirun_env(single_thread=True), capture_output=True, text=True, timeout=timeout, cwd=_ROOT)
     if proc.returncode != 0:
         raise RuntimeError(
             f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
