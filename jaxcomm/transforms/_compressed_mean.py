@@ -310,7 +310,8 @@ def _sum_decompressed(compressor: Compressor, gathered, n: int, acc_dtype):
     payloads: one scatter-add of all ``n k`` entries into one dense buffer,
     instead of ``n`` dense tensors; with ``compression_error`` it took the
     top-k step on 8 simulated CPU devices with a VGG16-sized tree at 1 %
-    density from 2.05x to 1.82x the uncompressed step, docs/benchmarks.md).
+    density from 2.05x to 1.82x and 1.94x (two runs) the uncompressed step,
+    docs/benchmarks.md).
     Otherwise, for ``n <= _UNROLL_MAX`` the sum is written out: for an
     elementwise decoder (sign, 1-bit, QSGD, ... codes) XLA fuses the ``n``
     decodes and the adds into one pass that reads the ``n`` payloads and writes
