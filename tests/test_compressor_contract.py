@@ -25,6 +25,9 @@ EXAMPLE_KWARGS = {
 }
 
 
+TOPK = jc.compressors.topk(ratio=0.3)
+
+
 def build(name):
     return jc.compressors.make(name, **EXAMPLE_KWARGS.get(name, {}))
 
@@ -56,27 +59,20 @@ def test_battery_catches_a_biased_estimator():
         testing.check_unbiased(bad)
 
 
-def test_battery_catches_a_wrong_decompress_sum():
-    # A decompress_sum hook that drops all payloads but the first must fail the battery.
-    base = jc.compressors.topk(ratio=0.3)
+@pytest.mark.parametrize("hook, check, match", [
+    # A decompress_sum that drops all payloads but the first.
+    (dict(decompress_sum=lambda g, dtype: TOPK.decompress(jax.tree.map(lambda a: a[0], g)).astype(dtype)),
+     testing.check_decompress_sum, "decompress_sum differs"),
+    # A compression_error that forgets the sent entries (returns x).
+    (dict(compression_error=lambda x, p: x), testing.check_compression_error, "compression_error differs"),
+], ids=["decompress_sum", "compression_error"])
+def test_battery_catches_a_wrong_hook(hook, check, match):
     bad = jc.compressors.Compressor.create(
-        name="bad", compress=lambda x, k, s: base.compress(x, k), decompress=base.decompress,
-        decompress_sum=lambda g, dtype: base.decompress(jax.tree.map(lambda a: a[0], g)).astype(dtype),
-        unbiased=False, strategy="allgather",
+        name="bad", compress=lambda x, k, s: TOPK.compress(x, k), decompress=TOPK.decompress,
+        unbiased=False, strategy="allgather", **hook,
     )
-    with pytest.raises(AssertionError, match="decompress_sum differs"):
-        testing.check_decompress_sum(bad)
-
-
-def test_battery_catches_a_wrong_compression_error():
-    # A compression_error hook that forgets the sent entries (returns x) must fail the battery.
-    base = jc.compressors.topk(ratio=0.3)
-    bad = jc.compressors.Compressor.create(
-        name="bad", compress=lambda x, k, s: base.compress(x, k), decompress=base.decompress,
-        compression_error=lambda x, p: x, unbiased=False, strategy="allgather",
-    )
-    with pytest.raises(AssertionError, match="compression_error differs"):
-        testing.check_compression_error(bad)
+    with pytest.raises(AssertionError, match=match):
+        check(bad)
 
 
 @pytest.mark.parametrize("name", ["topk", "dgc", "threshold", "qsparse"])

@@ -230,25 +230,21 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
         )
         return payload, state
 
-    def decompress(p: QSparsePayload):
-        k = p.indices.shape[0]
+    def values(p: QSparsePayload):
+        """The ``k`` dequantized float32 values of one payload."""
+        k = p.indices.shape[-1]
         level = unpack(p.levels, p.level_bits, k) if p.level_bits else p.levels
         sign = unpack(p.signs, 1, k).astype(bool)
-        vals = dequantize(level, sign, p.norm, p.num_levels, jnp.float32)
-        return _scatter(vals, p.indices, p.shape, p.dtype)
+        return dequantize(level, sign, p.norm, p.num_levels, jnp.float32)
+
+    def decompress(p: QSparsePayload):
+        return _scatter(values(p), p.indices, p.shape, p.dtype)
 
     def decompress_sum(g: QSparsePayload, dtype):
-        n, k = g.indices.shape
-        level = jax.vmap(lambda a: unpack(a, g.level_bits, k))(g.levels) if g.level_bits else g.levels
-        sign = jax.vmap(lambda a: unpack(a, 1, k))(g.signs).astype(bool)
-        vals = dequantize(level, sign, g.norm[:, None], g.num_levels, jnp.float32)
-        return sum_scatter(vals, g.indices, g.shape, dtype, value_dtype=g.dtype)
+        return sum_scatter(jax.vmap(values)(g), g.indices, g.shape, dtype, value_dtype=g.dtype)
 
     def compression_error(x, p: QSparsePayload):
-        k = p.indices.shape[0]
-        level = unpack(p.levels, p.level_bits, k) if p.level_bits else p.levels
-        sign = unpack(p.signs, 1, k).astype(bool)
-        return subtract_sparse(x, dequantize(level, sign, p.norm, p.num_levels, jnp.float32), p.indices)
+        return subtract_sparse(x, values(p), p.indices)
 
     return Compressor.create(
         name="qsparse", compress=compress, decompress=decompress, decompress_sum=decompress_sum,

@@ -593,6 +593,12 @@ def _decompress_sparse(p: SparsePayload):
     return _scatter(p.values, p.indices, p.shape, p.dtype)
 
 
+def _scatters_whole_buffer(cap: int, d: int) -> bool:
+    """Whether a count payload's ``cap``-slot buffer is scattered whole (small: ``cap <= d / 16``,
+    or a small tensor), rather than skipping its unused tail with a ``lax.cond``."""
+    return cap <= d // 16 or d // 16 < 1024
+
+
 def _scatter_count(values, indices, count, shape, dtype, scale=1.0):
     """:func:`_scatter` of the first ``count`` slots of a fixed-capacity buffer.
 
@@ -603,7 +609,7 @@ def _scatter_count(values, indices, count, shape, dtype, scale=1.0):
     d = int(np.prod(shape, dtype=np.int64))
     cap = values.shape[0]
     small = d // 16
-    if cap <= small or small < 1024:
+    if _scatters_whole_buffer(cap, d):
         return _scatter(values, indices, shape, dtype, scale)
     return lax.cond(
         count <= small,
@@ -658,8 +664,7 @@ def _decompress_sum_count(g: CountSparsePayload, dtype):
     unused tail of each.
     """
     n, cap = g.values.shape
-    d = int(np.prod(g.shape, dtype=np.int64))
-    if cap <= d // 16 or d // 16 < 1024:
+    if _scatters_whole_buffer(cap, int(np.prod(g.shape, dtype=np.int64))):
         return sum_scatter(g.values, g.indices, g.shape, dtype, g.scale, value_dtype=g.dtype)
     total = jnp.zeros(g.shape, dtype)
     for i in range(n):
@@ -698,9 +703,7 @@ def _error_sparse(x, p: SparsePayload):
 def _error_count(x, p: CountSparsePayload):
     """``compression_error`` of :class:`CountSparsePayload`: one scatter into ``x`` when the
     buffer is small (``cap <= d / 16``), else ``x − decompress(p)`` (which skips unused slots)."""
-    d = int(np.size(x))
-    cap = p.values.shape[0]
-    if cap <= d // 16 or d // 16 < 1024:
+    if _scatters_whole_buffer(p.values.shape[0], int(np.size(x))):
         return subtract_sparse(x, p.values, p.indices, p.scale)
     return x - _decompress_count(p).astype(x.dtype)
 
