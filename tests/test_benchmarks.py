@@ -85,6 +85,19 @@ def test_step_overhead_benchmark_tiny(tmp_path):
     assert bench.memory_for("qsgd", "grace").name == "none" and bench.memory_for("qsgd").name == "residual"
     with pytest.raises(ValueError, match="memory must be one of"):
         bench.memory_for("qsgd", "sometimes")
+    # --batch: the gradient of a real network (a 3-conv VGG on 8x8 images) instead of g = a * x.
+    model = bench.main(["--trees", "vgg_tiny", "--batch", "2", "--compressors", "topk", "--repeats", "1",
+                        "--in-process", "--no-fuse", "--out", str(tmp_path / "model.json")])
+    r = model["trees"]["vgg_tiny"]["results"]["topk"]
+    assert "error" not in r, r
+    assert model["meta"]["batch_per_worker"] == 2 and model["meta"]["fuse"] is False
+    assert r["dense_bits_per_worker"] == 32 * model["trees"]["vgg_tiny"]["num_params"]
+    with pytest.raises(SystemExit):
+        bench.main(["--trees", "tiny", "--batch", "2", "--out", str(tmp_path / "bad.json")])
+    params = {k: jax.numpy.zeros(s) for k, s in bench.vgg16_shapes().items()}
+    loss = bench.vgg_loss(params, jax.numpy.zeros((1, 32, 32, 3)), jax.numpy.zeros((1,), int),
+                          bench.VGG16_POOL_AFTER)
+    assert abs(float(loss) - float(jax.numpy.log(10.0))) < 1e-5  # zero weights: uniform softmax over 10 classes
     # The documented trees have the sizes the issue names.
     for tree, lo, hi, n in (("resnet20", 260_000, 280_000, 59), ("vgg16", 14_500_000, 15_500_000, 30)):
         shapes = bench.TREES[tree]()

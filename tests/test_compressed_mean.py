@@ -420,6 +420,43 @@ def test_hlo_collectives_carry_exactly_the_payload():
     assert not any("f32[64,33]" in op or "f32[4,64,33]" in op for op in ops), ops
 
 
+def test_fused_allgather_is_one_collective_with_the_same_bits_and_numbers():
+    """fuse=True packs every tensor's payload into one all-gather; fuse=False sends one per tensor and
+    field. Same bits on the wire, bit-identical updates and memories."""
+    n = 4
+    x0 = {"b": jnp.zeros(5), "w": jnp.zeros((64, 33)), "z": jnp.zeros((3, 300))}
+    results = {}
+    for fuse in (True, False):
+        tx = compressed_mean(jc.compressors.topk(ratio=0.1), "data", memory=mem.residual(), fuse=fuse)
+        mesh, step = _grad_step(tx, n)
+        data = jax.device_put(jnp.arange(float(n)), NamedSharding(mesh, P("data")))
+        state = jax.device_put(stacked(tx.init(x0), n), NamedSharding(mesh, P("data")))
+        bits, ops = collective_bits_per_worker(step.lower(data, x0, state).as_text(dialect="hlo"), n)
+        x, state = step(data, x0, state)
+        assert bits == int(np.asarray(state.wire_bits[0]).sum()), ops
+        assert all(op.startswith("all-gather") for op in ops), ops
+        results[fuse] = (len(ops), x, state.memory)
+    assert results[True][0] == 1 and results[False][0] == 2 * len(x0)  # values + indices per tensor
+    for a, b in zip(jax.tree.leaves(results[True][1:]), jax.tree.leaves(results[False][1:])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", jc.compressors.names())
+def test_fuse_does_not_change_any_compressor(name):
+    """Every compressor: fuse=True and fuse=False give bit-identical means, memories and wire bits."""
+    c = jc.compressors.make(name, **KWARGS.get(name, {}))
+    n = 3
+    g = {"a": jax.random.normal(jax.random.PRNGKey(1), (n, 40)),
+         "w": jax.random.normal(jax.random.PRNGKey(2), (n, 6, 7)).astype(jnp.bfloat16)}
+    out = []
+    for fuse in (True, False):
+        tx = compressed_mean(c, "i", memory=mem.residual(), fuse=fuse)
+        st0 = stacked(tx.init(jax.tree.map(lambda v: v[0], g)), n)
+        out.append(jax.jit(jax.vmap(tx.update, axis_name="i"))(g, st0))
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
 def test_pitfall_grad_of_replicated_params_is_summed_and_rejected():
     n = 4
     x0 = {"b": jnp.zeros(5), "w": jnp.zeros((64, 33))}
@@ -533,6 +570,8 @@ def test_mismatched_trees_and_types():
         compressed_mean(jc.compressors.none(), "data", comm=MeshAxis("data"))
     with pytest.raises(TypeError, match="floating"):
         tx.init({"w": jnp.ones(3, jnp.int32)})
+    with pytest.raises(TypeError, match="fuse must be a bool"):
+        compressed_mean(jc.compressors.topk(ratio=0.1), "data", fuse="yes")
 
 
 def test_powersgd_two_rounds_through_the_hook():

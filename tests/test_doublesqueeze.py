@@ -344,7 +344,7 @@ def test_any_communicator():
     g_all = grads(n, steps=1, seed=9)
     state = jax.eval_shape(lambda: init_stacked(squeeze(), n))
     for server, expected in (
-        ("replicated", ["all_gather"] * len(SHAPES)),  # one all-gather per tensor
+        ("replicated", ["all_gather"]),  # every tensor's payload packed into one all-gather (fuse=True)
         ("sharded", ["permute"] * (n - 1) + ["all_gather"]),  # n - 1 all-to-all rounds, one all-gather
     ):
         comm = RecordingComm("i")

@@ -35,12 +35,22 @@ operation, and a compressor whose code fails it is still timed.
 
 The step has no model compute, so the ratios are an upper bound of the overhead
 a training step would see (a forward/backward pass only adds to both times).
+``--batch B`` measures that training step instead (GRACE measures training
+throughput, Sec. V-A): ``g_i`` is the gradient of the tree's own network --
+CIFAR VGG16 for ``vgg16`` (13 ReLU convs, five 2x2 max-pools, two dense
+layers, no BatchNorm), a 3-conv VGG on 8x8 images for ``vgg_tiny``, the
+smoke configuration -- on ``B`` random CIFAR-shaped images per worker. On 2
+CPU cores that compute is slow (VGG16, B = 32: about 36 s a step), so such
+ratios say little about an accelerator, where the compute is far faster
+relative to memory passes; the compute-free ratio is the figure to improve.
+``compressed_mean`` fuses every tensor's all-gather into one collective by
+default (``fuse=True``); ``--no-fuse`` measures one all-gather per tensor.
 Target (issue 3, item 7): sign, 1-bit, QSGD and top-k at most 1.3x the
 uncompressed step on the VGG16-shaped tree.
 
 usage: python experiments/benchmarks/step_overhead.py [--repeats 7] [--trees resnet20,vgg16]
-       [--compressors topk,qsgd,...] [--memory residual|grace] [--check-vma] [--in-process]
-       [--out experiments/benchmarks/results/step_overhead.json]
+       [--compressors topk,qsgd,...] [--memory residual|grace] [--batch 0] [--no-fuse]
+       [--check-vma] [--in-process] [--out experiments/benchmarks/results/step_overhead.json]
 """
 
 from __future__ import annotations
@@ -106,17 +116,51 @@ def resnet20_shapes(num_classes: int = 10, in_channels: int = 3):
     return shapes
 
 
-def vgg16_shapes(num_classes: int = 10, in_channels: int = 3):
-    """CIFAR VGG16 (Simonyan & Zisserman 2015, configuration D, 32x32 input): 13 convs, 2 dense layers."""
-    cfg = (64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512)
+VGG16_CONVS = (64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512)
+VGG16_POOL_AFTER = (1, 3, 6, 9, 12)  # 2x2 max-pool after these convs: 32x32 -> 1x1
+VGG_TINY_CONVS, VGG_TINY_POOL_AFTER = (8, 16, 16), (0, 2)  # 8x8 -> 2x2: the --batch smoke configuration
+
+
+def vgg_shapes(convs, width: int, num_classes: int = 10, in_channels: int = 3):
+    """A VGG: 3x3 conv kernels (HWIO) and biases for ``convs``, then ``width -> width -> num_classes`` dense."""
     shapes, c_in = {}, in_channels
-    for i, c in enumerate(cfg):
+    for i, c in enumerate(convs):
         shapes[f"conv{i:02d}_kernel"] = (3, 3, c_in, c)
         shapes[f"conv{i:02d}_bias"] = (c,)
         c_in = c
-    shapes["fc0_kernel"], shapes["fc0_bias"] = (512, 512), (512,)
-    shapes["fc1_kernel"], shapes["fc1_bias"] = (512, num_classes), (num_classes,)
+    shapes["fc0_kernel"], shapes["fc0_bias"] = (width, width), (width,)
+    shapes["fc1_kernel"], shapes["fc1_bias"] = (width, num_classes), (num_classes,)
     return shapes
+
+
+def vgg16_shapes(num_classes: int = 10, in_channels: int = 3):
+    """CIFAR VGG16 (Simonyan & Zisserman 2015, configuration D, 32x32 input): 13 convs, 2 dense layers."""
+    return vgg_shapes(VGG16_CONVS, 512, num_classes, in_channels)
+
+
+def vgg_tiny_shapes():
+    """A 3-conv VGG on 8x8 images (6,554 parameters): the smoke configuration of ``--batch``."""
+    return vgg_shapes(VGG_TINY_CONVS, 64)
+
+
+def vgg_loss(params, images, labels, pool_after):
+    """Mean softmax cross-entropy of a VGG (ReLU after every conv and the first dense layer; no BatchNorm).
+
+    ``images``: ``(B, H, W, 3)`` float32; ``labels``: ``(B,)`` int32 class indices;
+    ``pool_after``: indices of the convs followed by a 2x2 max-pool (the spatial size
+    after the last pool times the last conv's channels must equal ``fc0``'s fan-in).
+    """
+    h = images
+    for i in range(sum(1 for k in params if k.endswith("_kernel") and k.startswith("conv"))):
+        h = jax.lax.conv_general_dilated(h, params[f"conv{i:02d}_kernel"], (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        h = jax.nn.relu(h + params[f"conv{i:02d}_bias"])
+        if i in pool_after:
+            h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    h = h.reshape(h.shape[0], -1)
+    h = jax.nn.relu(h @ params["fc0_kernel"] + params["fc0_bias"])
+    logits = h @ params["fc1_kernel"] + params["fc1_bias"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
 
 
 def tiny_shapes():
@@ -124,7 +168,9 @@ def tiny_shapes():
     return {"kernel": (3, 3, 4, 8), "bias": (8,), "dense": (16, 300)}
 
 
-TREES = {"resnet20": resnet20_shapes, "vgg16": vgg16_shapes, "tiny": tiny_shapes}
+TREES = {"resnet20": resnet20_shapes, "vgg16": vgg16_shapes, "tiny": tiny_shapes, "vgg_tiny": vgg_tiny_shapes}
+# --batch B > 0: the trees with a network, as (input height/width, pool_after).
+MODELS = {"vgg16": (32, VGG16_POOL_AFTER), "vgg_tiny": (8, VGG_TINY_POOL_AFTER)}
 
 
 def memory_for(name: str, memory: str = "residual"):
@@ -137,13 +183,22 @@ def memory_for(name: str, memory: str = "residual"):
     return mem.residual()
 
 
-def build_step(compressor, n: int, mesh, check_vma: bool = False, memory: str = "residual"):
-    memory = memory_for(compressor.name, memory)
-    tx = compressed_mean(compressor, "data", memory=memory)
+def build_step(compressor, n: int, mesh, check_vma: bool = False, memory: str = "residual", pool_after=None,
+               fuse: bool = True):
+    """The jitted step ``(inputs, x, state) -> (x, state)`` over the mesh's ``"data"`` axis.
 
-    def worker(a, x, state):
-        a, x, state = jax.tree.map(lambda v: v[0], (a, x, state))
-        g = jax.tree.map(lambda p, s: p * s, x, a)
+    ``pool_after=None``: ``inputs = (a,)`` and ``g = a * x`` (no model compute);
+    else ``inputs = (images, labels)`` and ``g`` is the gradient of :func:`vgg_loss`.
+    """
+    memory = memory_for(compressor.name, memory)
+    tx = compressed_mean(compressor, "data", memory=memory, fuse=fuse)
+
+    def worker(inputs, x, state):
+        inputs, x, state = jax.tree.map(lambda v: v[0], (inputs, x, state))
+        if pool_after is None:
+            g = jax.tree.map(lambda p, s: p * s, x, inputs[0])
+        else:
+            g = jax.grad(vgg_loss)(x, *inputs, pool_after)
         u, state = tx.update(g, state, x)
         x = jax.tree.map(lambda p, d: p - 0.01 * d, x, u)
         return jax.tree.map(lambda v: v[None], (x, state))
@@ -155,13 +210,26 @@ def build_step(compressor, n: int, mesh, check_vma: bool = False, memory: str = 
 class Runner:
     """Holds one compressor's compiled step and its (donated) buffers."""
 
-    def __init__(self, compressor, shapes, n, mesh, check_vma=False, seed=0, memory="residual"):
-        self.tx, self.memory, self.step = build_step(compressor, n, mesh, check_vma, memory)
+    def __init__(self, compressor, shapes, n, mesh, check_vma=False, seed=0, memory="residual", batch=0,
+                 model=None, fuse=True):
+        pool_after = None if not batch else MODELS[model][1]
+        self.tx, self.memory, self.step = build_step(compressor, n, mesh, check_vma, memory, pool_after, fuse)
         put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))
         rng = np.random.default_rng(seed)
-        params = {k: (rng.standard_normal(s) * 0.05).astype(np.float32) for k, s in shapes.items()}
-        # a_i ~ N(0, 1)/0.05 per worker and entry: gradients ~ N(0, 1), distinct per worker.
-        self.a = put({k: (rng.standard_normal((n, *s)) / 0.05).astype(np.float32) for k, s in shapes.items()})
+        if not batch:
+            params = {k: (rng.standard_normal(s) * 0.05).astype(np.float32) for k, s in shapes.items()}
+            # a_i ~ N(0, 1)/0.05 per worker and entry: gradients ~ N(0, 1), distinct per worker.
+            self.inputs = put(({k: (rng.standard_normal((n, *s)) / 0.05).astype(np.float32)
+                                for k, s in shapes.items()},))
+        else:
+            # He initialisation (kernels N(0, 2 / fan_in), zero biases), so 13 ReLU layers stay finite;
+            # per worker a batch of N(0, 1) CIFAR-shaped images with random labels (the cost of a
+            # step does not depend on the pixel values).
+            params = {k: ((rng.standard_normal(s) * np.sqrt(2.0 / np.prod(s[:-1]))) if len(s) > 1
+                          else np.zeros(s)).astype(np.float32) for k, s in shapes.items()}
+            hw = MODELS[model][0]
+            self.inputs = put((rng.standard_normal((n, batch, hw, hw, 3)).astype(np.float32),
+                               rng.integers(0, 10, (n, batch)).astype(np.int32)))
         stack = lambda t: jax.tree.map(lambda v: np.broadcast_to(np.asarray(v), (n, *np.shape(v))).copy(), t)
         self.x = put(stack(params))
         self.state = put(stack(self.tx.init(params)))
@@ -172,7 +240,7 @@ class Runner:
 
     def call(self) -> float:
         t0 = time.perf_counter()
-        self.x, self.state = self.step(self.a, self.x, self.state)
+        self.x, self.state = self.step(self.inputs, self.x, self.state)
         jax.block_until_ready((self.x, self.state))
         return time.perf_counter() - t0
 
@@ -180,8 +248,10 @@ class Runner:
         return int(np.asarray(self.state.wire_bits[0], np.int64).sum())
 
 
-def measure(tree: str, name: str, repeats: int, check_vma: bool, memory: str = "residual") -> dict:
-    """Time one compressor against none() on one tree (in this process)."""
+def measure(tree: str, name: str, repeats: int, check_vma: bool, memory: str = "residual", batch: int = 0,
+            fuse: bool = True) -> dict:
+    """Time one compressor against none() on one tree (in this process); ``batch > 0``: with the tree's
+    network's forward/backward pass on ``batch`` images per worker."""
     n = 8
     devices = jax.devices()
     if len(devices) < n:
@@ -189,8 +259,8 @@ def measure(tree: str, name: str, repeats: int, check_vma: bool, memory: str = "
     mesh = Mesh(np.array(devices[:n]), ("data",))
     shapes = TREES[tree]()
     c = jc.compressors.make(name, **KWARGS.get(name, {}))
-    base = Runner(jc.compressors.none(), shapes, n, mesh, check_vma)
-    runner = Runner(c, shapes, n, mesh, check_vma, memory=memory)
+    base = Runner(jc.compressors.none(), shapes, n, mesh, check_vma, batch=batch, model=tree, fuse=fuse)
+    runner = Runner(c, shapes, n, mesh, check_vma, memory=memory, batch=batch, model=tree, fuse=fuse)
     t_base, t_c = [base.call()], [runner.call()]
     requested = repeats
     # Slow compressors (seconds per step on the large tree) get fewer pairs, at least 3:
@@ -263,15 +333,17 @@ def save(out: dict, path) -> Path:
     return path
 
 
-def run_one(tree: str, name: str, repeats: int, check_vma: bool, in_process: bool, memory: str = "residual") -> dict:
+def run_one(tree: str, name: str, repeats: int, check_vma: bool, in_process: bool, memory: str = "residual",
+            batch: int = 0, fuse: bool = True) -> dict:
     """One (tree, compressor) measurement, in a subprocess unless ``in_process``; a failure becomes an error row."""
     if in_process:
         try:
-            return measure(tree, name, repeats, check_vma, memory)
+            return measure(tree, name, repeats, check_vma, memory, batch, fuse)
         except Exception as e:  # record and go on
             return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", tree, name, "--repeats", str(repeats),
-           "--memory", memory]
+           "--memory", memory, "--batch", str(batch)]
+    cmd += [] if fuse else ["--no-fuse"]
     cmd += ["--check-vma"] if check_vma else []
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
@@ -292,6 +364,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--memory", choices=MEMORIES, default="residual",
                     help="residual for every compressor, or GRACE's Table I choice (none for signsgd, signum, "
                          "qsgd, terngrad, inceptionn)")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="images per worker for a real forward/backward pass of the tree's network "
+                         f"(trees {', '.join(MODELS)}); 0 (default): g = a * x, no model compute")
+    ap.add_argument("--no-fuse", action="store_true",
+                    help="compressed_mean(fuse=False): one all-gather per tensor instead of one per step")
     ap.add_argument("--check-vma", action="store_true", help="build the shard_map with check_vma=True")
     ap.add_argument("--in-process", action="store_true", help="no subprocess per (tree, compressor)")
     ap.add_argument("--markdown", metavar="JSON", help="print the table of a results file and exit")
@@ -302,7 +379,7 @@ def main(argv=None) -> dict:
         print(markdown_table(json.loads(Path(args.markdown).read_text())))
         return {}
     if args.one:  # child process: one measurement, one JSON line
-        r = measure(*args.one, args.repeats, args.check_vma, args.memory)
+        r = measure(*args.one, args.repeats, args.check_vma, args.memory, args.batch, not args.no_fuse)
         print("RESULT " + json.dumps(r, default=str), flush=True)
         return r
     names = [c for c in args.compressors.split(",") if c] or [c for c in jc.compressors.names() if c != "none"]
@@ -310,6 +387,10 @@ def main(argv=None) -> dict:
     trees = [t for t in args.trees.split(",") if t]
     if unknown or set(trees) - set(TREES):
         ap.error(f"unknown compressor(s) {unknown} or tree(s) {sorted(set(trees) - set(TREES))}")
+    if args.batch < 0:
+        ap.error(f"--batch must be >= 0; got {args.batch}")
+    if args.batch and set(trees) - set(MODELS):
+        ap.error(f"--batch needs a tree with a network ({', '.join(MODELS)}); got {', '.join(trees)}")
     n = 8
     out = {
         "meta": {
@@ -328,7 +409,12 @@ def main(argv=None) -> dict:
                       + "; none() baseline with memory none()",
             "complete": False,
             "command": " ".join(["python", "experiments/benchmarks/step_overhead.py", *(argv or sys.argv[1:])]),
-            "step": "g_i = a_i * x_i; compressed_mean over 'data'; x_i -= 0.01 * mean (no model compute)",
+            "step": ("g_i = a_i * x_i; compressed_mean over 'data'; x_i -= 0.01 * mean (no model compute)"
+                     if not args.batch else
+                     f"g_i = grad of the tree's VGG's cross-entropy on {args.batch} images per worker; "
+                     "compressed_mean over 'data'; x_i -= 0.01 * mean"),
+            "batch_per_worker": args.batch,
+            "fuse": not args.no_fuse,
             "target": f"{'/'.join(TARGET_NAMES)} <= {TARGET_RATIO}x none() on vgg16",
         },
         "trees": {},
@@ -340,7 +426,8 @@ def main(argv=None) -> dict:
         results = {}
         out["trees"][tree] = {"num_params": num_params, "num_tensors": len(shapes), "results": results}
         for name in names:
-            r = run_one(tree, name, args.repeats, args.check_vma, args.in_process, args.memory)
+            r = run_one(tree, name, args.repeats, args.check_vma, args.in_process, args.memory, args.batch,
+                        not args.no_fuse)
             results[name] = r
             save(out, args.out)  # after every measurement: an interrupted run keeps what it measured
             if "error" in r:

@@ -4,6 +4,7 @@ from ._protocol import Communicator, current, is_communicator, resolve, use
 from ._mesh import MeshAxis
 from ._mpi import MPIComm
 from ._launch import mpirun_env, mpirun_path
+from ._packing import all_gather_packed
 from ._rma import OneSidedEventGrad, RMAExchange
 from ._partial_mpi import (
     PartialAllreduce,
@@ -14,6 +15,7 @@ from ._partial_mpi import (
 )
 
 __all__ = [
+    "all_gather_packed",
     "Communicator",
     "MeshAxis",
     "MPIComm",

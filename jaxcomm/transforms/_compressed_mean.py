@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from .. import memory as memory_lib
-from ..comm import resolve
+from ..comm import all_gather_packed, resolve
 from ..compressors._base import Compressor, wire_bits
 from ._error_feedback import (
     bits_int32,
@@ -119,6 +119,19 @@ def _data_fields(payload):
     return [f.name for f in dataclasses.fields(payload) if not f.metadata.get("static", False)]
 
 
+def _summable_fields(compressor: Compressor, payload) -> tuple:
+    """The payload's ``summable`` fields, checked against its array fields (``ValueError`` if unusable)."""
+    fields = _data_fields(payload)
+    summable = tuple(type(payload).summable)
+    unknown = [f for f in summable if f not in fields]
+    if not summable or unknown:
+        raise ValueError(
+            f"compressor {compressor.name!r} has strategy 'allreduce' but its payload "
+            f"{type(payload).__name__} names summable fields {summable} (array fields: {fields})"
+        )
+    return summable
+
+
 def _array_bits(a) -> int:
     return int(a.size) * jnp.dtype(a.dtype).itemsize * 8
 
@@ -130,6 +143,7 @@ def compressed_mean(
     comm=None,
     memory: memory_lib.Memory | None = None,
     strategy: str = "auto",
+    fuse: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Mean of the workers' gradients, communicated compressed (GRACE Algorithm 1).
 
@@ -163,6 +177,21 @@ def compressed_mean(
         broadcasts); same result as ``"allgather"``.
       * ``"auto"``: the compressor's own ``strategy``.
 
+    Tensor fusion (``fuse=True``, the default; Horovod's tensor fusion, with
+    which GRACE's experiments ran): under ``"allgather"`` every tensor is
+    compressed first and the payloads of all tensors are all-gathered with one
+    collective, their bytes packed into a single buffer
+    (:func:`~jaxcomm.comm.all_gather_packed`), instead of one all-gather per
+    tensor and payload field (top-k on a VGG16-sized tree: 60 a step). The
+    numbers are identical either way and so are the bytes sent; only the count
+    of collectives, each a rendezvous of every worker, changes. ``"allreduce"``
+    sums each tensor on its own: packing dense tensors costs a copy, and the
+    uncompressed VGG16-sized step measured 10 % slower packed (628 ms against
+    568 ms, 8 simulated CPU devices). ``"broadcast"`` and
+    ``compress_allreduce`` hooks are per tensor too. ``fuse=False`` gathers
+    per tensor (e.g. to let a backend overlap one tensor's communication with
+    the next one's compression).
+
     Randomness: ``state.key`` starts at ``PRNGKey(compressor.seed)`` on every
     worker. Each step ``key, step_key = split(key)``; leaf ``i`` gets
     ``k_i = split(step_key, num_leaves)[i]``; the worker compresses with
@@ -189,6 +218,7 @@ def compressed_mean(
       memory: a :class:`~jaxcomm.memory.Memory`; default
         :func:`~jaxcomm.memory.none` (pass ``residual()`` for error feedback).
       strategy: one of :data:`STRATEGIES`.
+      fuse: all-gather every tensor's payload with one collective (default) or one per tensor.
     Returns:
       ``GradientTransformationExtraArgs`` with per-worker state :class:`CompressedMeanState`.
     Raises:
@@ -209,6 +239,8 @@ def compressed_mean(
             f"compressor {compressor.name!r} declares strategy {compressor.strategy!r}, which compressed_mean "
             f"cannot serve (compressor strategies it serves: {_COMPRESSOR_STRATEGIES})"
         )
+    if not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be a bool; got {type(fuse).__name__}")
     chosen = compressor.strategy if strategy == "auto" else strategy
     hook = getattr(compressor, "compress_allreduce", None)
     if chosen == "allreduce" and compressor.strategy != "allreduce" and hook is None:
@@ -234,59 +266,62 @@ def compressed_mean(
         _check_gradients_are_per_worker(c, leaves)
         key, keys = step_keys(state.key, len(leaves))
         index = c.index()
-        outs, mems, cstates, bits = [], [], [], []
+        # 1. Per tensor: compensate and compress (a compress_allreduce hook communicates itself).
+        phis, payloads, cstates, bits = [], [], [], []
         for i, (g, m, cs) in enumerate(zip(leaves, mem_leaves, state.compressor_states)):
-            dtype = jnp.result_type(g)
-            acc_dtype = jnp.promote_types(dtype, jnp.float32)
             phi = memory.compensate(m, g)
             if use_hook:
                 payload, cs = hook(phi, keys[i], cs, c)
-                mean = compressor.decompress(payload).astype(acc_dtype) / n
-                g_hat = mean.astype(dtype)
                 nbits = bits_int32(wire_bits(payload))
             else:
                 payload, cs_new = compressor.compress(phi, jax.random.fold_in(keys[i], index), cs)
                 if chosen == "allreduce":
-                    fields = _data_fields(payload)
-                    summable = tuple(type(payload).summable)
-                    unknown = [f for f in summable if f not in fields]
-                    if not summable or unknown:
-                        raise ValueError(
-                            f"compressor {compressor.name!r} has strategy 'allreduce' but its payload "
-                            f"{type(payload).__name__} names summable fields {summable} (array fields: {fields})"
-                        )
-                    if any(f not in summable for f in fields):
+                    summable = _summable_fields(compressor, payload)
+                    if any(f not in summable for f in _data_fields(payload)):
                         # Shared fields must agree on every worker: compress with the shared key.
                         payload, cs_new = compressor.compress(phi, keys[i], cs)
-                    summed = dataclasses.replace(
-                        payload, **{f: c.sum(getattr(payload, f)) for f in summable}
-                    )
-                    mean = compressor.decompress(summed).astype(acc_dtype) / n
                     nbits = bits_int32(sum(_array_bits(getattr(payload, f)) for f in summable))
-                elif chosen == "allgather":
-                    gathered = c.all_gather(payload)
-
-                    total = _sum_decompressed(compressor, gathered, n, acc_dtype)
-                    mean = total / n
+                else:
                     nbits = bits_int32(wire_bits(payload))
-                else:  # broadcast: root r's payload to everyone, for r = 0..n-1
-                    total = jnp.zeros(jnp.shape(g), acc_dtype)
-                    for r in range(n):
-                        total = total + compressor.decompress(c.broadcast(payload, r)).astype(acc_dtype)
-                    mean = total / n
-                    nbits = bits_int32(wire_bits(payload))
-                g_hat = None  # this worker's own reconstruction, only if the memory needs it
-                if memory.from_error is None:
-                    g_hat = compressor.decompress(payload)
                 cs = cs_new
-            if g_hat is None:
-                mems.append(memory.from_error(m, compressor.error(phi, payload)))
-            else:
-                mems.append(memory.update(m, g, phi, g_hat))
-            out = mean if scale == 1.0 else mean * scale
-            outs.append(out.astype(dtype))
+            phis.append(phi)
+            payloads.append(payload)
             cstates.append(cs)
             bits.append(nbits)
+
+        # 2. Communicate: with fuse, one collective for every tensor of the step.
+        acc = [jnp.promote_types(jnp.result_type(g), jnp.float32) for g in leaves]
+        if use_hook:  # the payload already holds the sum over workers
+            totals = [compressor.decompress(p).astype(a) for p, a in zip(payloads, acc)]
+        elif chosen == "allreduce":
+            fields = [{f: getattr(p, f) for f in type(p).summable} for p in payloads]
+            sums = [c.sum(f) for f in fields]
+            totals = [compressor.decompress(dataclasses.replace(p, **s)).astype(a)
+                      for p, s, a in zip(payloads, sums, acc)]
+        elif chosen == "allgather":
+            gathered = all_gather_packed(c, payloads) if fuse else [c.all_gather(p) for p in payloads]
+            totals = [_sum_decompressed(compressor, gp, n, a) for gp, a in zip(gathered, acc)]
+        else:  # broadcast: root r's payload to everyone, for r = 0..n-1
+            totals = []
+            for p, g, a in zip(payloads, leaves, acc):
+                total = jnp.zeros(jnp.shape(g), a)
+                for r in range(n):
+                    total = total + compressor.decompress(c.broadcast(p, r)).astype(a)
+                totals.append(total)
+
+        # 3. Per tensor: the mean, and the memory update with this worker's own reconstruction.
+        outs, mems = [], []
+        for g, m, phi, payload, total in zip(leaves, mem_leaves, phis, payloads, totals):
+            dtype = jnp.result_type(g)
+            mean = total / n
+            if use_hook:  # the memory keeps the aggregated reconstruction (GRACE's PowerSGD convention)
+                mems.append(memory.update(m, g, phi, mean.astype(dtype)))
+            elif memory.from_error is not None:
+                mems.append(memory.from_error(m, compressor.error(phi, payload)))
+            else:
+                mems.append(memory.update(m, g, phi, compressor.decompress(payload)))
+            out = mean if scale == 1.0 else mean * scale
+            outs.append(out.astype(dtype))
         new_state = CompressedMeanState(
             count=state.count + 1,
             key=key,
