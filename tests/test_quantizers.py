@@ -338,6 +338,29 @@ def test_qsgd_code_width():
         assert jc.wire_bits(p) == leaf_bits(p) == field_bits(7, math.ceil(math.log2(2 * levels + 1))) + 32
 
 
+@pytest.mark.parametrize("levels", [1, 64, 1000])
+def test_qsgd_decode_equals_dequantize(levels):
+    """decompress == jc.compressors.dequantize(|c - s|, c < s, norm, s) (NaN where the norm is not
+    finite), bit for bit, for every code c and for norms 0, subnormal, small, ordinary, huge, inf, NaN."""
+    c = jc.compressors.qsgd(levels=levels)
+    width = Q._code_width(2 * levels + 1)
+    codes = jnp.arange(2 * levels + 1, dtype=jnp.int32)
+
+    @jax.jit
+    def reference(norm):
+        y = jc.compressors.dequantize(jnp.abs(codes - levels), codes < levels, norm, levels, jnp.float32)
+        return jnp.where(jnp.isfinite(norm), y, jnp.nan)
+
+    for norm in (0.0, 1e-38, 1e-30, 3.5, 3e38, np.inf, np.nan):
+        p = Q.QSGDPayload(codes=Q.pack_codes(codes, width), norm=jnp.float32(norm), levels=levels,
+                          shape=(codes.size,), dtype=jnp.float32)
+        got, want = np.asarray(c.decompress(p)), np.asarray(reference(jnp.float32(norm)))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=str(norm))
+        if 1e-37 < norm < 1e38:  # and NumPy's sign * level * (norm / s), to an ulp (XLA:CPU flushes subnormals)
+            ref = np.sign(np.asarray(codes) - levels) * np.abs(np.asarray(codes) - levels) * (np.float32(norm) / levels)
+            np.testing.assert_allclose(got, ref.astype(np.float32), rtol=2e-7, atol=0)
+
+
 def test_stochastic_rounding_grid_and_mean():
     bits, d = 3, 32
     x = sample((d,), 4).astype(np.float64)

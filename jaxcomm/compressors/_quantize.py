@@ -415,8 +415,8 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
     Encoding (exact): sign and level share one code ``c = s + sign * level`` in
     ``[0, 2s]``, ``ceil(log2(2s+1))`` bits per entry (never more than the
     ``1 + ceil(log2(s+1))`` of a separate sign bit; for s = 64, 8 bits instead of
-    9), bit-packed by :func:`pack_codes`, plus the 32-bit norm. Decoding uses
-    :func:`~jaxcomm.compressors.dequantize`. The level arithmetic is that of
+    9), bit-packed by :func:`pack_codes`, plus the 32-bit norm. Decoding computes
+    :func:`~jaxcomm.compressors.dequantize`'s numbers as ``(c - s) * (norm / s)``. The level arithmetic is that of
     :func:`~jaxcomm.compressors.quantize` with hash uniforms (see module doc).
 
     Args:
@@ -441,9 +441,13 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
         return payload, state
 
     def decompress(p: QSGDPayload):
+        # sign * level * (norm / s) as one signed convert and one multiply per entry: the same
+        # numbers as dequantize(|c|, c < 0, ...) (negation is exact; 0 * scale keeps its sign), and
+        # a non-finite norm turns the scale, hence every entry, into NaN (the documented policy).
+        # Decoding runs n times per step under allgather, so its per-entry work matters.
         code = unpack_codes(p.codes, width, _size(p.shape)) - p.levels
-        y = dequantize(jnp.abs(code), code < 0, p.norm, p.levels, jnp.float32)
-        return _restore(_nan_unless_finite(y, p.norm), p.shape, p.dtype)
+        scale = jnp.where(jnp.isfinite(p.norm), p.norm / p.levels, jnp.nan)
+        return _restore(code.astype(jnp.float32) * scale, p.shape, p.dtype)
 
     return Compressor.create(
         name="qsgd", compress=jax.jit(compress), decompress=jax.jit(decompress), unbiased=True,
