@@ -94,11 +94,28 @@ def test_step_overhead_benchmark_tiny(tmp_path):
     assert r["dense_bits_per_worker"] == 32 * model["trees"]["vgg_tiny"]["num_params"]
     with pytest.raises(SystemExit):
         bench.main(["--trees", "tiny", "--batch", "2", "--out", str(tmp_path / "bad.json")])
-    params = {k: jax.numpy.zeros(s) for k, s in bench.vgg16_shapes().items()}
-    loss = bench.vgg_loss(params, jax.numpy.zeros((1, 32, 32, 3)), jax.numpy.zeros((1,), int),
-                          bench.VGG16_POOL_AFTER)
+    params = {k: jax.numpy.zeros(s) for k, s in bench.vgg_tiny_shapes().items()}
+    loss = bench.vgg_loss(params, jax.numpy.zeros((1, 8, 8, 3)), jax.numpy.zeros((1,), int),
+                          bench.VGG_TINY_POOL_AFTER)
     assert abs(float(loss) - float(jax.numpy.log(10.0))) < 1e-5  # zero weights: uniform softmax over 10 classes
+    assert bench.vgg16_shapes() == bench.vgg_shapes(bench.VGG16_CONVS, 512)  # 5 pools: 32x32 -> 1x1x512
     # The documented trees have the sizes the issue names.
     for tree, lo, hi, n in (("resnet20", 260_000, 280_000, 59), ("vgg16", 14_500_000, 15_500_000, 30)):
         shapes = bench.TREES[tree]()
         assert len(shapes) == n and lo <= sum(int(jax.numpy.prod(jax.numpy.array(s))) for s in shapes.values()) <= hi
+
+
+def test_fusion_mpi_benchmark_tiny(tmp_path):
+    """fusion_mpi.py under mpirun -n 2 on the tiny tree: fused, unfused and none() steps, rank 0's JSON."""
+    bench = _load("fusion_mpi")
+    out = tmp_path / "fusion.json"
+    assert bench.main(["--procs", "2", "--trees", "tiny", "--compressors", "topk", "--repeats", "1",
+                       "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    r = saved["trees"]["tiny"]["results"]["topk"]
+    assert saved["meta"]["processes"] == 2 and saved["meta"]["devices_per_process"] == 1
+    assert saved["trees"]["tiny"]["num_tensors"] == 3
+    assert all(r[k] > 0 for k in ("none_ms", "fused_ms", "unfused_ms"))
+    assert r["fused_ratio"] == pytest.approx(r["fused_ms"] / r["none_ms"])
+    with pytest.raises(SystemExit):
+        bench.main(["--procs", "1"])

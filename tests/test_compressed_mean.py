@@ -441,18 +441,39 @@ def test_fused_allgather_is_one_collective_with_the_same_bits_and_numbers():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("name", jc.compressors.names())
-def test_fuse_does_not_change_any_compressor(name):
-    """Every compressor: fuse=True and fuse=False give bit-identical means, memories and wire bits."""
+def test_fusion_packs_only_payloads_up_to_the_threshold(monkeypatch):
+    """Payloads above FUSE_MAX_BYTES get their own all-gather; the smaller ones share one."""
+    import jaxcomm.transforms._compressed_mean as cm
+
+    calls = []
+
+    class Recording(MeshAxis):
+        def all_gather(self, tree):
+            calls.append(sorted(int(np.size(a)) for a in jax.tree.leaves(tree)))
+            return super().all_gather(tree)
+
+    monkeypatch.setattr(cm, "FUSE_MAX_BYTES", 200)  # bytes
+    tx = compressed_mean(jc.compressors.qsgd(levels=4), comm=Recording("i"))  # 4-bit codes + a norm
+    g = {"big": jnp.ones((2, 1000)), "s1": jnp.ones((2, 30)), "s2": jnp.ones((2, 50))}
+    jax.vmap(tx.update, axis_name="i")(g, stacked(tx.init(jax.tree.map(lambda v: v[0], g)), 2))
+    # big: 1000 codes -> 500 bytes + norm, alone; s1, s2: 15 + 4 and 25 + 4 bytes, packed together.
+    assert sorted(calls) == sorted([[1, 500], [15 + 4 + 25 + 4]]), calls
+    assert cm.FUSE_MAX_BYTES == 200 and jc.transforms.FUSE_MAX_BYTES == 1 << 20
+
+
+# One compressor per payload layout: sparse values + indices, packed codes + a norm, packed sign
+# bits + scales, a count-sparse buffer, an allreduce payload, a compress_allreduce hook, sketches.
+@pytest.mark.parametrize("name", ["topk", "qsgd", "onebit", "dgc", "randomk", "powersgd", "sketchml"])
+def test_fuse_does_not_change_the_numbers(name):
+    """fuse=True and fuse=False give bit-identical means, memories and wire bits (float32 and bfloat16
+    leaves in one tree; the packed gather itself is checked for every dtype in tests/test_packing.py)."""
     c = jc.compressors.make(name, **KWARGS.get(name, {}))
     n = 3
     g = {"a": jax.random.normal(jax.random.PRNGKey(1), (n, 40)),
          "w": jax.random.normal(jax.random.PRNGKey(2), (n, 6, 7)).astype(jnp.bfloat16)}
-    out = []
-    for fuse in (True, False):
-        tx = compressed_mean(c, "i", memory=mem.residual(), fuse=fuse)
-        st0 = stacked(tx.init(jax.tree.map(lambda v: v[0], g)), n)
-        out.append(jax.jit(jax.vmap(tx.update, axis_name="i"))(g, st0))
+    txs = [compressed_mean(c, "i", memory=mem.residual(), fuse=fuse) for fuse in (True, False)]
+    st0 = stacked(txs[0].init(jax.tree.map(lambda v: v[0], g)), n)
+    out = jax.jit(jax.vmap(lambda g, s: [tx.update(g, s) for tx in txs], axis_name="i"))(g, st0)
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 

@@ -26,7 +26,7 @@ def _leaf(rng, dtype, shape):
     return jnp.asarray(rng.integers(info.min, info.max, shape, dtype=np.int64)).astype(dtype)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(range(len(DTYPES))),
                           st.lists(st.integers(0, 5), min_size=0, max_size=3)), min_size=1, max_size=6),
        st.integers(1, 4), st.integers(0, 2**31 - 1))

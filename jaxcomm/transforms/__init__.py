@@ -1,6 +1,6 @@
 """optax transformations that communicate: compressed mean, error feedback, DoubleSqueeze, gradient dropping."""
 
-from ._compressed_mean import STRATEGIES, CompressedMeanState, compressed_mean
+from ._compressed_mean import FUSE_MAX_BYTES, STRATEGIES, CompressedMeanState, compressed_mean
 from ._error_feedback import ErrorFeedbackState, error_feedback
 
 from ._doublesqueeze import (
@@ -27,6 +27,7 @@ __all__ = [
     "memsgd",
     "qsgd_no_feedback",
     "topk_no_feedback",
+    "FUSE_MAX_BYTES",
     "STRATEGIES",
     "CompressedMeanState",
     "compressed_mean",
