@@ -43,8 +43,9 @@ smoke configuration -- on ``B`` random CIFAR-shaped images per worker. On 2
 CPU cores that compute is slow (VGG16, B = 32: about 36 s a step), so such
 ratios say little about an accelerator, where the compute is far faster
 relative to memory passes; the compute-free ratio is the figure to improve.
-``compressed_mean`` fuses every tensor's all-gather into one collective by
-default (``fuse=True``); ``--no-fuse`` measures one all-gather per tensor.
+``compressed_mean`` packs the payloads of up to 1 MiB of all tensors into one
+all-gather by default (``fuse=True``); ``--no-fuse`` measures one all-gather per
+tensor and payload field.
 Target (issue 3, item 7): sign, 1-bit, QSGD and top-k at most 1.3x the
 uncompressed step on the VGG16-shaped tree.
 
