@@ -67,7 +67,7 @@ def all_gather_packed(comm, tree: Any) -> Any:
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     packed = [i for i, a in enumerate(leaves) if _packable(a)]
-    out = [a if _packable(a) else comm.all_gather(a) for a in leaves]
+    out = [a if i in packed else comm.all_gather(a) for i, a in enumerate(leaves)]
     if packed:
         parts = [_to_bytes(leaves[i]) for i in packed]
         gathered = comm.all_gather(parts[0] if len(parts) == 1 else jnp.concatenate(parts))

@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from .. import memory as memory_lib
@@ -36,7 +35,7 @@ from ._error_feedback import (
     step_keys,
 )
 
-__all__ = ["CompressedMeanState", "compressed_mean", "FUSE_MAX_BYTES", "STRATEGIES"]
+__all__ = ["FUSE_MAX_BYTES", "STRATEGIES", "CompressedMeanState", "compressed_mean"]
 
 STRATEGIES = ("auto", "allreduce", "allgather", "broadcast")
 """Values of ``compressed_mean(strategy=...)``."""
@@ -348,14 +347,11 @@ VGG16-sized step 1.29x slower (its 2.4 MB payloads were copied into the buffer f
 saved latency), while packing the small ones made the ResNet-20-sized step 1.26x faster."""
 
 
-def _payload_bytes(payload) -> int:
-    return sum(int(np.size(a)) * jnp.dtype(jnp.result_type(a)).itemsize for a in jax.tree.leaves(payload))
-
-
 def _gather_payloads(comm, payloads: list, fuse: bool) -> list:
     """``[comm.all_gather(p) for p in payloads]``; with ``fuse``, the payloads of at most
     :data:`FUSE_MAX_BYTES` share one :func:`~jaxcomm.comm.all_gather_packed` collective."""
-    small = [i for i, p in enumerate(payloads) if fuse and _payload_bytes(p) <= FUSE_MAX_BYTES]
+    bits = [sum(map(_array_bits, jax.tree.leaves(p))) for p in payloads]
+    small = [i for i, b in enumerate(bits) if fuse and b <= 8 * FUSE_MAX_BYTES]
     packed = dict(zip(small, all_gather_packed(comm, [payloads[i] for i in small]))) if small else {}
     return [packed[i] if i in packed else comm.all_gather(p) for i, p in enumerate(payloads)]
 
