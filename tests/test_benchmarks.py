@@ -65,11 +65,13 @@ def test_compressor_benchmark_targets_cover_issue_list():
 def test_step_overhead_benchmark_tiny(tmp_path):
     bench = _load("step_overhead")
     out = tmp_path / "step.json"
-    result = bench.main(["--trees", "tiny", "--compressors", "signsgd,topk", "--repeats", "1",
+    result = bench.main(["--trees", "tiny", "--compressors", "signsgd,topk,topk_floor", "--repeats", "1",
                          "--in-process", "--out", str(out)])
     saved = json.loads(out.read_text())
     res = saved["trees"]["tiny"]["results"]
-    assert set(res) == {"signsgd", "topk"} and saved["trees"]["tiny"]["num_tensors"] == 3
+    assert set(res) == {"signsgd", "topk", "topk_floor"} and saved["trees"]["tiny"]["num_tensors"] == 3
+    # The floor sends exactly what top-k sends (same k, value and index dtypes per tensor).
+    assert res["topk_floor"]["wire_bits_per_worker"] == res["topk"]["wire_bits_per_worker"]
     d = saved["trees"]["tiny"]["num_params"]
     for r in res.values():
         assert "error" not in r, r
@@ -85,6 +87,9 @@ def test_step_overhead_benchmark_tiny(tmp_path):
     assert bench.memory_for("qsgd", "grace").name == "none" and bench.memory_for("qsgd").name == "residual"
     with pytest.raises(ValueError, match="memory must be one of"):
         bench.memory_for("qsgd", "sometimes")
+    assert "topk_floor" not in jc.compressors.names()  # a benchmark row, not a registered compressor
+    assert bench.memory_for("qsgd_floor", "grace").name == "none"  # a floor runs with its compressor's memory
+    assert bench.memory_for("topk_floor", "grace").name == "residual"
     # --batch: the gradient of a real network (a 3-conv VGG on 8x8 images) instead of g = a * x.
     model = bench.main(["--trees", "vgg_tiny", "--batch", "2", "--compressors", "topk", "--repeats", "1",
                         "--in-process", "--no-fuse", "--out", str(tmp_path / "model.json")])
@@ -103,6 +108,27 @@ def test_step_overhead_benchmark_tiny(tmp_path):
     for tree, lo, hi, n in (("resnet20", 260_000, 280_000, 59), ("vgg16", 14_500_000, 15_500_000, 30)):
         shapes = bench.TREES[tree]()
         assert len(shapes) == n and lo <= sum(int(jax.numpy.prod(jax.numpy.array(s))) for s in shapes.values()) <= hi
+
+
+def test_floor_rows_send_what_their_compressor_sends():
+    """topk_floor's payload is top-k's at positions 0, s, 2s, ...: same sizes, and exact
+    decompress / error hooks (the jaxcomm.testing contract battery); qsgd_floor's is QSGD's."""
+    bench = _load("step_overhead")
+    floor, topk = bench.make_compressor("topk_floor"), bench.make_compressor("topk")
+    x = jax.random.normal(jax.random.key(0), (3, 3, 4, 20))  # d = 720, k = 7, s = 102
+    p, q = floor.compress(x)[0], topk.compress(x)[0]
+    assert p.values.shape == q.values.shape and p.indices.dtype == q.indices.dtype
+    assert p.wire_bits() == q.wire_bits()
+    assert list(map(int, p.indices)) == [102 * i for i in range(7)]
+    dense = jax.numpy.zeros(720).at[p.indices].set(x.ravel()[p.indices]).reshape(x.shape)
+    assert bool((floor.decompress(p) == dense).all())
+    jc.testing.check_decompress_sum(floor)
+    jc.testing.check_compression_error(floor)
+    # QSGD's floor: QSGD's payload size and decoder, codes s + sign(x) with norm 1.
+    floor, qsgd = bench.make_compressor("qsgd_floor"), bench.make_compressor("qsgd")
+    p, q = floor.compress(x)[0], qsgd.compress(x)[0]
+    assert p.wire_bits() == q.wire_bits()
+    assert bool((floor.decompress(p) == jax.numpy.sign(x) / 64).all())
 
 
 def test_fusion_mpi_benchmark_tiny(tmp_path):

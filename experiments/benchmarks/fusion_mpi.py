@@ -62,7 +62,7 @@ def worker(args) -> None:
     import jaxcomm as jc
     from jaxcomm.comm import MPIComm
     from jaxcomm.transforms import compressed_mean
-    from step_overhead import KWARGS, TREES, memory_for
+    from step_overhead import TREES, make_compressor, memory_for
 
     comm = MPIComm()
     rank, size = comm.rank, comm.size
@@ -101,7 +101,7 @@ def worker(args) -> None:
         shapes = TREES[tree]()
         res = {}
         for name in [c for c in args.compressors.split(",") if c]:
-            c = jc.compressors.make(name, **KWARGS.get(name, {}))
+            c = make_compressor(name)
             calls = {"none": runner(jc.compressors.none(), shapes, True),
                      "fused": runner(c, shapes, True), "unfused": runner(c, shapes, False)}
             for f in calls.values():  # compile and warm up

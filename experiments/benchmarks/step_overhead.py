@@ -49,8 +49,18 @@ tensor and payload field.
 Target (issue 3, item 7): sign, 1-bit, QSGD and top-k at most 1.3x the
 uncompressed step on the VGG16-shaped tree.
 
+``--compressors topk_floor`` (not a registered compressor, never in the
+default sweep; likewise ``qsgd_floor``, see :func:`qsgd_floor`) measures a
+lower bound for top-k: the same pipeline as
+``topk`` -- ``k = 1%`` values in float32 and int32 indices per tensor, the
+same all-gather, :func:`~jaxcomm.compressors._sparsify.sum_scatter` of the
+``n k`` received entries, the in-place error ``phi - sent`` -- but with the
+selection replaced by fixed, evenly spaced positions that cost nothing to
+find. Any exact top-k with error feedback does at least this work, so its
+ratio bounds what a faster selection could reach.
+
 usage: python experiments/benchmarks/step_overhead.py [--repeats 7] [--trees resnet20,vgg16]
-       [--compressors topk,qsgd,...] [--memory residual|grace] [--batch 0] [--no-fuse]
+       [--compressors topk,qsgd,topk_floor,...] [--memory residual|grace] [--batch 0] [--no-fuse]
        [--check-vma] [--in-process] [--out experiments/benchmarks/results/step_overhead.json]
 """
 
@@ -174,11 +184,73 @@ TREES = {"resnet20": resnet20_shapes, "vgg16": vgg16_shapes, "tiny": tiny_shapes
 MODELS = {"vgg16": (32, VGG16_POOL_AFTER), "vgg_tiny": (8, VGG_TINY_POOL_AFTER)}
 
 
+def topk_floor(ratio: float = 0.01):
+    """Top-k's pipeline without the selection: ``k = max(1, round(ratio d))`` fixed positions
+    ``0, s, 2s, ...`` (``s = d // k``) per tensor, otherwise exactly :func:`jaxcomm.compressors.topk`.
+
+    Same :class:`~jaxcomm.compressors.SparsePayload` (``k`` values in the input dtype and
+    :func:`~jaxcomm.compressors.index_dtype` indices, so the same wire bits), same
+    ``decompress_sum`` (one scatter-add of all ``n k`` entries) and ``compression_error``
+    (``x - decompress(payload)`` in place) hooks. Not a compressor anyone should train
+    with (it ignores the gradient's magnitudes): the benchmark's lower bound for top-k.
+    """
+    from jaxcomm.compressors import _sparsify as sp
+
+    def compress(x, key, state):
+        d = int(np.size(x))
+        k = sp.num_selected(ratio, d)
+        idx = jnp.arange(k, dtype=jnp.int32) * (d // max(k, 1))
+        vals, idx = sp._sparse_payload(x, idx)
+        return sp.SparsePayload(values=vals, indices=idx, shape=tuple(np.shape(x)), dtype=x.dtype), state
+
+    return jc.compressors.Compressor.create(
+        name="topk_floor", compress=compress, decompress=sp._decompress_sparse,
+        decompress_sum=sp._decompress_sum_sparse, compression_error=sp._error_sparse,
+        unbiased=False, strategy="allgather", params=dict(ratio=ratio))
+
+
+def qsgd_floor(levels: int = 64):
+    """QSGD's payload, communication and decoder with the cheapest encoder that reads ``x``:
+    code ``s + sign(x_i)`` (levels 0 and 1), norm 1 -- no norm pass, no random numbers.
+
+    Same :class:`~jaxcomm.compressors.QSGDPayload` (``ceil(log2(2s+1))``-bit codes and a
+    float32 norm, so the same wire bits) and the same ``decompress`` as
+    :func:`jaxcomm.compressors.qsgd`, which ``compressed_mean`` runs on all ``n`` gathered
+    payloads. The benchmark's lower bound for QSGD under the all-gather strategy.
+    """
+    from jaxcomm.compressors import _quantize as qz
+
+    q = jc.compressors.qsgd(levels=levels)
+    width = qz._code_width(2 * levels + 1)
+
+    def compress(x, key, state):
+        code = (levels + jnp.sign(jnp.ravel(x))).astype(jnp.int32)
+        payload = qz.QSGDPayload(codes=qz.pack_codes(code, width), norm=jnp.float32(1.0), levels=levels,
+                                 shape=x.shape, dtype=x.dtype)
+        return payload, state
+
+    return jc.compressors.Compressor.create(
+        name="qsgd_floor", compress=compress, decompress=q.decompress, unbiased=False,
+        strategy="allgather", params=dict(levels=levels))
+
+
+# Benchmark-only rows, timed like compressors but not in the registry (nor in the default sweep).
+PSEUDO = {"topk_floor": topk_floor, "qsgd_floor": qsgd_floor}
+
+
+def make_compressor(name: str):
+    """A registered compressor with the benchmark's hyper-parameters (:data:`KWARGS`), or a :data:`PSEUDO` row."""
+    if name in PSEUDO:
+        return PSEUDO[name]()
+    return jc.compressors.make(name, **KWARGS.get(name, {}))
+
+
 def memory_for(name: str, memory: str = "residual"):
     """The memory a compressor runs with: ``none()`` for the baseline (and, under
     ``memory="grace"``, for :data:`GRACE_NO_MEMORY`), else ``residual()``."""
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {MEMORIES}; got {memory!r}")
+    name = name.removesuffix("_floor") if name in PSEUDO else name  # a floor row: its compressor's memory
     if name == "none" or (memory == "grace" and name in GRACE_NO_MEMORY):
         return mem.none()
     return mem.residual()
@@ -259,7 +331,7 @@ def measure(tree: str, name: str, repeats: int, check_vma: bool, memory: str = "
         raise SystemExit(f"need {n} devices (XLA_FLAGS=--xla_force_host_platform_device_count={n})")
     mesh = Mesh(np.array(devices[:n]), ("data",))
     shapes = TREES[tree]()
-    c = jc.compressors.make(name, **KWARGS.get(name, {}))
+    c = make_compressor(name)
     base = Runner(jc.compressors.none(), shapes, n, mesh, check_vma, batch=batch, model=tree, fuse=fuse)
     runner = Runner(c, shapes, n, mesh, check_vma, memory=memory, batch=batch, model=tree, fuse=fuse)
     t_base, t_c = [base.call()], [runner.call()]
@@ -384,7 +456,7 @@ def main(argv=None) -> dict:
         print("RESULT " + json.dumps(r, default=str), flush=True)
         return r
     names = [c for c in args.compressors.split(",") if c] or [c for c in jc.compressors.names() if c != "none"]
-    unknown = [c for c in names if c not in jc.compressors.names()]
+    unknown = [c for c in names if c not in jc.compressors.names() and c not in PSEUDO]
     trees = [t for t in args.trees.split(",") if t]
     if unknown or set(trees) - set(TREES):
         ap.error(f"unknown compressor(s) {unknown} or tree(s) {sorted(set(trees) - set(TREES))}")
