@@ -239,9 +239,10 @@ PSEUDO = {"topk_floor": topk_floor, "qsgd_floor": qsgd_floor}
 
 
 def make_compressor(name: str):
-    """A registered compressor with the benchmark's hyper-parameters (:data:`KWARGS`), or a :data:`PSEUDO` row."""
+    """A registered compressor with the benchmark's hyper-parameters (:data:`KWARGS`), or a :data:`PSEUDO`
+    row with its compressor's (``topk_floor`` with top-k's ratio, ``qsgd_floor`` with QSGD's levels)."""
     if name in PSEUDO:
-        return PSEUDO[name]()
+        return PSEUDO[name](**KWARGS.get(name.removesuffix("_floor"), {}))
     return jc.compressors.make(name, **KWARGS.get(name, {}))
 
 
