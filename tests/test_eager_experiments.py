@@ -68,3 +68,14 @@ def test_hyperplane_smoke(tmp_path):
     # Simulated time: solo rounds end at the first arrival, sync ones at the last.
     assert sv["solo"]["history"][-1]["sim_time_s"] < sv["majority"]["history"][-1]["sim_time_s"] \
         < sv["sync"]["history"][-1]["sim_time_s"]
+
+
+def test_severe_learning_rate_schedules():
+    """severe_lr_schedule: the constant rate, or a cosine decay from severe_lr to 0 over all rounds."""
+    from jaxcomm.experiments.eager import severe_learning_rate
+
+    assert severe_learning_rate({"severe_lr": 0.05}, rounds=100) == 0.05  # default: constant
+    cos = severe_learning_rate({"severe_lr": 0.05, "severe_lr_schedule": "cosine"}, rounds=100)
+    assert np.allclose([float(cos(0)), float(cos(50)), float(cos(100))], [0.05, 0.025, 0.0], atol=1e-7)
+    with pytest.raises(ValueError, match="severe_lr_schedule"):
+        severe_learning_rate({"severe_lr": 0.05, "severe_lr_schedule": "step"}, rounds=100)

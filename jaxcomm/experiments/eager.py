@@ -335,6 +335,8 @@ HYPER_DEFAULT = {
     "severe_batch_per_worker": 16,
     "severe_epochs": 8,
     "severe_lr": 0.05,
+    # "constant", or "cosine": cosine decay from severe_lr to 0 over all rounds (optax.cosine_decay_schedule)
+    "severe_lr_schedule": "constant",
     "severe_momentum": 0.9,
     "severe_min_ms": 50.0,
     "severe_max_ms": 400.0,
@@ -464,6 +466,20 @@ def _pool_images(ds, f: int):
     return ds._replace(images=img)
 
 
+def severe_learning_rate(config: dict, rounds: int):
+    """The severe-skew study's learning rate: ``severe_lr`` (``severe_lr_schedule="constant"``), or
+    ``optax.cosine_decay_schedule(severe_lr, rounds)`` (``"cosine"``: from ``severe_lr`` at round 0
+    to 0 at round ``rounds``; one optimizer update per partial-allreduce round)."""
+    import optax
+
+    lr, schedule = float(config["severe_lr"]), config.get("severe_lr_schedule", "constant")
+    if schedule == "constant":
+        return lr
+    if schedule == "cosine":
+        return optax.cosine_decay_schedule(lr, max(1, int(rounds)))
+    raise ValueError(f"severe_lr_schedule must be 'constant' or 'cosine'; got {schedule!r}")
+
+
 def _run_severe(config: dict) -> dict:
     import jax
     import jax.numpy as jnp
@@ -493,13 +509,15 @@ def _run_severe(config: dict) -> dict:
         return {"test_acc": float(accuracy(m, jnp.asarray(test.images), jnp.asarray(test.labels)))}
 
     runs = {}
+    b, epochs = int(config["severe_batch_per_worker"]), int(config["severe_epochs"])
+    lr = severe_learning_rate(config, rounds=epochs * (len(train.labels) // (p * b)))
     for mode in config["severe_modes"]:
         model = build_model(config["severe_model"], train, int(config["seed"]))
         t0 = time.time()
         out = simulate_training(
             model, loss_fn, train.images, train.labels, mode=mode, imbalance=skew,
-            batch_per_worker=int(config["severe_batch_per_worker"]), epochs=int(config["severe_epochs"]),
-            optimizer=optax.sgd(float(config["severe_lr"]), momentum=float(config["severe_momentum"])),
+            batch_per_worker=b, epochs=epochs,
+            optimizer=optax.sgd(lr, momentum=float(config["severe_momentum"])),
             key=jax.random.key(int(config["seed"])), clock=config["severe_clock"], eval_fn=evaluate,
         )
         out.pop("model")
