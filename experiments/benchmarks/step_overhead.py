@@ -235,14 +235,20 @@ def qsgd_floor(levels: int = 64):
 
 
 # Benchmark-only rows, timed like compressors but not in the registry (nor in the default sweep).
-PSEUDO = {"topk_floor": topk_floor, "qsgd_floor": qsgd_floor}
+# Each maps to (factory, the registered compressor whose hyper-parameters and memory it takes).
+PSEUDO = {"topk_floor": (topk_floor, "topk"), "qsgd_floor": (qsgd_floor, "qsgd")}
+
+
+def compressor_of(name: str) -> str:
+    """The registered compressor a row stands for: itself, or a :data:`PSEUDO` row's compressor."""
+    return PSEUDO[name][1] if name in PSEUDO else name
 
 
 def make_compressor(name: str):
     """A registered compressor with the benchmark's hyper-parameters (:data:`KWARGS`), or a :data:`PSEUDO`
     row with its compressor's (``topk_floor`` with top-k's ratio, ``qsgd_floor`` with QSGD's levels)."""
     if name in PSEUDO:
-        return PSEUDO[name](**KWARGS.get(name.removesuffix("_floor"), {}))
+        return PSEUDO[name][0](**KWARGS.get(compressor_of(name), {}))
     return jc.compressors.make(name, **KWARGS.get(name, {}))
 
 
@@ -251,7 +257,7 @@ def memory_for(name: str, memory: str = "residual"):
     ``memory="grace"``, for :data:`GRACE_NO_MEMORY`), else ``residual()``."""
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {MEMORIES}; got {memory!r}")
-    name = name.removesuffix("_floor") if name in PSEUDO else name  # a floor row: its compressor's memory
+    name = compressor_of(name)  # a floor row runs with its compressor's memory
     if name == "none" or (memory == "grace" and name in GRACE_NO_MEMORY):
         return mem.none()
     return mem.residual()
