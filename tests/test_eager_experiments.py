@@ -65,6 +65,12 @@ def test_hyperplane_smoke(tmp_path):
     assert np.mean(sv["solo"]["nap"]) < np.mean(sv["majority"]["nap"]) < p
     for mode, r in sv.items():
         assert r["history"][-1]["test_acc"] > 0.3, mode  # digits: chance is 0.1
+        # The staleness replay sees the training's rounds: its fresh gradients are the NAPs.
+        st = r["staleness"]
+        assert st["counts"][0] == sum(r["nap"]), mode
+        assert sum(st["counts"]) + st["undelivered"] == p * len(r["nap"]), mode
+    assert sv["sync"]["staleness"]["fresh_fraction"] == 1.0 and sv["sync"]["staleness"]["max_staleness"] == 0
+    assert sv["solo"]["staleness"]["mean_staleness"] > sv["majority"]["staleness"]["mean_staleness"] > 0
     # Simulated time: solo rounds end at the first arrival, sync ones at the last.
     assert sv["solo"]["history"][-1]["sim_time_s"] < sv["majority"]["history"][-1]["sim_time_s"] \
         < sv["sync"]["history"][-1]["sim_time_s"]

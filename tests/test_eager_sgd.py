@@ -136,6 +136,49 @@ def test_exactly_once_identical_and_matches_reference(mode, clock, model):
     np.testing.assert_allclose(clock_ms[0], ref_clock, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode, clock, model", CONFIGS)
+def test_staleness_profile_matches_the_reference_deliveries(mode, clock, model):
+    config = config_for(mode, clock, model)
+    p, t_steps = 4, 12
+    profile = es.staleness_profile(config, t_steps, key=0)
+    # Expected: from the NumPy reference's deliveries of the coded gradients e_{i*T+t}.
+    ref_mean, ref_nap, _, ref_clock = reference(config, one_hot_grads(p, t_steps))
+    counts = np.rint(p * ref_mean).astype(int)  # [round s, code i*T + t]
+    expected = np.zeros(t_steps)
+    for s in range(t_steps):
+        for code in np.nonzero(counts[s])[0]:
+            expected[s - code % t_steps] += counts[s, code]
+    np.testing.assert_array_equal(np.asarray(profile.counts), expected)
+    np.testing.assert_array_equal(np.asarray(profile.delivered), counts.sum(1))
+    np.testing.assert_array_equal(np.asarray(profile.nap), ref_nap)
+    np.testing.assert_allclose(np.asarray(profile.clock_ms), ref_clock, rtol=1e-5)
+    # Fresh gradients are the active workers'; every gradient is delivered once or still pending.
+    assert profile.counts[0] == ref_nap.sum()
+    assert float(profile.counts.sum() + profile.undelivered) == p * t_steps
+    summary = profile.summary()
+    assert summary["fresh_fraction"] == pytest.approx(ref_nap.sum() / expected.sum())
+    assert summary["mean_staleness"] == pytest.approx((np.arange(t_steps) * expected).sum() / expected.sum())
+    assert summary["round_ms"] == pytest.approx(ref_clock[-1] / t_steps, rel=1e-5)
+    if mode == "sync":
+        assert summary["max_staleness"] == 0 and summary["undelivered"] == 0
+
+
+@pytest.mark.parametrize("mode", ["solo", "majority"])
+def test_staleness_profile_reset_clock_closed_form(mode):
+    # With the reset clock a late gradient waits exactly one round: counts[1] is every
+    # inactive worker's gradient except the last round's, which is still in the buffer.
+    p, t_steps = 8, 64
+    config = es.EagerSGDConfig(mode, im.RandomDelay(p, 3, 100.0, base_ms=10.0), clock="reset")
+    profile = es.staleness_profile(config, t_steps, key=3)
+    nap = np.asarray(profile.nap)
+    assert profile.counts[0] == nap.sum()
+    assert profile.counts[1] == p * (t_steps - 1) - nap[:-1].sum()
+    assert not np.asarray(profile.counts[2:]).any()
+    assert profile.undelivered == p - nap[-1]
+    with pytest.raises(ValueError, match="rounds must be a positive int"):
+        es.staleness_profile(config, 0, key=3)
+
+
 def test_sync_mode_is_the_ordinary_mean():
     config = config_for("sync", "reset", "random")
     grads = np.random.default_rng(0).standard_normal((4, 5, 7)).astype(np.float32)
@@ -278,6 +321,11 @@ def test_simulate_training_tiny_mlp():
     # Synchronous SGD would take 16 rounds x 400 ms (the slowest worker every round);
     # majority waits for a random initiator only.
     assert r["history"][-1]["sim_time_s"] < 16 * 0.4
+    # The collective's key is split(key)[0]: the staleness profile replays this run's rounds.
+    config = es.EagerSGDConfig("majority", skew, clock="carry")
+    profile = es.staleness_profile(config, 16, jax.random.split(jax.random.key(0))[0])
+    np.testing.assert_array_equal(np.asarray(profile.nap), r["nap"])
+    np.testing.assert_allclose(np.asarray(profile.clock_ms), r["clock_ms"], rtol=1e-6)
 
 
 def test_flush_delivers_the_rest():

@@ -35,6 +35,8 @@ from .eager_sgd import (
     round_draws,
     round_trigger,
     simulate_training,
+    StalenessProfile,
+    staleness_profile,
     undelivered,
 )
 
@@ -50,6 +52,8 @@ __all__ = [
     "round_draws",
     "round_trigger",
     "simulate_training",
+    "StalenessProfile",
+    "staleness_profile",
     "undelivered",
     "DecentralizedAlgorithm",
     "DPSGDState",

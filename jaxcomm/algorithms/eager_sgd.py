@@ -78,6 +78,8 @@ __all__ = [
     "round_trigger",
     "round_draws",
     "simulate_training",
+    "StalenessProfile",
+    "staleness_profile",
 ]
 
 PyTree = Any
@@ -343,6 +345,104 @@ def flush(state: EagerSGDState, comm) -> tuple:
     return mean, state._replace(buffer=empty, pending_ms=pending)
 
 
+class StalenessProfile(NamedTuple):
+    """Who delivered what, and how late, over ``T`` rounds of one configuration.
+
+    A gradient computed for round ``t`` (on the parameters after round ``t - 1``)
+    and delivered in round ``s >= t`` is ``s - t`` rounds stale. Fresh gradients
+    (staleness 0) are the active workers', so ``counts[0] == sum(nap)``.
+
+    Attributes:
+      counts: ``float32[T]``; ``counts[s]`` = number of gradients delivered ``s``
+        rounds stale (whole numbers). ``sum(counts) + undelivered == P * T``.
+      nap: ``int32[T]`` active processes (fresh gradients) per round.
+      delivered: ``float32[T]`` gradients delivered per round, fresh and stale;
+        the round's result is their sum divided by ``P``.
+      clock_ms: ``float32[T]`` simulated time at the end of each round, ms.
+      undelivered: ``float32[]`` gradients still in the send buffers after round ``T``.
+    """
+
+    counts: jax.Array
+    nap: jax.Array
+    delivered: jax.Array
+    clock_ms: jax.Array
+    undelivered: jax.Array
+
+    def summary(self) -> dict:
+        """Python floats: ``fresh_fraction`` (of the delivered gradients),
+        ``mean_staleness`` and ``max_staleness`` (rounds, over the delivered
+        gradients), ``nap_mean``, ``round_ms`` (mean round length) and ``undelivered``."""
+        counts = np.asarray(self.counts, np.float64)
+        total = counts.sum()
+        lags = np.arange(counts.shape[0])
+        clock = np.asarray(self.clock_ms, np.float64)
+        return {
+            "fresh_fraction": float(counts[0] / total),
+            "mean_staleness": float((lags * counts).sum() / total),
+            "max_staleness": int(lags[counts > 0].max()),
+            "nap_mean": float(np.mean(np.asarray(self.nap))),
+            "round_ms": float(clock[-1] / clock.shape[0]),
+            "undelivered": float(self.undelivered),
+        }
+
+
+def staleness_profile(config: EagerSGDConfig, rounds: int, key) -> StalenessProfile:
+    """Measure the staleness of every delivered gradient by running the protocol on coded gradients.
+
+    Worker ``i``'s gradient for round ``t`` is the unit vector ``e_t`` (length
+    ``T``); :func:`partial_allreduce` moves these codes exactly as it moves real
+    gradients, so ``P * result_s`` counts, per round of origin ``t``, the gradients
+    delivered in round ``s``: ``counts[s - t]`` gets them. No training is done,
+    and the delivery rules depend only on the imbalance model and the key, so
+    this is the staleness of a training run with the same ``config`` and key
+    (:func:`simulate_training` uses ``jax.random.split(key)[0]``).
+
+    Time and memory: ``O(P * max_lag * T^2)`` and ``O(P * max_lag * T)`` (the
+    carry clock's FIFO holds ``max_lag`` coded vectors per worker): a few seconds
+    for ``T`` in the low thousands.
+
+    Args:
+      config: :class:`EagerSGDConfig`.
+      rounds: ``T >= 1``.
+      key: the shared PRNG key or int seed (imbalance draws, majority initiators).
+    Returns:
+      :class:`StalenessProfile`.
+    """
+    from ..comm import MeshAxis
+
+    if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int; got {rounds!r}")
+    t_rounds, p = int(rounds), config.num_workers
+    key = _as_key(key)
+    comm = MeshAxis("staleness_profile")
+    origin = jnp.arange(t_rounds)
+
+    def worker(_):
+        state = init_eager_state(jnp.zeros(t_rounds, jnp.float32), config, key)
+
+        def body(carry, s):
+            state, counts = carry
+            code = (origin == s).astype(jnp.float32)
+            mean, state = partial_allreduce(code, state, config, comm)
+            per_origin = mean * p  # gradients from each round of origin delivered now
+            lag = jnp.where(origin <= s, s - origin, t_rounds)  # t_rounds: dropped (nothing from the future)
+            counts = counts.at[lag].add(per_origin, mode="drop")
+            return (state, counts), (state.nap, jnp.sum(per_origin), state.clock_ms)
+
+        (state, counts), (nap, delivered, clock) = jax.lax.scan(
+            body, (state, jnp.zeros(t_rounds, jnp.float32)), jnp.arange(t_rounds)
+        )
+        return counts, nap, delivered, clock, jnp.sum(undelivered(state))
+
+    run = jax.jit(jax.vmap(worker, axis_name="staleness_profile"))
+    counts, nap, delivered, clock, rest = run(jnp.arange(p))
+    # Every worker holds the same result; the undelivered codes are per worker.
+    return StalenessProfile(
+        counts=jnp.round(counts[0]), nap=nap[0], delivered=jnp.round(delivered[0]), clock_ms=clock[0],
+        undelivered=jnp.round(jnp.sum(rest)),
+    )
+
+
 def eager_sgd(
     mode: str,
     imbalance: ImbalanceModel,
@@ -425,7 +525,9 @@ def simulate_training(
       batch_per_worker: local batch ``b`` (the global batch is ``P * b``).
       epochs: passes over the shards.
       optimizer: optax transformation applied to the partial-allreduce mean.
-      key: PRNG key or int seed (imbalance, initiators, data order).
+      key: PRNG key or int seed (imbalance, initiators, data order). The
+        collective uses ``jax.random.split(key)[0]``: pass that to
+        :func:`staleness_profile` to see this run's staleness.
       eval_fn: optional ``model -> dict of floats``, run on worker 0's model after
         every ``eval_every`` epochs (all workers hold the same model).
     Returns:
