@@ -159,6 +159,7 @@ def test_staleness_profile_matches_the_reference_deliveries(mode, clock, model):
     assert summary["fresh_fraction"] == pytest.approx(ref_nap.sum() / expected.sum())
     assert summary["mean_staleness"] == pytest.approx((np.arange(t_steps) * expected).sum() / expected.sum())
     assert summary["round_ms"] == pytest.approx(ref_clock[-1] / t_steps, rel=1e-5)
+    assert summary["delivered_std"] == pytest.approx(np.std(counts.sum(1)))
     if mode == "sync":
         assert summary["max_staleness"] == 0 and summary["undelivered"] == 0
 

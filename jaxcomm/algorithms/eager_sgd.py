@@ -371,7 +371,10 @@ class StalenessProfile(NamedTuple):
     def summary(self) -> dict:
         """Python floats: ``fresh_fraction`` (of the delivered gradients),
         ``mean_staleness`` and ``max_staleness`` (rounds, over the delivered
-        gradients), ``nap_mean``, ``round_ms`` (mean round length) and ``undelivered``."""
+        gradients), ``nap_mean``, ``delivered_std`` (standard deviation over rounds
+        of the gradients delivered per round, whose mean is ``P`` in steady state:
+        since the result is divided by ``P``, the step's scale varies with it),
+        ``round_ms`` (mean round length, ms) and ``undelivered``."""
         counts = np.asarray(self.counts, np.float64)
         total = counts.sum()
         lags = np.arange(counts.shape[0])
@@ -381,6 +384,7 @@ class StalenessProfile(NamedTuple):
             "mean_staleness": float((lags * counts).sum() / total),
             "max_staleness": int(lags[counts > 0].max()),
             "nap_mean": float(np.mean(np.asarray(self.nap))),
+            "delivered_std": float(np.std(np.asarray(self.delivered, np.float64))),
             "round_ms": float(clock[-1] / clock.shape[0]),
             "undelivered": float(self.undelivered),
         }
