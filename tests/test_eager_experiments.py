@@ -61,6 +61,9 @@ def test_hyperplane_smoke(tmp_path):
     assert runs[f"solo-{delay:g}"]["nap_mean"] < p
     sv = res["severe"]["runs"]
     assert set(sv) == set(cfg["severe_modes"])
+    # The partial results written after every epoch hold the whole history at the end.
+    partial = json.loads((tmp_path / "severe_partial.json").read_text())["history"]
+    assert partial == {mode: r["history"] for mode, r in sv.items()}
     assert all(n == p for n in sv["sync"]["nap"]) and min(sv["solo"]["nap"]) == 1
     assert np.mean(sv["solo"]["nap"]) < np.mean(sv["majority"]["nap"]) < p
     for mode, r in sv.items():

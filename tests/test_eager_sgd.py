@@ -312,9 +312,11 @@ def test_simulate_training_tiny_mlp():
         return {"acc": float(jnp.mean(jnp.argmax(m(x), -1) == y))}
 
     skew = im.RotatingSkew(4, 50.0, 400.0)
+    seen = []
     r = es.simulate_training(TinyMLP(nnx.Rngs(0)), loss_fn, x, y, mode="majority", imbalance=skew,
                              batch_per_worker=16, epochs=2, optimizer=optax.sgd(0.1), key=0,
-                             clock="carry", eval_fn=evaluate)
+                             clock="carry", eval_fn=evaluate, progress=True, on_eval=seen.append)
+    assert seen == r["history"]  # every entry, as soon as it was made
     assert r["steps_per_epoch"] == 8 and len(r["nap"]) == 16 and len(r["history"]) == 2
     assert r["history"][-1]["acc"] > 0.9  # well-separated clusters
     assert r["loss"][-1] < r["loss"][0]

@@ -512,6 +512,8 @@ def simulate_training(
     eval_fn=None,
     eval_every: int = 1,
     axis_name: str = "workers",
+    progress: bool = False,
+    on_eval=None,
 ) -> dict:
     """Train a Flax NNX model with ``P`` simulated eager-SGD workers (``jax.vmap`` over a named axis).
 
@@ -534,6 +536,9 @@ def simulate_training(
         :func:`staleness_profile` to see this run's staleness.
       eval_fn: optional ``model -> dict of floats``, run on worker 0's model after
         every ``eval_every`` epochs (all workers hold the same model).
+      progress: show a progress bar over epochs (tqdm, with the last evaluation).
+      on_eval: optional ``entry -> None``, called with every history entry as soon
+        as it is made (e.g. to save partial results of a long run).
     Returns:
       dict with ``history`` (one entry per evaluation: ``epoch``, ``step``,
       ``sim_time_s``, ``train_loss``, ``nap_mean``, plus ``eval_fn``'s keys),
@@ -592,10 +597,15 @@ def simulate_training(
 
         return jax.lax.scan(step, (prm, opt_state, eager_states), jnp.arange(steps_per_epoch))
 
+    if on_eval is not None and not callable(on_eval):
+        raise TypeError(f"on_eval must be callable or None; got {type(on_eval).__name__}")
+    from tqdm.auto import tqdm
+
     run_epoch = jax.jit(epoch_fn)
     history, naps, clocks = [], [], []
     losses = []
-    for epoch in range(epochs):
+    bar = tqdm(range(epochs), desc=f"eager-SGD {mode}", unit="epoch", disable=not progress, leave=False)
+    for epoch in bar:
         (params, opt_state, w_eager), (loss, nap, clk) = run_epoch(params, opt_state, w_eager, epoch)
         loss, nap, clk = np.asarray(loss), np.asarray(nap), np.asarray(clk)
         naps.extend(nap.tolist())
@@ -613,6 +623,10 @@ def simulate_training(
                 trained = nnx.merge(graphdef, params, rest)
                 entry.update({k: float(v) for k, v in eval_fn(trained).items()})
             history.append(entry)
+            bar.set_postfix({k: round(v, 4) for k, v in entry.items() if k not in ("epoch", "step")})
+            if on_eval is not None:
+                on_eval(entry)
+    bar.close()
     final = nnx.merge(graphdef, params, rest)
     return {
         "history": history,

@@ -21,6 +21,7 @@ launcher and read by every rank: the paper's "same random stream on all ranks".
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -384,7 +385,7 @@ def run_hyperplane(config: dict, out_dir: Path) -> dict:
         summary += res["hyperplane"]["summary"]
         _plot_hyperplane(res["hyperplane"], out_dir)
     if config["severe"]:
-        res["severe"] = _run_severe(config)
+        res["severe"] = _run_severe(config, out_dir)
         summary += res["severe"]["summary"]
         _plot_severe(res["severe"], out_dir)
     res["summary"] = summary
@@ -480,7 +481,9 @@ def severe_learning_rate(config: dict, rounds: int):
     raise ValueError(f"severe_lr_schedule must be 'constant' or 'cosine'; got {schedule!r}")
 
 
-def _run_severe(config: dict) -> dict:
+def _run_severe(config: dict, out_dir: Path) -> dict:
+    """Sec. 7.2.3 in the mesh simulation; ``out_dir/severe_partial.json`` holds every mode's
+    accuracy history so far (rewritten after every epoch), so a long run that is stopped keeps it."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -511,6 +514,14 @@ def _run_severe(config: dict) -> dict:
     runs = {}
     b, epochs = int(config["severe_batch_per_worker"]), int(config["severe_epochs"])
     lr = severe_learning_rate(config, rounds=epochs * (len(train.labels) // (p * b)))
+    partial = {"config": config, "history": {}}
+
+    def save_partial(mode, entry):
+        partial["history"].setdefault(mode, []).append(entry)
+        tmp = out_dir / "severe_partial.json.tmp"
+        tmp.write_text(json.dumps(partial, indent=1))
+        tmp.replace(out_dir / "severe_partial.json")
+
     for mode in config["severe_modes"]:
         model = build_model(config["severe_model"], train, int(config["seed"]))
         t0 = time.time()
@@ -519,6 +530,7 @@ def _run_severe(config: dict) -> dict:
             batch_per_worker=b, epochs=epochs,
             optimizer=optax.sgd(lr, momentum=float(config["severe_momentum"])),
             key=jax.random.key(int(config["seed"])), clock=config["severe_clock"], eval_fn=evaluate,
+            progress=True, on_eval=functools.partial(save_partial, mode),
         )
         out.pop("model")
         out["host_seconds"] = time.time() - t0
