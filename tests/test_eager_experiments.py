@@ -80,11 +80,24 @@ def test_hyperplane_smoke(tmp_path):
 
 
 def test_severe_learning_rate_schedules():
-    """severe_lr_schedule: the constant rate, or a cosine decay from severe_lr to 0 over all rounds."""
+    """severe_lr_schedule: the constant rate, or a cosine decay from severe_lr to 0 over all rounds;
+    severe_warmup_epochs: a linear ramp from 0 first, the decay over the rounds after it."""
     from jaxcomm.experiments.eager import severe_learning_rate
 
-    assert severe_learning_rate({"severe_lr": 0.05}, rounds=100) == 0.05  # default: constant
-    cos = severe_learning_rate({"severe_lr": 0.05, "severe_lr_schedule": "cosine"}, rounds=100)
-    assert np.allclose([float(cos(0)), float(cos(50)), float(cos(100))], [0.05, 0.025, 0.0], atol=1e-7)
+    def at(schedule, rounds):
+        return [float(schedule(r)) for r in rounds]
+
+    assert severe_learning_rate({"severe_lr": 0.05}, 10, rounds_per_epoch=10) == 0.05  # default: constant
+    cos = severe_learning_rate({"severe_lr": 0.05, "severe_lr_schedule": "cosine"}, 10, rounds_per_epoch=10)
+    assert np.allclose(at(cos, [0, 50, 100]), [0.05, 0.025, 0.0], atol=1e-7)
+    # 2 warm-up epochs of 10 rounds: 0 at round 0, half at 10, the full rate at 20; then the schedule.
+    warm = {"severe_lr": 0.05, "severe_warmup_epochs": 2}
+    assert np.allclose(at(severe_learning_rate(warm, 8, 10), [0, 10, 20, 50, 80]), [0, 0.025, 0.05, 0.05, 0.05],
+                       atol=1e-7)
+    warm_cos = severe_learning_rate(dict(warm, severe_lr_schedule="cosine"), 8, 10)
+    assert np.allclose(at(warm_cos, [0, 10, 20, 50, 80]), [0, 0.025, 0.05, 0.025, 0.0], atol=1e-7)
     with pytest.raises(ValueError, match="severe_lr_schedule"):
-        severe_learning_rate({"severe_lr": 0.05, "severe_lr_schedule": "step"}, rounds=100)
+        severe_learning_rate({"severe_lr": 0.05, "severe_lr_schedule": "step"}, 10, rounds_per_epoch=10)
+    for bad in (-1, 8):
+        with pytest.raises(ValueError, match="severe_warmup_epochs"):
+            severe_learning_rate(dict(warm, severe_warmup_epochs=bad), 8, 10)

@@ -338,6 +338,7 @@ HYPER_DEFAULT = {
     "severe_lr": 0.05,
     # "constant", or "cosine": cosine decay from severe_lr to 0 over all rounds (optax.cosine_decay_schedule)
     "severe_lr_schedule": "constant",
+    "severe_warmup_epochs": 0,  # > 0: linear warm-up from 0 to severe_lr over this many epochs first
     "severe_momentum": 0.9,
     "severe_min_ms": 50.0,
     "severe_max_ms": 400.0,
@@ -467,18 +468,34 @@ def _pool_images(ds, f: int):
     return ds._replace(images=img)
 
 
-def severe_learning_rate(config: dict, rounds: int):
-    """The severe-skew study's learning rate: ``severe_lr`` (``severe_lr_schedule="constant"``), or
-    ``optax.cosine_decay_schedule(severe_lr, rounds)`` (``"cosine"``: from ``severe_lr`` at round 0
-    to 0 at round ``rounds``; one optimizer update per partial-allreduce round)."""
+def severe_learning_rate(config: dict, epochs: int, rounds_per_epoch: int):
+    """The severe-skew study's learning rate per round (one optimizer update per partial-allreduce round).
+
+    ``severe_lr_schedule="constant"``: ``severe_lr``; ``"cosine"``: a cosine decay from ``severe_lr``
+    to 0 at the last round (``optax.cosine_decay_schedule``). ``severe_warmup_epochs = w > 0``
+    prepends a linear warm-up from 0 to ``severe_lr`` over the first ``w`` epochs (the decay then
+    runs over the remaining rounds), the usual remedy for an unstable start of large-batch or
+    asynchronous SGD (Goyal et al., 2017).
+    """
     import optax
 
     lr, schedule = float(config["severe_lr"]), config.get("severe_lr_schedule", "constant")
+    total = max(1, int(epochs) * int(rounds_per_epoch))
+    warm = int(round(float(config.get("severe_warmup_epochs", 0)) * int(rounds_per_epoch)))
+    if not 0 <= warm < total:
+        raise ValueError(
+            f"severe_warmup_epochs must be >= 0 and shorter than the run ({epochs} epochs); "
+            f"got {config.get('severe_warmup_epochs')!r}"
+        )
     if schedule == "constant":
-        return lr
-    if schedule == "cosine":
-        return optax.cosine_decay_schedule(lr, max(1, int(rounds)))
-    raise ValueError(f"severe_lr_schedule must be 'constant' or 'cosine'; got {schedule!r}")
+        after = optax.constant_schedule(lr)
+    elif schedule == "cosine":
+        after = optax.cosine_decay_schedule(lr, total - warm)
+    else:
+        raise ValueError(f"severe_lr_schedule must be 'constant' or 'cosine'; got {schedule!r}")
+    if warm == 0:
+        return lr if schedule == "constant" else after
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm])
 
 
 def _run_severe(config: dict, out_dir: Path) -> dict:
@@ -513,7 +530,7 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
 
     runs = {}
     b, epochs = int(config["severe_batch_per_worker"]), int(config["severe_epochs"])
-    lr = severe_learning_rate(config, rounds=epochs * (len(train.labels) // (p * b)))
+    lr = severe_learning_rate(config, epochs, rounds_per_epoch=len(train.labels) // (p * b))
     partial = {"config": config, "history": {}}
 
     def save_partial(mode, entry):
