@@ -498,6 +498,25 @@ def severe_learning_rate(config: dict, epochs: int, rounds_per_epoch: int):
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm])
 
 
+def severe_staleness(config: dict, mode: str, rounds: int) -> dict:
+    """How stale the severe study's delivered gradients were: :func:`staleness_profile` of its rounds
+    (the same skew, clock and key as the training: ``simulate_training`` uses ``split(key)[0]``).
+
+    Returns the profile's ``summary()`` plus ``counts`` (gradients delivered 0, 1, ... rounds stale).
+    """
+    import jax
+
+    from .. import imbalance
+    from ..algorithms.eager_sgd import EagerSGDConfig, staleness_profile
+
+    skew = imbalance.RotatingSkew(int(config["severe_workers"]), float(config["severe_min_ms"]),
+                                  float(config["severe_max_ms"]))
+    key = jax.random.split(jax.random.key(int(config["seed"])))[0]
+    profile = staleness_profile(EagerSGDConfig(mode, skew, clock=config["severe_clock"]), rounds, key)
+    stats = profile.summary()
+    return dict(stats, counts=np.asarray(profile.counts)[: stats["max_staleness"] + 1].tolist())
+
+
 def _run_severe(config: dict, out_dir: Path) -> dict:
     """Sec. 7.2.3 in the mesh simulation; ``out_dir/severe_partial.json`` holds every mode's
     accuracy history so far (rewritten after every epoch), so a long run that is stopped keeps it."""
@@ -507,7 +526,7 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
     from flax import nnx
 
     from .. import imbalance
-    from ..algorithms.eager_sgd import EagerSGDConfig, simulate_training, staleness_profile
+    from ..algorithms.eager_sgd import simulate_training
     from ._common import build_model, load_image_task
 
     train, test = load_image_task(config["severe_dataset"], int(config["severe_train_examples"]),
@@ -551,12 +570,7 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
         )
         out.pop("model")
         out["host_seconds"] = time.time() - t0
-        # How stale the delivered gradients were: the same rounds replayed on coded gradients
-        # (simulate_training's collective uses split(key)[0]).
-        profile = staleness_profile(EagerSGDConfig(mode, skew, clock=config["severe_clock"]), len(out["nap"]),
-                                    jax.random.split(jax.random.key(int(config["seed"])))[0])
-        stats = profile.summary()
-        out["staleness"] = dict(stats, counts=np.asarray(profile.counts)[: stats["max_staleness"] + 1].tolist())
+        out["staleness"] = severe_staleness(config, mode, rounds=len(out["nap"]))
         runs[mode] = out
     summary = []
     sync = runs.get("sync")
