@@ -628,7 +628,8 @@ def _plot_severe(sv: dict, out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
-    runs = sv["runs"]
+    # A fixed order (and so colour) per mode, whatever order the results were stored in.
+    runs = {m: sv["runs"][m] for m in ("sync", "solo", "majority") if m in sv["runs"]}
     for mode, r in runs.items():
         h = r["history"]
         ax.plot([e["sim_time_s"] for e in h], [e["test_acc"] for e in h], marker="o", ms=3,
