@@ -498,6 +498,14 @@ def severe_learning_rate(config: dict, epochs: int, rounds_per_epoch: int):
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm])
 
 
+def _severe_skew(config: dict):
+    """The severe study's imbalance: ``RotatingSkew(severe_workers, severe_min_ms, severe_max_ms)``."""
+    from .. import imbalance
+
+    return imbalance.RotatingSkew(int(config["severe_workers"]), float(config["severe_min_ms"]),
+                                  float(config["severe_max_ms"]))
+
+
 def severe_staleness(config: dict, mode: str, rounds: int) -> dict:
     """How stale the severe study's delivered gradients were: :func:`staleness_profile` of its rounds
     (the same skew, clock and key as the training: ``simulate_training`` uses ``split(key)[0]``).
@@ -506,13 +514,10 @@ def severe_staleness(config: dict, mode: str, rounds: int) -> dict:
     """
     import jax
 
-    from .. import imbalance
     from ..algorithms.eager_sgd import EagerSGDConfig, staleness_profile
 
-    skew = imbalance.RotatingSkew(int(config["severe_workers"]), float(config["severe_min_ms"]),
-                                  float(config["severe_max_ms"]))
     key = jax.random.split(jax.random.key(int(config["seed"])))[0]
-    profile = staleness_profile(EagerSGDConfig(mode, skew, clock=config["severe_clock"]), rounds, key)
+    profile = staleness_profile(EagerSGDConfig(mode, _severe_skew(config), clock=config["severe_clock"]), rounds, key)
     stats = profile.summary()
     return dict(stats, counts=np.asarray(profile.counts)[: stats["max_staleness"] + 1].tolist())
 
@@ -525,7 +530,6 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
     import optax
     from flax import nnx
 
-    from .. import imbalance
     from ..algorithms.eager_sgd import simulate_training
     from ._common import build_model, load_image_task
 
@@ -535,7 +539,7 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
     if f > 1:  # f x f average pooling of the images: f^2 fewer FLOPs per example (28 -> 14 for f = 2)
         train, test = (_pool_images(d, f) for d in (train, test))
     p = int(config["severe_workers"])
-    skew = imbalance.RotatingSkew(p, float(config["severe_min_ms"]), float(config["severe_max_ms"]))
+    skew = _severe_skew(config)
 
     def loss_fn(m, xb, yb):
         return optax.softmax_cross_entropy_with_integer_labels(m(xb), yb).mean()
