@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._vma import vary_like
 from ._base import (
     Compressor,
     Payload,
@@ -175,22 +176,6 @@ def _select_bit(words, r) -> Array:
     return b
 
 
-def _vary_like(x, *refs):
-    """``x`` marked device-varying over every mesh axis some ``ref`` varies over.
-
-    Inside ``jax.shard_map`` a loop carry's type includes the set of manual axes
-    it varies over (its *vma*); a constant initial carry has none, while a body
-    that reads device-varying data returns a varying one, and ``lax.scan`` /
-    ``fori_loop`` reject the mismatch. Outside shard_map this is the identity.
-    """
-    def vma(v):  # jax >= 0.10 keeps the varying axes in the aval's manual_axis_type
-        mat = getattr(jax.typeof(v), "manual_axis_type", None)
-        return frozenset(mat.varying) if mat is not None else frozenset(getattr(jax.typeof(v), "vma", ()))
-
-    missing = frozenset().union(*(vma(r) for r in refs)) - vma(x)
-    return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
-
-
 def _cumsum_i32(a) -> Array:
     """Inclusive prefix sum of an int32 vector, as a sequential ``lax.scan``.
 
@@ -305,7 +290,7 @@ def _radix_kth(keys, k) -> Array:
         return jnp.where(jnp.sum(keys >= trial, dtype=jnp.int32) >= k, trial, t)
 
     # Inside shard_map the carry must be device-varying over the axes of keys and k, like the body's output.
-    return lax.fori_loop(0, 31, body, _vary_like(jnp.int32(0), keys, k))
+    return lax.fori_loop(0, 31, body, vary_like(jnp.int32(0), keys, k))
 
 
 def _exact_top(ck, cand_idx, k, kmax: int) -> Array:

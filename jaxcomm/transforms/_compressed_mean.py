@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from .. import memory as memory_lib
+from .._vma import varying_axes
 from ..comm import all_gather_packed, resolve
 from ..compressors._base import Compressor, wire_bits
 from ._error_feedback import (
@@ -69,18 +70,6 @@ class CompressedMeanState(NamedTuple):
     wire_bits: jax.Array
 
 
-def _varying_axes(x):
-    """The mesh axes ``x`` varies over (jax's type-level tracking), or ``None`` if unknown."""
-    try:
-        aval = jax.typeof(x)
-    except Exception:  # pragma: no cover - non-array leaves
-        return None
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    return None if vma is None else frozenset(vma)
-
-
 def _check_gradients_are_per_worker(comm, leaves) -> None:
     """Raise if a gradient was already summed over the axis (the shard_map pitfall).
 
@@ -95,12 +84,10 @@ def _check_gradients_are_per_worker(comm, leaves) -> None:
     axis = getattr(comm, "axis_name", None)
     if not isinstance(axis, str):
         return
-    idx_axes = _varying_axes(comm.index())
-    if idx_axes is None or axis not in idx_axes:
+    if axis not in varying_axes(comm.index()):
         return
     for i, g in enumerate(leaves):
-        axes = _varying_axes(g)
-        if axes is not None and axis not in axes:
+        if axis not in varying_axes(g):
             raise ValueError(
                 f"updates: gradient leaf {i} (shape {tuple(jnp.shape(g))}) is not device-varying over axis "
                 f"{axis!r}: inside jax.shard_map, jax.grad of replicated parameters has already summed it "

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .._vma import cast_varying, varying_axes
 from ..comm import resolve
 from ..compressors._base import check_finite_scalar, check_positive_int
 from ..compressors._primitives import desparsify, index_dtype
@@ -452,13 +453,13 @@ def _switch_exchange(communicator, accum, kept, final_ratio, schedule):
 
     # Both branches must return the same varying-axes types under shard_map's checks: mark
     # every output as varying over the axes the accumulated gradients vary over.
-    axes = frozenset().union(*[_vma(E) for E in accum])
+    axes = frozenset().union(*[varying_axes(E) for E in accum])
 
     def typed(branch):
         def run(accum):
             selected, global_sparse, bits = branch(accum)
-            return ([_cast_varying(x, axes) for x in selected], [_cast_varying(x, axes) for x in global_sparse],
-                    [_cast_varying(b, axes) for b in bits])
+            return ([cast_varying(x, axes) for x in selected], [cast_varying(x, axes) for x in global_sparse],
+                    [cast_varying(b, axes) for b in bits])
         return run
 
     return jax.lax.cond(use_sparse, typed(sparse), typed(dense), accum)
@@ -540,15 +541,15 @@ def periodic_average(
         count = state.count + 1
         sync = count % every == 0
         # Inside shard_map both branches must agree on which axes each leaf varies over.
-        axes = jax.tree.map(lambda u, p: _vma(u) | _vma(p), updates, params)
+        axes = jax.tree.map(lambda u, p: varying_axes(u) | varying_axes(p), updates, params)
 
         def average(u):
             new = optax.apply_updates(params, u)
             mean = communicator.mean(new)
-            return jax.tree.map(lambda m, p, a: _cast_varying((m - p).astype(p.dtype), a), mean, params, axes)
+            return jax.tree.map(lambda m, p, a: cast_varying((m - p).astype(p.dtype), a), mean, params, axes)
 
         def keep(u):
-            return jax.tree.map(_cast_varying, u, axes)
+            return jax.tree.map(cast_varying, u, axes)
 
         updates = jax.lax.cond(sync, average, keep, updates)
         leaf_bits = [bits_int32(int(np.size(p)) * jnp.dtype(p.dtype).itemsize * 8) for p in jax.tree.leaves(params)]
@@ -560,18 +561,3 @@ def periodic_average(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
-
-
-def _vma(x) -> frozenset:
-    """The manual mesh axes ``x`` varies over (empty outside ``shard_map``)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10 keeps the varying axes here
-    if mat is not None and getattr(mat, "varying", None) is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", None) or ())
-
-
-def _cast_varying(x, axes: frozenset):
-    """``x`` marked as varying over ``axes`` (a no-op where it already is, or outside shard_map)."""
-    missing = tuple(sorted(axes - _vma(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x

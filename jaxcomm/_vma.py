@@ -1,0 +1,33 @@
+"""Varying manual axes: jax's type-level record of which mesh axes a value differs over.
+
+Inside ``jax.shard_map`` (``check_vma=True``) every value's type carries the set
+of manual mesh axes it *varies* over: ``jax.lax.axis_index("data")`` varies over
+``"data"``, a constant or a ``psum`` result does not. jaxcomm reads this set in
+two places: to refuse a gradient that ``jax.grad`` already summed over the axis
+(the replicated-parameters pitfall), and to give both branches of a
+``lax.cond`` / the carry of a loop the same type. Outside ``shard_map`` (and
+under ``jax.vmap``) every set is empty and the casts are the identity.
+"""
+
+from __future__ import annotations
+
+import jax
+
+__all__ = ["varying_axes", "cast_varying", "vary_like"]
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over (``frozenset`` of axis names; empty when untracked)."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def cast_varying(x, axes: frozenset):
+    """``x`` marked as varying over every axis in ``axes`` (``jax.lax.pcast``; no-op where it already is)."""
+    missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_like(x, *refs):
+    """``x`` marked as varying over every axis some of ``refs`` varies over (for loop carries and cond branches)."""
+    return cast_varying(x, frozenset().union(*(varying_axes(r) for r in refs)))
