@@ -8,6 +8,8 @@ that holds for every draw: nothing is lost (error feedback on both passes).
 
 import functools
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -385,12 +387,13 @@ def test_strategy_the_communicator_cannot_serve():
         doublesqueeze(scaled_sign(), comm=SumOnly("i"))  # 1-bit payloads must be gathered
     with pytest.raises(ValueError, match="allreduce"):
         doublesqueeze(jc.compressors.none(), comm=GatherOnly("i"))
-    odd = scaled_sign()
-    odd.strategy = "broadcast"
     with pytest.raises(ValueError, match="strategy"):
-        doublesqueeze(odd, axis_name="i")
-    multi = jc.compressors.none()
-    multi.compress_allreduce = lambda x, key, state, comm: (None, state)
+        doublesqueeze(dataclasses.replace(scaled_sign(), strategy="broadcast"), axis_name="i")
+
+    def rounds(x, key, state, size):
+        yield x
+
+    multi = dataclasses.replace(jc.compressors.none(), rounds=rounds)
     with pytest.raises(ValueError, match="multi-round"):
         doublesqueeze(multi, axis_name="i")
 

@@ -127,7 +127,7 @@ def assert_matches(outs, C_ref, E_ref, state):
             got = flat(jax.tree.map(lambda x: np.asarray(x)[n], C))
             np.testing.assert_allclose(got, c_ref, rtol=1e-5, atol=1e-5, err_msg=f"C at step {t + 1}, node {n}")
     for n, e_ref in enumerate(E_ref):
-        got = flat(jax.tree.map(lambda x: np.asarray(x)[n], state.residual))
+        got = flat(jax.tree.map(lambda x: np.asarray(x)[n], state.memory))
         np.testing.assert_allclose(got, e_ref, rtol=1e-5, atol=1e-5, err_msg=f"final E on node {n}")
 
 
@@ -168,7 +168,7 @@ def test_per_leaf_scope_matches_numpy_per_leaf():
             for n in range(4):
                 np.testing.assert_allclose(np.ravel(outs[t][key][n]), C_ref[t][n], rtol=1e-5, atol=1e-5)
         for n in range(4):
-            np.testing.assert_allclose(np.ravel(state.residual[key][n]), E_ref[n], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.ravel(state.memory[key][n]), E_ref[n], rtol=1e-5, atol=1e-5)
 
 
 def _algorithm2_single(L_all, drop_ratio, mode):
@@ -368,7 +368,7 @@ def test_shard_map_eight_devices_matches_numpy():
         np.testing.assert_allclose(flat(jax.tree.map(lambda x: np.asarray(x)[w], outs[2])), mean_C3,
                                    rtol=1e-5, atol=1e-5)
     for w in range(n):
-        np.testing.assert_allclose(flat(jax.tree.map(lambda x: np.asarray(x)[w], state[0].residual)), E_ref[w],
+        np.testing.assert_allclose(flat(jax.tree.map(lambda x: np.asarray(x)[w], state[0].memory)), E_ref[w],
                                    rtol=1e-5, atol=1e-5)
 
 

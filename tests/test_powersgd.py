@@ -14,6 +14,7 @@ import pytest
 
 import jaxcomm as jc
 from jaxcomm.comm import MeshAxis
+from jaxcomm.transforms import run_rounds
 from jaxcomm.compressors import _lowrank as L
 
 KEY = jax.random.PRNGKey(0)
@@ -101,7 +102,7 @@ def test_compress_allreduce_under_vmap_is_the_compression_of_the_sum():
     comm = MeshAxis("w")
 
     def worker(x, state):
-        payload, new_state = c.compress_allreduce(x, KEY, state, comm)
+        payload, new_state, _ = run_rounds(c, x, KEY, state, comm)
         return c.decompress(payload), new_state, payload
 
     state0 = c.init_state(xs[0])
@@ -125,7 +126,7 @@ def test_compress_allreduce_under_vmap_is_the_compression_of_the_sum():
 def test_small_and_1d_arrays_are_sent_uncompressed():
     c = jc.compressors.powersgd(matrix_approximation_rank=2)
     comm = MeshAxis("w")
-    allreduce = jax.jit(jax.vmap(lambda v: c.decompress(c.compress_allreduce(v, KEY, c.init_state(v), comm)[0]),
+    allreduce = jax.jit(jax.vmap(lambda v: c.decompress(run_rounds(c, v, KEY, c.init_state(v), comm)[0]),
                                  axis_name="w"))
     for shape in [(7,), (2, 3, 4)]:  # rank < 2, or (n + m) r * 2 >= n m  (6 x 4: 40 >= 24)
         x = jax.random.normal(KEY, (3,) + shape)

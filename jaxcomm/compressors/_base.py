@@ -12,7 +12,7 @@ sign and int64 per index; we bit-pack, so our volumes are the true ones).
 
 Every :class:`Compressor` is also an optax gradient transformation whose
 ``update`` is the local lossy round trip ``g -> Q^{-1}(Q(g))`` applied leaf by
-leaf, so ``optax.chain(jaxcomm.compressors.topk(0.01), optax.sgd(0.1))`` works.
+leaf, so ``optax.chain(jaxcomm.compressors.topk(ratio=0.01), optax.sgd(0.1))`` works.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any, Callable, ClassVar, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+
+from .._keys import step_keys
 
 Array = jax.Array
 PRNGKey = jax.Array
@@ -200,44 +201,78 @@ def _no_state(x):
     return ()
 
 
-class Compressor(optax.GradientTransformationExtraArgs):
-    """A lossy operator Q with per-array primitives and optax ``init``/``update``.
+def _check_hook(value, name: str):
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable or None; got {type(value).__name__}")
 
-    Construct with :meth:`Compressor.create`. As a tuple it *is* an optax
-    ``GradientTransformationExtraArgs`` (``init``, ``update``), whose update is
-    ``g -> decompress(compress(g))`` per leaf with per-leaf state and a PRNG key
-    split per step and per leaf.
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Compressor:
+    """A lossy operator Q: pure per-array primitives, metadata, declared aggregation hooks.
+
+    A frozen record (``dataclasses.replace(c, seed=1)`` keeps every field). It
+    is also an optax gradient transformation (``init``/``update``), whose update
+    is the local lossy round trip ``g -> decompress(compress(g))`` per leaf,
+    with per-leaf state and a PRNG key split once per step and per leaf, so
+    ``optax.chain(jaxcomm.compressors.topk(ratio=0.01), optax.sgd(0.1))`` works.
+    Communication is never done here: the transforms' pipeline
+    (:mod:`jaxcomm.transforms`) runs every collective.
 
     Attributes:
       name: the registry name (``"topk"``, ...).
-      compress: ``(x, key, state=None) -> (payload, new_state)``.
-      decompress: ``payload -> x_hat`` (shape and dtype of ``x``).
-      init_state: ``x -> state`` for one array (``()`` if stateless).
-      unbiased: ``E[decompress(compress(x))] == x`` for every x.
+      compress_fn: ``(x, key, state) -> (payload, new_state)`` for one array
+        (call it through :meth:`compress`, which checks the input).
+      decompress_fn: ``payload -> x_hat`` with ``x``'s shape and dtype
+        (the :meth:`decompress` method).
+      unbiased: ``E[decompress(compress(x))] == x`` for every ``x``.
       strategy: ``"allreduce"`` when payloads can be summed as they are
         (fields ``Payload.summable``), else ``"allgather"``.
-      compress_allreduce: optional ``(x, key, state, comm) -> (payload, state)``
-        for multi-round methods (PowerSGD): runs the collectives itself through
-        the communicator ``comm`` (``comm.sum(a)``, ``comm.size``), and returns a
-        payload whose ``decompress`` is the *sum* over workers.
+      init_state: ``x -> state`` for one array (``()`` if stateless).
+      rounds: optional multi-round allreduce (PowerSGD): a generator function
+        ``(x, key, state, size) -> payload, new_state`` that *yields* each
+        message to be summed over the ``size`` workers and receives the sum
+        (``total = yield message``); it returns a payload whose
+        ``decompress`` is the *sum* over workers. The pipeline drives it
+        (:func:`jaxcomm.transforms.run_rounds`) and counts every yielded
+        message's bits.
       decompress_sum: optional ``(gathered, dtype) -> total``: given ``n``
         payloads stacked on a leading axis (what an all-gather returns), the
-        sum ``sum_i decompress(gathered[i])`` in ``dtype`` (shape of ``x``).
-        Equal to the loop up to floating-point summation order. Sparse
-        compressors scatter-add all ``n k`` entries into one dense buffer
-        (one pass over the tensor) instead of building ``n`` dense tensors;
-        ``None`` (default): the transforms decompress each payload and add.
+        sum ``sum_i decompress(gathered[i])`` in ``dtype`` (shape of ``x``), up
+        to floating-point summation order (sparse payloads: one scatter-add of
+        all ``n k`` entries). ``None``: the pipeline decompresses each and adds.
       compression_error: optional ``(x, payload) -> x − decompress(payload)``
-        (shape and dtype of ``x``), the error an error-feedback memory keeps.
-        Sparse compressors subtract the sent entries from ``x`` in place (one
-        scatter) instead of building the dense reconstruction and subtracting
-        it. ``None`` (default): the transforms compute the difference.
+        (shape and dtype of ``x``), the error an error-feedback memory keeps
+        (sparse payloads: the sent entries of ``x`` zeroed in place). ``None``:
+        the pipeline computes the difference.
+      seed: seed of the optax transformation's key (``PRNGKey(seed)``).
       params: the hyper-parameters the factory was called with.
     """
 
     name: str
+    compress_fn: Callable
+    decompress_fn: Callable
     unbiased: bool
     strategy: str
+    init_state: Callable = _no_state
+    rounds: Optional[Callable] = None
+    decompress_sum: Optional[Callable] = None
+    compression_error: Optional[Callable] = None
+    seed: int = 0
+    params: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"name must be a non-empty string; got {self.name!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}; got {self.strategy!r}")
+        for field in ("compress_fn", "decompress_fn", "init_state"):
+            if not callable(getattr(self, field)):
+                raise TypeError(f"{field} must be callable; got {type(getattr(self, field)).__name__}")
+        for field in ("rounds", "decompress_sum", "compression_error"):
+            _check_hook(getattr(self, field), field)
+        object.__setattr__(self, "unbiased", bool(self.unbiased))
+        object.__setattr__(self, "seed", check_positive_int(self.seed, "seed", minimum=0))
+        object.__setattr__(self, "params", dict(self.params or {}))
 
     @classmethod
     def create(
@@ -249,66 +284,33 @@ class Compressor(optax.GradientTransformationExtraArgs):
         unbiased: bool,
         strategy: str,
         init_state: Optional[Callable] = None,
-        compress_allreduce: Optional[Callable] = None,
+        rounds: Optional[Callable] = None,
         decompress_sum: Optional[Callable] = None,
         compression_error: Optional[Callable] = None,
         seed: int = 0,
         params: Optional[dict] = None,
     ) -> "Compressor":
-        """Build a compressor from its per-array primitives (see class docstring)."""
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
-        seed = check_positive_int(seed, "seed", minimum=0)
-        init_state = init_state or _no_state
+        """Build a compressor from its per-array primitives (fields as in the class docstring)."""
+        return cls(
+            name=name, compress_fn=compress, decompress_fn=decompress, unbiased=unbiased, strategy=strategy,
+            init_state=init_state or _no_state, rounds=rounds, decompress_sum=decompress_sum,
+            compression_error=compression_error, seed=seed, params=dict(params or {}),
+        )
 
-        def checked_compress(x, key=None, state=None):
-            check_float_input(x, "x")
-            x = jnp.asarray(x)
-            if state is None:
-                state = init_state(x)
-            if key is None:
-                key = jax.random.PRNGKey(0)
-            return compress(x, key, state)
+    # -- per-array primitives ---------------------------------------------- #
+    def compress(self, x, key=None, state=None):
+        """``(payload, new_state)`` for one floating array ``x`` (``state`` defaults to ``init_state(x)``)."""
+        check_float_input(x, "x")
+        x = jnp.asarray(x)
+        if state is None:
+            state = self.init_state(x)
+        if key is None:
+            key = jax.random.PRNGKey(0)
+        return self.compress_fn(x, key, state)
 
-        def init(params_tree):
-            leaves = jax.tree_util.tree_leaves(params_tree)
-            for leaf in leaves:
-                check_float_input(leaf, "params")
-            return CompressorState(
-                key=jax.random.PRNGKey(seed),
-                leaf_states=tuple(init_state(jnp.asarray(leaf)) for leaf in leaves),
-            )
-
-        def update(updates, state, params_tree=None, **extra_args):
-            del params_tree, extra_args
-            leaves, treedef = jax.tree_util.tree_flatten(updates)
-            if len(leaves) != len(state.leaf_states):
-                raise ValueError(
-                    f"updates has {len(leaves)} leaves but the compressor state was initialised "
-                    f"for {len(state.leaf_states)}; init and update must see the same tree"
-                )
-            key, step_key = jax.random.split(state.key)
-            keys = jax.random.split(step_key, max(len(leaves), 1))
-            out, new_states = [], []
-            for i, (g, s) in enumerate(zip(leaves, state.leaf_states)):
-                payload, s = checked_compress(g, keys[i], s)
-                out.append(decompress(payload))
-                new_states.append(s)
-            return jax.tree_util.tree_unflatten(treedef, out), CompressorState(key, tuple(new_states))
-
-        self = super().__new__(cls, init, update)
-        self.name = name
-        self.compress = checked_compress
-        self.decompress = decompress
-        self.init_state = init_state
-        self.unbiased = bool(unbiased)
-        self.strategy = strategy
-        self.compress_allreduce = compress_allreduce
-        self.decompress_sum = decompress_sum
-        self.compression_error = compression_error
-        self.seed = seed
-        self.params = dict(params or {})
-        return self
+    def decompress(self, payload):
+        """``x_hat``: the payload decoded to the original shape and dtype."""
+        return self.decompress_fn(payload)
 
     def roundtrip(self, x, key=None, state=None):
         """``decompress(compress(x))``: the local lossy round trip of one array."""
@@ -321,6 +323,35 @@ class Compressor(optax.GradientTransformationExtraArgs):
         if self.compression_error is not None:
             return self.compression_error(x, payload)
         return x - self.decompress(payload).astype(jnp.result_type(x))
+
+    # -- optax gradient transformation ------------------------------------- #
+    def init(self, params_tree) -> CompressorState:
+        """optax ``init``: the key ``PRNGKey(seed)`` and one compressor state per leaf."""
+        leaves = jax.tree_util.tree_leaves(params_tree)
+        for leaf in leaves:
+            check_float_input(leaf, "params")
+        return CompressorState(
+            key=jax.random.PRNGKey(self.seed),
+            leaf_states=tuple(self.init_state(jnp.asarray(leaf)) for leaf in leaves),
+        )
+
+    def update(self, updates, state: CompressorState, params_tree=None, **extra_args):
+        """optax ``update``: every leaf replaced by its lossy round trip; ``key, step_key = split(key)``
+        and leaf ``i`` uses ``split(step_key, num_leaves)[i]``."""
+        del params_tree, extra_args
+        leaves, treedef = jax.tree_util.tree_flatten(updates)
+        if len(leaves) != len(state.leaf_states):
+            raise ValueError(
+                f"updates has {len(leaves)} leaves but the compressor state was initialised "
+                f"for {len(state.leaf_states)}; init and update must see the same tree"
+            )
+        key, keys = step_keys(state.key, len(leaves))
+        out, new_states = [], []
+        for i, (g, s) in enumerate(zip(leaves, state.leaf_states)):
+            g_hat, s = self.roundtrip(g, keys[i], s)
+            out.append(g_hat)
+            new_states.append(s)
+        return jax.tree_util.tree_unflatten(treedef, out), CompressorState(key, tuple(new_states))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())

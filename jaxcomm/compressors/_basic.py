@@ -7,6 +7,8 @@ summed as they are, so their strategy is ``allreduce`` (GRACE Table I,
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from ._base import Compressor, DensePayload, register
@@ -48,9 +50,7 @@ def fp16(*, seed: int = 0) -> Compressor:
     does, as an allreduce-able lossless-in-practice baseline). Values beyond
     65504 overflow to +-Inf; NaN/Inf pass through. Wire bits: ``16 d``.
     """
-    c = _cast_compressor("fp16", jnp.float16, seed)
-    c.unbiased = False
-    return c
+    return dataclasses.replace(_cast_compressor("fp16", jnp.float16, seed), unbiased=False)
 
 
 @register("bf16")
@@ -60,6 +60,4 @@ def bf16(*, seed: int = 0) -> Compressor:
     Round-to-nearest-even, so deterministic and biased; same range as float32.
     NaN/Inf pass through. Wire bits: ``16 d``.
     """
-    c = _cast_compressor("bf16", jnp.bfloat16, seed)
-    c.unbiased = False
-    return c
+    return dataclasses.replace(_cast_compressor("bf16", jnp.bfloat16, seed), unbiased=False)

@@ -9,9 +9,9 @@ subspace (power) iteration, warm-started from the previous step's ``Q``:
 
     P = M Q;   P = orthogonalize(P);   Q = M^T P;   M_hat = P Q^T.
 
-Across workers (``compress_allreduce``) the two products are summed between the
-rounds (Vogels et al., Algorithm 1), so the result is the rank-``r``
-approximation of the *sum* of the workers' matrices:
+Across workers (the compressor's ``rounds``, driven by the transforms' pipeline)
+the two products are summed between the rounds (Vogels et al., Algorithm 1), so
+the result is the rank-``r`` approximation of the *sum* of the workers' matrices:
 
     P = sum_i M_i Q;   P = orthogonalize(P);   Q = sum_i M_i^T P;   sum_i M_i ~ P Q^T.
 
@@ -151,13 +151,14 @@ def powersgd(
     Arrays of rank < 2, and those where ``(n + m) r * min_compression_rate >=
     n m``, are sent uncompressed (:class:`DensePayload`), as in PyTorch.
 
-    ``compress_allreduce(x, key, state, comm)`` is the distributed version with
-    two collectives: ``P = comm.sum(M Q)``, orthogonalize, ``Q = comm.sum(M^T P)``;
-    its payload decompresses to the rank-``r`` approximation of the *sum* over
-    workers, and the state keeps ``Q / comm.size`` (identical on every worker).
+    ``rounds`` is the distributed version with two sums over the workers, which
+    the pipeline runs (:func:`jaxcomm.transforms.run_rounds`): ``P = Σ_i M_i Q``,
+    orthogonalize, ``Q = Σ_i M_i^T P``; its payload decompresses to the
+    rank-``r`` approximation of the *sum* over workers, and the state keeps
+    ``Q / n`` (identical on every worker).
 
     Deterministic given the state and key, biased (``unbiased=False``);
-    strategy ``"allreduce"`` (through ``compress_allreduce``). Computation is in
+    strategy ``"allreduce"`` (through ``rounds``). Computation is in
     float32; the output has the input's dtype. Wire bits ``32 (n + m) r`` per
     compressed array, ``d bits(dtype)`` for the others. NaN/Inf propagate into
     the output; a non-finite warm-start ``Q`` is replaced by a fresh draw, so
@@ -222,19 +223,19 @@ def powersgd(
         q = mat.T @ p
         return PowerSGDPayload(p=p, q=q, shape=shape, dtype=x.dtype), new_state(q)
 
-    def compress_allreduce(x, key, state, comm):
+    def rounds(x, key, state, size):
+        # Two sums over the workers (Vogels et al., Algorithm 1); the pipeline runs them.
         shape = tuple(np.shape(x))
-        if state is None:
-            state = init_state(x)
         plan = powersgd_plan(shape, r_max, rate)
         if plan is None:
-            return DensePayload(data=comm.sum(x), dtype=x.dtype), state
+            total = yield x
+            return DensePayload(data=total, dtype=x.dtype), state
         n, m, r = plan
         mat = jnp.reshape(x, (n, m)).astype(jnp.float32)
         q = start_q(key, state, m, r)
-        p = orthogonalize(comm.sum(mat @ q), eps)  # round 1
-        q = comm.sum(mat.T @ p)  # round 2
-        return PowerSGDPayload(p=p, q=q, shape=shape, dtype=x.dtype), new_state(q / comm.size)
+        p = orthogonalize((yield mat @ q), eps)  # round 1: P = orth(sum_i M_i Q)
+        q = yield mat.T @ p  # round 2: Q = sum_i M_i^T P
+        return PowerSGDPayload(p=p, q=q, shape=shape, dtype=x.dtype), new_state(q / size)
 
     def decompress(payload):
         if isinstance(payload, DensePayload):
@@ -243,7 +244,7 @@ def powersgd(
 
     return Compressor.create(
         name="powersgd", compress=compress, decompress=decompress, unbiased=False, strategy="allreduce",
-        init_state=init_state, compress_allreduce=compress_allreduce, seed=seed,
+        init_state=init_state, rounds=rounds, seed=seed,
         params=dict(matrix_approximation_rank=r_max, min_compression_rate=rate, warm_start=warm_start,
                     orthogonalization_epsilon=eps),
     )

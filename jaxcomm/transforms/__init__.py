@@ -1,17 +1,16 @@
-"""optax transformations that communicate: compressed mean, error feedback, DoubleSqueeze, gradient dropping."""
+"""optax transformations that communicate, all built on one per-tensor pipeline.
 
-from ._compressed_mean import FUSE_MAX_BYTES, STRATEGIES, CompressedMeanState, compressed_mean
-from ._error_feedback import ErrorFeedbackState, error_feedback
+compensate → compress → communicate → decompress → memory update is written once
+(:mod:`jaxcomm.transforms._pipeline`); :func:`error_feedback` runs it over one
+worker, :func:`compressed_mean` over the workers' communicator,
+:func:`doublesqueeze` twice (workers, then the server), and
+:func:`gradient_dropping` adds Algorithm 2's local-gradient combination.
+"""
 
-from ._doublesqueeze import (
-    DoubleSqueezeState,
-    doublesqueeze,
-    memsgd,
-    qsgd_no_feedback,
-    topk_no_feedback,
-)
-from ._local_gradients import (
-    GradientDroppingState,
+from ._compressed_mean import compressed_mean
+from ._doublesqueeze import DoubleSqueezeState, doublesqueeze
+from ._error_feedback import error_feedback
+from ._gradient_dropping import (
     PeriodicAverageState,
     average_params,
     dgc_warmup,
@@ -20,25 +19,23 @@ from ._local_gradients import (
     num_kept,
     periodic_average,
 )
+from ._pipeline import FUSE_MAX_BYTES, STRATEGIES, CompressionState, Local, run_rounds
 
 __all__ = [
+    "CompressionState",
     "DoubleSqueezeState",
-    "doublesqueeze",
-    "memsgd",
-    "qsgd_no_feedback",
-    "topk_no_feedback",
     "FUSE_MAX_BYTES",
-    "STRATEGIES",
-    "CompressedMeanState",
-    "compressed_mean",
-    "ErrorFeedbackState",
-    "error_feedback",
-    "GradientDroppingState",
+    "Local",
     "PeriodicAverageState",
+    "STRATEGIES",
     "average_params",
+    "compressed_mean",
     "dgc_warmup",
+    "doublesqueeze",
     "drop_ratio_warmup",
+    "error_feedback",
     "gradient_dropping",
     "num_kept",
     "periodic_average",
+    "run_rounds",
 ]

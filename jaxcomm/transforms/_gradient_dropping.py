@@ -32,23 +32,24 @@ Usage (inside ``jax.shard_map`` over "data", or with ``axis_name`` bound by vmap
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Union
+from typing import Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .. import memory as memory_lib
 from .._vma import cast_varying, varying_axes
 from ..comm import resolve
-from ..compressors._base import check_finite_scalar, check_positive_int
-from ..compressors._primitives import desparsify, index_dtype
-from ._compressed_mean import _check_gradients_are_per_worker
-from ._error_feedback import bits_int32
+from ..compressors._base import Compressor, DensePayload, check_finite_scalar, check_positive_int
+from ..compressors._primitives import index_dtype
+from ..compressors._sparsify import SparsePayload, topk
+from ._pipeline import CompressionState, compress_step, count_bits, group_vector, groups_of, init_state, ungroup
 
 __all__ = [
-    "GradientDroppingState",
     "PeriodicAverageState",
     "gradient_dropping",
     "drop_ratio_warmup",
@@ -162,50 +163,6 @@ def num_kept(drop_ratio, size: int):
 # --------------------------------------------------------------------------- #
 # Gradient dropping with local gradients
 # --------------------------------------------------------------------------- #
-class GradientDroppingState(NamedTuple):
-    """State of :func:`gradient_dropping` (per worker).
-
-    Attributes:
-      count: int32 scalar, steps taken (identical on every worker).
-      residual: the unsent residual ``E^n`` (Algorithm 2), same tree, shapes and
-        dtypes as the gradients. Per worker: it differs between workers. Zero
-        after every step in ``mode="error"``.
-      wire_bits: ``int32[num_groups]``, bits this worker contributed to the
-        exchange in the last step, per selection group (one group for
-        ``scope="global"``, one per leaf for ``"leaf"``): sparse, the values and
-        indices of its ``K`` entries; dense, the whole masked tensor.
-      messages: int32 scalar, collectives launched in the last step (1).
-    """
-
-    count: jax.Array
-    residual: Any
-    wire_bits: jax.Array
-    messages: jax.Array
-
-
-def _group_leaves(leaves, scope):
-    """Index groups over which one threshold is taken: all leaves, or each leaf."""
-    if scope == "global":
-        return [list(range(len(leaves)))] if leaves else []
-    return [[i] for i in range(len(leaves))]
-
-
-def _concat(leaves, idx, dtype):
-    """The leaves ``idx`` flattened and concatenated into one vector of ``dtype``."""
-    parts = [jnp.ravel(leaves[i]).astype(dtype) for i in idx]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-
-def _split(flat, leaves, idx):
-    """Inverse of :func:`_concat`: ``{i: array shaped and typed like leaves[i]}``."""
-    out, start = {}, 0
-    for i in idx:
-        size = int(np.prod(jnp.shape(leaves[i]), dtype=np.int64))
-        out[i] = flat[start : start + size].reshape(jnp.shape(leaves[i])).astype(leaves[i].dtype)
-        start += size
-    return out
-
-
 def gradient_dropping(
     drop_ratio: DropRatio = 0.99,
     *,
@@ -266,7 +223,7 @@ def gradient_dropping(
         records the branch actually taken.
 
     Returns:
-      An optax transformation; its state is a :class:`GradientDroppingState`
+      An optax transformation; its state is a :class:`~jaxcomm.transforms.CompressionState`
       (per worker). ``update(grads, state, params=None)`` maps each worker's
       local gradients to its ``C^n_t``.
 
@@ -296,22 +253,21 @@ def gradient_dropping(
     if clip_norm is not None:
         clip_norm = check_finite_scalar(clip_norm, "clip_norm", positive=True)
     communicator = resolve(axis_name=axis_name, comm=comm)
+    memory = memory_lib.residual()  # E <- E + L;  E <- E - S
 
     def init(params):
         for leaf in jax.tree.leaves(params):
             if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
                 raise TypeError(f"params must be floating point; got a leaf of dtype {jnp.result_type(leaf)}")
-        return GradientDroppingState(
-            count=jnp.zeros((), jnp.int32),
-            residual=jax.tree.map(jnp.zeros_like, params),
-            wire_bits=jnp.zeros((len(_group_leaves(jax.tree.leaves(params), scope)),), jnp.int32),
-            messages=jnp.zeros((), jnp.int32),
-        )
+        # The selections keep no per-tensor state; the key feeds top-k's sampled threshold.
+        return init_state(params, _threshold_rule(1), memory, scope=scope)
 
     def update(updates, state, params=None, **extra_args):
         del params, extra_args
+        if not isinstance(state, CompressionState):
+            raise TypeError(f"state must be a CompressionState (from init); got {type(state).__name__}")
         leaves, treedef = jax.tree.flatten(updates)
-        res_leaves, res_def = jax.tree.flatten(state.residual)
+        res_leaves, res_def = jax.tree.flatten(state.memory)
         if treedef != res_def:
             raise ValueError(
                 f"updates tree {treedef} does not match the tree gradient_dropping was initialised with {res_def}"
@@ -320,7 +276,6 @@ def gradient_dropping(
             if jnp.shape(g) != jnp.shape(e):
                 raise ValueError(f"updates leaf of shape {jnp.shape(g)} does not match the state's {jnp.shape(e)}")
         n = communicator.size
-        _check_gradients_are_per_worker(communicator, leaves)
 
         if clip_norm is not None:
             # DGC Sec. 3.3: clip locally, threshold scaled by N^{-1/2}.
@@ -330,78 +285,116 @@ def gradient_dropping(
                 jnp.where(norm < threshold, g, (g / norm.astype(g.dtype)) * threshold).astype(g.dtype)
                 for g in leaves
             ]
+            updates = treedef.unflatten(leaves)
 
         ratio = drop_ratio(state.count) if scheduled else drop_ratio
-        groups = _group_leaves(leaves, scope)
-        local, accum, dtypes, kept = [], [], [], []
-        for idx in groups:
-            dtype = jnp.result_type(*[leaves[i] for i in idx])
-            dtypes.append(dtype)
-            L = _concat(leaves, idx, dtype)
-            E = _concat(res_leaves, idx, dtype) + L  # line 3: E ← E + L
-            local.append(L)
-            accum.append(E)
-            kept.append(num_kept(ratio, int(E.shape[0])))
 
-        if exchange == "switch":
-            selected, global_sparse, bits = _switch_exchange(communicator, accum, kept, final_ratio, drop_ratio)
-        elif exchange == "sparse":
-            selected, payloads = [], []
-            for E, k in zip(accum, kept):
-                d = int(E.shape[0])
-                _, index = jax.lax.top_k(jnp.abs(E), k)  # exactly K entries (ties: lower index)
-                values = E[index]
-                payloads.append((values, index.astype(index_dtype(d))))
-                selected.append(desparsify(values, index, (d,), E.dtype))  # S = mask ⊙ E
-            gathered = communicator.all_gather(payloads)
-            global_sparse = [
-                desparsify(v.reshape(-1), i.reshape(-1), (int(E.shape[0]),), E.dtype)
-                for (v, i), E in zip(gathered, accum)
-            ]
-            bits = [
-                k * (jnp.dtype(E.dtype).itemsize + jnp.dtype(index_dtype(int(E.shape[0]))).itemsize) * 8
-                for E, k in zip(accum, kept)
-            ]
-        else:
-            selected = []
-            for E, k in zip(accum, kept):
-                d = int(E.shape[0])
-                magnitude = jnp.abs(E)
-                threshold = jnp.sort(magnitude)[d - k]  # line 4: K-th largest |E|
-                selected.append(jnp.where(magnitude >= threshold, E, jnp.zeros_like(E)))  # lines 5-6
-            global_sparse = communicator.sum(selected)  # line 8: G ← AllReduce(S)
-            bits = [int(E.shape[0]) * jnp.dtype(E.dtype).itemsize * 8 for E in accum]
+        def run(selection, strategy):
+            """One exchange: Algorithm 2's lines 3-8 on the pipeline, then the combination C."""
+            ex, _, _, new_state, groups = compress_step(
+                communicator, updates, state, compressor=selection, memory=memory, strategy=strategy, scope=scope
+            )
+            combined, residual = [], treedef.flatten_up_to(new_state.memory)
+            for idx, payload, total in zip(groups, ex.payloads, ex.totals):
+                L = group_vector(leaves, idx)
+                dtype = jnp.result_type(L)
+                S = selection(L).decompress(payload).astype(dtype)  # this worker's sent entries, mask ⊙ E
+                G = total.astype(dtype)  # line 8: G = AllReduce(S), a sum over workers
+                if mode == "none":
+                    C = G
+                elif mode == "sum":
+                    C = (G + L) / 2
+                elif mode == "partial":
+                    C = G - S + L
+                else:  # "error": C = G + E, then E <- 0
+                    C = G + group_vector(residual, idx)
+                combined.append(ungroup(C, leaves, idx))
+            if mode == "error":
+                residual = [jnp.zeros_like(e) for e in residual]
+            outs = [None] * len(leaves)
+            for part in combined:
+                for i, c in part.items():
+                    outs[i] = c
+            return outs, new_state._replace(memory=treedef.unflatten(residual))
 
-        combined, residual = [], []
-        for L, E, S, G in zip(local, accum, selected, global_sparse):
-            E = E - S  # line 7: E ← ¬mask ⊙ E (the kept entries are subtracted exactly)
-            if mode == "none":
-                C = G
-            elif mode == "sum":
-                C = (G + L) / 2
-            elif mode == "partial":
-                C = G - S + L
-            else:  # "error"
-                C = G + E
-                E = jnp.zeros_like(E)
-            combined.append(C)
-            residual.append(E)
+        if exchange == "sparse":
+            outs, new_state = run(lambda phi: _topk(ratio, phi), "allgather")
+        elif exchange == "dense":
+            outs, new_state = run(lambda phi: _threshold_rule(num_kept(ratio, int(np.size(phi)))), "allreduce")
+        else:  # switch: dense while some K_t exceeds the final K, then a fixed capacity of K_cap pairs
+            sizes = [int(np.size(group_vector(leaves, idx))) for idx in groups_of(len(leaves), scope)]
+            caps = [_sparse_capacity(final_ratio, drop_ratio, d) for d in sizes]
+            use_sparse = jnp.all(jnp.stack([jnp.asarray(num_kept(ratio, d) <= c) for d, c in zip(sizes, caps)]))
+            cap_of = dict(zip(sizes, caps))
 
-        out_leaves, new_res = [None] * len(leaves), [None] * len(leaves)
-        for idx, C, E in zip(groups, combined, residual):
-            for i, c in _split(C, leaves, idx).items():
-                out_leaves[i] = c
-            for i, e in _split(E, res_leaves, idx).items():
-                new_res[i] = e
-        new_state = GradientDroppingState(
-            count=state.count + 1,
-            residual=jax.tree.unflatten(res_def, new_res),
-            wire_bits=jnp.stack([bits_int32(b) for b in bits]) if bits else jnp.zeros((0,), jnp.int32),
-            messages=jnp.asarray(1 if groups else 0, jnp.int32),
-        )
-        return jax.tree.unflatten(treedef, out_leaves), new_state
+            def sparse(_):
+                return run(lambda phi: _capacity_topk(num_kept(ratio, int(np.size(phi))), cap_of[int(np.size(phi))]),
+                           "allgather")
+
+            def dense(_):
+                return run(lambda phi: _threshold_rule(num_kept(ratio, int(np.size(phi)))), "allreduce")
+
+            axes = frozenset().union(*[varying_axes(g) for g in leaves + res_leaves])
+
+            def typed(branch):
+                def go(operand):
+                    return jax.tree.map(lambda x: cast_varying(x, axes), branch(operand))
+
+                return go
+
+            outs, new_state = jax.lax.cond(use_sparse, typed(sparse), typed(dense), None)
+        return treedef.unflatten(outs), new_state
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _topk(drop_ratio: float, phi) -> Compressor:
+    """The catalogue's exact top-k with ``K = num_kept(R, d)`` (``ratio = K/d`` selects exactly ``K``)."""
+    d = int(np.size(phi))
+    return topk(ratio=num_kept(drop_ratio, d) / d)
+
+
+def _threshold_rule(k) -> Compressor:
+    """Algorithm 2's dense exchange: ``mask = |E| >= K-th largest |E|`` (ties all kept), sent dense.
+
+    ``k`` may be traced (a drop-ratio schedule). The payload is the masked
+    tensor ``S = mask ⊙ E``, summable (an all-reduce gives ``G``).
+    """
+
+    def compress(x, key, state):
+        del key
+        flat = jnp.ravel(x)
+        magnitude = jnp.abs(flat)
+        threshold = jnp.sort(magnitude)[flat.shape[0] - k]  # line 4: K-th largest |E|
+        selected = jnp.where(magnitude >= threshold, flat, jnp.zeros_like(flat))  # lines 5-6
+        return DensePayload(data=selected.reshape(jnp.shape(x)), dtype=x.dtype), state
+
+    return Compressor.create(name="threshold_rule", compress=compress, decompress=_dense_data, unbiased=False,
+                             strategy="allreduce")
+
+
+def _dense_data(payload):
+    return payload.data.astype(payload.dtype)
+
+
+def _capacity_topk(k, cap: int) -> Compressor:
+    """The ``K_t <= cap`` largest magnitudes in a fixed buffer of ``cap`` (value, index) pairs.
+
+    ``jax.lax.top_k`` orders the pairs by magnitude (ties: lower index), so the
+    first ``K_t`` slots are the selection and the rest are sent as zeros.
+    """
+
+    def compress(x, key, state):
+        del key
+        flat = jnp.ravel(x)
+        d = flat.shape[0]
+        _, index = jax.lax.top_k(jnp.abs(flat), cap)
+        values = jnp.where(jnp.arange(cap) < k, flat[index], jnp.zeros((), flat.dtype))  # K_t of K_cap slots
+        return SparsePayload(values=values, indices=index.astype(index_dtype(d)), shape=tuple(jnp.shape(x)),
+                             dtype=x.dtype), state
+
+    base = topk(ratio=1.0)
+    return dataclasses.replace(base, name="capacity_topk", compress_fn=compress, params={"capacity": cap})
 
 
 def _sparse_capacity(final_ratio: float, schedule, d: int) -> int:
@@ -415,54 +408,6 @@ def _sparse_capacity(final_ratio: float, schedule, d: int) -> int:
     with jax.ensure_compile_time_eval():  # concrete even while the step is being traced
         late = int(num_kept(jnp.asarray(schedule(jnp.int32(2**30)), jnp.float32), d))
     return max(num_kept(final_ratio, d), late)
-
-
-def _switch_exchange(communicator, accum, kept, final_ratio, schedule):
-    """Dense all-reduce while any ``K_t > K_cap``, sparse all-gather of ``K_cap`` pairs after."""
-    caps = [_sparse_capacity(final_ratio, schedule, int(E.shape[0])) for E in accum]
-    use_sparse = jnp.all(jnp.stack([jnp.asarray(k <= c) for k, c in zip(kept, caps)]))
-
-    def sparse(accum):
-        selected, payloads = [], []
-        for E, k, cap in zip(accum, kept, caps):
-            d = int(E.shape[0])
-            _, index = jax.lax.top_k(jnp.abs(E), cap)  # sorted by magnitude; ties: lower index
-            values = jnp.where(jnp.arange(cap) < k, E[index], jnp.zeros((), E.dtype))  # K_t of K_cap slots
-            payloads.append((values, index.astype(index_dtype(d))))
-            selected.append(desparsify(values, index, (d,), E.dtype))
-        gathered = communicator.all_gather(payloads)
-        global_sparse = [
-            desparsify(v.reshape(-1), i.reshape(-1), (int(E.shape[0]),), E.dtype) for (v, i), E in zip(gathered, accum)
-        ]
-        bits = [
-            bits_int32(cap * (jnp.dtype(E.dtype).itemsize + jnp.dtype(index_dtype(int(E.shape[0]))).itemsize) * 8)
-            for E, cap in zip(accum, caps)
-        ]
-        return selected, global_sparse, bits
-
-    def dense(accum):
-        selected = []
-        for E, k in zip(accum, kept):
-            d = int(E.shape[0])
-            magnitude = jnp.abs(E)
-            threshold = jnp.sort(magnitude)[d - k]
-            selected.append(jnp.where(magnitude >= threshold, E, jnp.zeros_like(E)))
-        global_sparse = communicator.sum(selected)
-        bits = [bits_int32(int(E.shape[0]) * jnp.dtype(E.dtype).itemsize * 8) for E in accum]
-        return selected, global_sparse, bits
-
-    # Both branches must return the same varying-axes types under shard_map's checks: mark
-    # every output as varying over the axes the accumulated gradients vary over.
-    axes = frozenset().union(*[varying_axes(E) for E in accum])
-
-    def typed(branch):
-        def run(accum):
-            selected, global_sparse, bits = branch(accum)
-            return ([cast_varying(x, axes) for x in selected], [cast_varying(x, axes) for x in global_sparse],
-                    [cast_varying(b, axes) for b in bits])
-        return run
-
-    return jax.lax.cond(use_sparse, typed(sparse), typed(dense), accum)
 
 
 # --------------------------------------------------------------------------- #
@@ -552,7 +497,7 @@ def periodic_average(
             return jax.tree.map(cast_varying, u, axes)
 
         updates = jax.lax.cond(sync, average, keep, updates)
-        leaf_bits = [bits_int32(int(np.size(p)) * jnp.dtype(p.dtype).itemsize * 8) for p in jax.tree.leaves(params)]
+        leaf_bits = [count_bits(int(np.size(p)) * jnp.dtype(p.dtype).itemsize * 8) for p in jax.tree.leaves(params)]
         leaf_bits = jnp.stack(leaf_bits) if leaf_bits else jnp.zeros((0,), jnp.int32)
         return updates, PeriodicAverageState(
             count=count,

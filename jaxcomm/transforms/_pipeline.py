@@ -1,0 +1,688 @@
+"""The per-tensor pipeline every gradient transformation is built on.
+
+One step, per worker ``i`` and per tensor (GRACE Algorithm 1, generalised)::
+
+    φ_i   = memory.compensate(m_i, g_i)                compensate
+    p_i   = Q(φ_i)                                      compress: the payload is what is sent
+    Σ     = communicate(p_1 .. p_n)                     strategy (below)
+    m_i  ← memory.update(m_i, g_i, φ_i, Q⁻¹(p_i))       memory update (or from Q's error hook)
+
+Strategies (how the payloads become the sum ``Σ_i Q⁻¹(p_i)``):
+
+* ``"allreduce"``: the payloads' ``summable`` fields are summed by one
+  all-reduce and decompressed once, ``Q⁻¹(Σ_i p_i)``. A compressor with
+  ``rounds`` (PowerSGD) instead yields its messages, which are summed in turn
+  (:func:`run_rounds`).
+* ``"allgather"``: every payload is gathered and decompressed; with ``fuse``,
+  the payloads of at most :data:`FUSE_MAX_BYTES` share one collective.
+* ``"broadcast"``: each worker's payload is broadcast in turn.
+* ``"reduce_scatter"``: each worker owns one of ``n`` chunks of every tensor;
+  the chunks travel compressed to their owners (``n − 1`` permutation
+  rounds), each owner decompresses and averages its chunk in float32,
+  compresses the average again (optionally with its own error feedback,
+  DoubleSqueeze's server), and the compressed chunks are all-gathered. A
+  worker sends ``(n − 1)`` chunk payloads and one averaged chunk, about
+  ``2 (n − 1) / n`` of its payload whatever ``n``.
+
+A one-worker communicator (:class:`Local`) turns the pipeline into plain error
+feedback: nothing is sent and ``Σ`` is the worker's own reconstruction.
+
+Wire accounting happens here and only here: ``state.wire_bits[j]`` is the exact
+number of bits this worker put on the wire for tensor (or group) ``j`` in the
+last step, and ``state.messages`` the number of arrays it handed to collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import memory as memory_lib
+from .._keys import step_keys
+from .._vma import varying_axes
+from ..comm import all_gather_packed
+from ..compressors._base import Compressor, check_float_input, wire_bits
+
+__all__ = [
+    "STRATEGIES",
+    "FUSE_MAX_BYTES",
+    "CompressionState",
+    "Local",
+    "run_rounds",
+]
+
+STRATEGIES = ("allreduce", "allgather", "broadcast", "reduce_scatter")
+"""The ways the pipeline turns payloads into a sum over workers (see the module docstring)."""
+
+FUSE_MAX_BYTES = 1 << 20
+"""With ``fuse=True``, payloads of at most this many bytes (per worker) share one all-gather;
+a larger payload is gathered on its own (Horovod's fusion threshold)."""
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_UNROLL_MAX = 16
+"""Up to this many workers, gathered payloads are decompressed in one unrolled sum (XLA fuses
+elementwise decoders into one pass); beyond it, a ``lax.scan`` keeps the program small."""
+
+
+class CompressionState(NamedTuple):
+    """Per-worker state of every compressing transformation.
+
+    Give it a leading worker axis sharded over the mesh axis (``P("data")``) in a
+    data-parallel step, or keep one per MPI process: memories differ between workers.
+
+    Attributes:
+      count: int32 scalar, steps taken.
+      key: PRNG key (raw ``uint32[2]``), identical on every worker; split once per step.
+      memory: a tree with the parameters' structure whose leaves are the
+        per-array memory states (:class:`~jaxcomm.memory.Memory`).
+      compressor_states: tuple, the compressor's state per compressed tensor
+        (per leaf, or per group where leaves are compressed together).
+      wire_bits: ``int32[num_tensors]``: exact bits this worker put on the wire
+        per compressed tensor at the last step. ``int(state.wire_bits.sum())``
+        is the step's volume per worker.
+      messages: int32 scalar, arrays this worker handed to collectives at the
+        last step (one per MPI call on the MPI backend).
+    """
+
+    count: jax.Array
+    key: jax.Array
+    memory: Any
+    compressor_states: tuple
+    wire_bits: jax.Array
+    messages: jax.Array
+
+
+# --------------------------------------------------------------------------- #
+# Validation shared by the transforms
+# --------------------------------------------------------------------------- #
+def check_compressor(compressor, name: str = "compressor") -> Compressor:
+    if not isinstance(compressor, Compressor):
+        raise TypeError(
+            f"{name} must be a jaxcomm.compressors.Compressor (e.g. jaxcomm.compressors.topk(ratio=0.01)); "
+            f"got {type(compressor).__name__}"
+        )
+    return compressor
+
+
+def check_memory(memory, name: str = "memory") -> memory_lib.Memory:
+    if not isinstance(memory, memory_lib.Memory):
+        raise TypeError(
+            f"{name} must be a jaxcomm.memory.Memory (e.g. jaxcomm.memory.residual()); got {type(memory).__name__}"
+        )
+    return memory
+
+
+def choose_strategy(compressor: Compressor, strategy: str) -> str:
+    """The strategy a step uses: ``compressor.strategy`` for ``"auto"``; ``ValueError`` if it cannot serve."""
+    if strategy != "auto" and strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {('auto',) + STRATEGIES}; got {strategy!r}")
+    chosen = compressor.strategy if strategy == "auto" else strategy
+    if chosen == "allreduce" and compressor.strategy != "allreduce" and compressor.rounds is None:
+        raise ValueError(
+            f"strategy='allreduce' was requested but compressor {compressor.name!r} has strategy "
+            f"{compressor.strategy!r}: its payloads cannot be summed as they are (and it has no rounds); "
+            f"use strategy='allgather', 'reduce_scatter' or 'broadcast' (or 'auto')"
+        )
+    if chosen == "reduce_scatter":
+        check_stateless(compressor, "compressor", "strategy='reduce_scatter'")
+    return chosen
+
+
+def check_stateless(compressor: Compressor, name: str, why: str) -> None:
+    """``ValueError`` unless ``compressor`` keeps no per-array state (chunks change shape with ``n``)."""
+    if jax.tree.leaves(compressor.init_state(jnp.zeros((2,), jnp.float32))):
+        raise ValueError(
+            f"{why} compresses chunks whose size depends on the number of workers, so {name} "
+            f"{compressor.name!r} must be stateless"
+        )
+    if compressor.rounds is not None:
+        raise ValueError(f"{why} needs a single-round compressor; {name} {compressor.name!r} has rounds")
+
+
+_COLLECTIVE = {
+    "allreduce": "sum",
+    "allgather": "all_gather",
+    "broadcast": "broadcast",
+    "reduce_scatter": "permute",
+}
+
+
+def check_served(comm, chosen: str, compressor: Compressor) -> None:
+    """``ValueError`` if ``comm`` cannot run strategy ``chosen`` for ``compressor``."""
+    served = getattr(comm, "strategies", None)
+    if served is not None and chosen not in tuple(served):
+        raise ValueError(
+            f"communicator {comm!r} serves strategies {tuple(served)} but compressor {compressor.name!r} "
+            f"needs {chosen!r}"
+        )
+    needed = [_COLLECTIVE[chosen]] + (["all_gather"] if chosen == "reduce_scatter" else [])
+    for name in needed:
+        if not callable(getattr(comm, name, None)):
+            raise ValueError(
+                f"communicator {comm!r} has no {name}() to serve strategy {chosen!r} "
+                f"for compressor {compressor.name!r}"
+            )
+
+
+def check_per_worker(comm, leaves) -> None:
+    """``ValueError`` if a gradient was already summed over the axis (the shard_map pitfall).
+
+    Inside ``jax.shard_map`` (``check_vma=True``), ``jax.grad`` with respect to
+    replicated parameters returns the gradient *summed over the axis*, an
+    invariant value: compressing it would compress the already-communicated
+    dense sum. The axis index varies over the axis and such a gradient does
+    not; under ``jax.vmap`` nothing is tracked and the check passes.
+    """
+    axis = getattr(comm, "axis_name", None)
+    if not isinstance(axis, str) or axis not in varying_axes(comm.index()):
+        return
+    for i, g in enumerate(leaves):
+        if axis not in varying_axes(g):
+            raise ValueError(
+                f"updates: gradient leaf {i} (shape {tuple(jnp.shape(g))}) is not device-varying over axis "
+                f"{axis!r}: inside jax.shard_map, jax.grad of replicated parameters has already summed it "
+                f"across devices, which would bypass compression. Make the parameters per-device before "
+                f"jax.grad: params = jax.lax.pcast(params, {axis!r}, to='varying') "
+                f"(or jaxcomm.comm.MeshAxis({axis!r}).varying(params))."
+            )
+
+
+def count_bits(bits):
+    """A bit count as an int32 scalar (exact; ``ValueError`` past ``2**31 - 1`` for a static count)."""
+    if isinstance(bits, (int, np.integer)):
+        if bits > _INT32_MAX:
+            raise ValueError(
+                f"a single tensor's payload has {bits} bits, beyond the int32 wire-bit counter; split the tensor"
+            )
+        return jnp.asarray(bits, jnp.int32)
+    return jnp.asarray(bits).astype(jnp.int32)
+
+
+def _array_bits(a) -> int:
+    return int(np.size(a)) * jnp.dtype(a.dtype).itemsize * 8
+
+
+# --------------------------------------------------------------------------- #
+# State
+# --------------------------------------------------------------------------- #
+def groups_of(num_leaves: int, scope: str) -> list[list[int]]:
+    """Leaf indices compressed together: one group per leaf (``"leaf"``) or all leaves (``"global"``)."""
+    if scope == "leaf":
+        return [[i] for i in range(num_leaves)]
+    if scope == "global":
+        return [list(range(num_leaves))] if num_leaves else []
+    raise ValueError(f"scope must be 'leaf' or 'global'; got {scope!r}")
+
+
+def group_vector(leaves, idx):
+    """The leaves ``idx`` as one tensor: the leaf itself for a single leaf, else flattened and concatenated."""
+    if len(idx) == 1:
+        return leaves[idx[0]]
+    dtype = jnp.result_type(*[leaves[i] for i in idx])
+    return jnp.concatenate([jnp.ravel(leaves[i]).astype(dtype) for i in idx])
+
+
+def ungroup(flat, leaves, idx) -> dict:
+    """Inverse of :func:`_group_vector`: ``{i: array shaped and typed like leaves[i]}``."""
+    if len(idx) == 1:
+        return {idx[0]: flat.astype(jnp.result_type(leaves[idx[0]]))}
+    out, start = {}, 0
+    for i in idx:
+        size = int(np.size(leaves[i]))
+        out[i] = flat[start : start + size].reshape(jnp.shape(leaves[i])).astype(jnp.result_type(leaves[i]))
+        start += size
+    return out
+
+
+def init_state(params, compressor: Compressor, memory: memory_lib.Memory, *, scope: str = "leaf",
+               key=None) -> CompressionState:
+    """The state for ``params`` (floating leaves): zero memories, fresh compressor states, ``PRNGKey(seed)``."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    for leaf in leaves:
+        check_float_input(leaf, "params")
+    leaves = [jnp.asarray(x) for x in leaves]
+    groups = groups_of(len(leaves), scope)
+    return CompressionState(
+        count=jnp.zeros((), jnp.int32),
+        key=jax.random.PRNGKey(compressor.seed) if key is None else key,
+        memory=jax.tree_util.tree_unflatten(treedef, [memory.init(x) for x in leaves]),
+        compressor_states=tuple(compressor.init_state(group_vector(leaves, g)) for g in groups),
+        wire_bits=jnp.zeros((len(groups),), jnp.int32),
+        messages=jnp.zeros((), jnp.int32),
+    )
+
+
+def flatten_updates(updates, state: CompressionState, scope: str = "leaf"):
+    """``(leaves, treedef, memory leaves)``; ``ValueError`` if the tree differs from ``init``'s."""
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    try:
+        mem_leaves = treedef.flatten_up_to(state.memory)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"updates has tree structure {treedef} but the state was initialised for a different tree; "
+            f"init and update must see the same tree ({e})"
+        ) from None
+    if len(groups_of(len(leaves), scope)) != len(state.compressor_states):
+        raise ValueError(
+            f"updates has {len(leaves)} leaves but the state was initialised for "
+            f"{len(state.compressor_states)}; init and update must see the same tree"
+        )
+    for g in leaves:
+        check_float_input(g, "updates")
+    return leaves, treedef, mem_leaves
+
+
+# --------------------------------------------------------------------------- #
+# Communication of one step's payloads
+# --------------------------------------------------------------------------- #
+class Exchanged(NamedTuple):
+    """What one exchange produced, per compressed tensor (lists in tensor order).
+
+    Attributes:
+      payloads: this worker's payloads.
+      states: the compressors' new per-tensor states.
+      totals: ``Σ_i Q⁻¹(p_i)`` in float32 (or wider), or ``None`` under
+        ``"reduce_scatter"``, whose owners average instead.
+      means: ``totals / n`` in float32 or wider (``"reduce_scatter"``: the
+        all-gathered owners' averages, in the tensor's dtype).
+      own: this worker's own reconstruction ``Q⁻¹(p_i)``, when it is not
+        recovered from the error hook (``None`` otherwise).
+      errors: ``φ_i − Q⁻¹(p_i)`` per tensor where the memory keeps the
+        error (``memory.from_error``); ``None`` entries otherwise.
+      bits: int32 scalars, bits this worker sent per tensor.
+      owner_bits: int32 scalars, bits of the owners' averaged chunks
+        (``"reduce_scatter"``; zeros otherwise).
+      owner_memory: new owner memories (``"reduce_scatter"`` with an owner memory).
+      messages: arrays handed to collectives (Python int).
+    """
+
+    payloads: list
+    states: list
+    totals: list
+    means: list
+    own: list
+    errors: list
+    bits: list
+    owner_bits: list
+    owner_memory: list
+    messages: int
+
+
+class Owner(NamedTuple):
+    """The chunk owners' step under ``"reduce_scatter"``: compress the averaged chunk again.
+
+    Attributes:
+      compressor: the owners' compressor (stateless, single-round).
+      memory: the owners' error feedback (``none()`` for a plain compressed mean;
+        DoubleSqueeze's server error with ``residual()``).
+      memory_leaves: per tensor, the owner memory state over the whole tensor
+        (each owner reads and writes only its chunk).
+      keys: per tensor, the key the owners draw from (folded with the owner index).
+    """
+
+    compressor: Compressor
+    memory: memory_lib.Memory
+    memory_leaves: Sequence
+    keys: Sequence
+
+
+def run_rounds(compressor: Compressor, x, key, state, comm):
+    """Drive a multi-round compressor's ``rounds`` over ``comm``: ``(payload, new_state, sent)``.
+
+    Every message the generator yields is summed over the workers
+    (``comm.sum``) and sent back into it; ``sent`` lists the messages (this
+    worker's contributions, for wire accounting). The payload decompresses to
+    the sum over workers.
+    """
+    if compressor.rounds is None:
+        raise ValueError(f"compressor {compressor.name!r} has no rounds")
+    x = jnp.asarray(x)
+    check_float_input(x, "x")
+    if state is None:
+        state = compressor.init_state(x)
+    gen = compressor.rounds(x, key, state, int(comm.size))
+    sent = []
+    try:
+        message = next(gen)
+        while True:
+            sent.append(message)
+            message = gen.send(comm.sum(message))
+    except StopIteration as stop:
+        payload, new_state = stop.value
+    return payload, new_state, sent
+
+
+def _gather_payloads(comm, payloads: list, fuse: bool) -> tuple[list, int]:
+    """``[comm.all_gather(p) for p in payloads]`` and the arrays gathered; with ``fuse`` the payloads of
+    at most :data:`FUSE_MAX_BYTES` share one :func:`~jaxcomm.comm.all_gather_packed` collective."""
+    sizes = [sum(map(_array_bits, jax.tree.leaves(p))) for p in payloads]
+    small = [i for i, b in enumerate(sizes) if fuse and b <= 8 * FUSE_MAX_BYTES]
+    packed = dict(zip(small, all_gather_packed(comm, [payloads[i] for i in small]))) if small else {}
+    messages = (1 if small else 0) + sum(len(jax.tree.leaves(p)) for i, p in enumerate(payloads) if i not in packed)
+    return [packed[i] if i in packed else comm.all_gather(p) for i, p in enumerate(payloads)], messages
+
+
+def _sum_decompressed(compressor: Compressor, gathered, n: int, acc_dtype):
+    """``Σ_i decompress(gathered[i])`` over ``n`` stacked payloads, in ``acc_dtype``."""
+    if compressor.decompress_sum is not None:
+        return compressor.decompress_sum(gathered, acc_dtype)
+
+    def one(i):
+        return compressor.decompress(jax.tree.map(lambda a: a[i], gathered)).astype(acc_dtype)
+
+    if n <= _UNROLL_MAX:
+        total = one(0)
+        for i in range(1, n):
+            total = total + one(i)
+        return total
+
+    def add_one(total, payload):
+        return total + compressor.decompress(payload).astype(acc_dtype), None
+
+    return jax.lax.scan(add_one, one(0), jax.tree.map(lambda a: a[1:], gathered))[0]
+
+
+def _data_fields(payload) -> list[str]:
+    if not dataclasses.is_dataclass(payload):
+        raise TypeError(
+            f"strategy='allreduce' needs a dataclass payload (jaxcomm.compressors.payload_dataclass); "
+            f"got {type(payload).__name__}"
+        )
+    return [f.name for f in dataclasses.fields(payload) if not f.metadata.get("static", False)]
+
+
+def _summable_fields(compressor: Compressor, payload) -> tuple:
+    fields = _data_fields(payload)
+    summable = tuple(type(payload).summable)
+    unknown = [f for f in summable if f not in fields]
+    if not summable or unknown:
+        raise ValueError(
+            f"compressor {compressor.name!r} has strategy 'allreduce' but its payload "
+            f"{type(payload).__name__} names summable fields {summable} (array fields: {fields})"
+        )
+    return summable
+
+
+def exchange(comm, phis: list, keys: list, states: list, compressors: list, strategy: str, *,
+             fuse: bool = True, memory: memory_lib.Memory | None = None, owner: Owner | None = None) -> Exchanged:
+    """Compress every tensor of ``phis``, communicate with ``strategy``, aggregate.
+
+    Args:
+      comm: the communicator (``size``, ``index()`` and the strategy's collectives).
+      phis: the compensated tensors ``φ_i`` (any shapes, floating dtypes).
+      keys: one leaf key per tensor (:func:`~jaxcomm._keys.step_keys`); the
+        worker index is folded in where workers must draw independently.
+      states: the compressors' per-tensor states.
+      compressors: one compressor per tensor.
+      strategy: one of :data:`STRATEGIES`.
+      fuse: gather small payloads with one collective (``"allgather"``).
+      memory: the worker memory; when it keeps the compression error
+        (``from_error``), ``errors`` come from each compressor's ``error``.
+      owner: the owners' step (``"reduce_scatter"`` only).
+    """
+    n = int(comm.size)
+    index = comm.index() if n > 1 else None
+    want_error = memory is not None and memory.from_error is not None
+    acc = [jnp.promote_types(jnp.result_type(phi), jnp.float32) for phi in phis]
+    if strategy == "reduce_scatter":
+        return _reduce_scatter(comm, phis, keys, compressors, acc, memory, owner, n, index)
+
+    payloads, new_states, bits, totals, messages = [], [], [], [], 0
+    rounds = strategy == "allreduce" and any(c.rounds is not None for c in compressors)
+    for phi, key, state, c in zip(phis, keys, states, compressors):
+        if rounds and c.rounds is not None:
+            if n == 1:
+                payload, state, sent = run_rounds(c, phi, key, state, _LOCAL)
+            else:
+                payload, state, sent = run_rounds(c, phi, key, state, comm)
+            messages += len(sent) if n > 1 else 0
+            bits.append(count_bits(sum(_array_bits(m) for m in sent)))
+            totals.append(c.decompress(payload).astype(jnp.promote_types(jnp.result_type(phi), jnp.float32)))
+        else:
+            payload, new_state = c.compress(phi, key if n == 1 else jax.random.fold_in(key, index), state)
+            if strategy == "allreduce":
+                summable = _summable_fields(c, payload)
+                if n > 1 and any(f not in summable for f in _data_fields(payload)):
+                    # Fields that are not summed must agree on every worker: compress with the shared key.
+                    payload, new_state = c.compress(phi, key, state)
+                bits.append(count_bits(sum(_array_bits(getattr(payload, f)) for f in summable)))
+            else:
+                bits.append(count_bits(wire_bits(payload)))
+            state = new_state
+            totals.append(None)
+        payloads.append(payload)
+        new_states.append(state)
+
+    pending = [i for i, t in enumerate(totals) if t is None]
+    if pending and n == 1:
+        for i in pending:
+            totals[i] = compressors[i].decompress(payloads[i]).astype(acc[i])
+    elif pending and strategy == "allreduce":
+        fields = [{f: getattr(payloads[i], f) for f in type(payloads[i]).summable} for i in pending]
+        sums = comm.sum(fields)
+        messages += sum(len(f) for f in fields)
+        for i, s in zip(pending, sums):
+            totals[i] = compressors[i].decompress(dataclasses.replace(payloads[i], **s)).astype(acc[i])
+    elif pending and strategy == "allgather":
+        gathered, m = _gather_payloads(comm, [payloads[i] for i in pending], fuse)
+        messages += m
+        for i, gp in zip(pending, gathered):
+            totals[i] = _sum_decompressed(compressors[i], gp, n, acc[i])
+    elif pending:  # broadcast: root r's payload to everyone, for r = 0..n-1
+        for i in pending:
+            total = jnp.zeros(jnp.shape(phis[i]), acc[i])
+            for r in range(n):
+                total = total + compressors[i].decompress(comm.broadcast(payloads[i], r)).astype(acc[i])
+            messages += n * len(jax.tree.leaves(payloads[i]))
+            totals[i] = total
+
+    errors, own = [], []
+    for phi, payload, c, total in zip(phis, payloads, compressors, totals):
+        if c.rounds is not None and rounds:
+            # Multi-round methods: the memory keeps the aggregated reconstruction
+            # (GRACE's and PyTorch's PowerSGD convention).
+            own.append((total / n).astype(jnp.result_type(phi)))
+            errors.append(None)
+        elif want_error:
+            own.append(None)
+            errors.append(c.error(phi, payload))
+        else:
+            own.append(c.decompress(payload))
+            errors.append(None)
+    means = [t / n for t in totals]
+    zeros = [jnp.zeros((), jnp.int32)] * len(phis)
+    return Exchanged(payloads, new_states, totals, means, own, errors, bits, zeros, [], messages)
+
+
+# --------------------------------------------------------------------------- #
+# reduce-scatter: chunks travel compressed to their owners
+# --------------------------------------------------------------------------- #
+def _chunk_len(size: int, n: int) -> int:
+    return -(-size // n)
+
+
+def to_chunks(x, n: int):
+    """``x`` flattened, zero-padded to ``n·c`` entries (``c = ceil(size/n)``) and reshaped ``(n, c)``."""
+    flat = jnp.ravel(x)
+    c = _chunk_len(flat.shape[0], n)
+    return jnp.pad(flat, (0, n * c - flat.shape[0])).reshape(n, c)
+
+
+def from_chunks(chunks, shape):
+    """Inverse of :func:`to_chunks`: drop the padding, restore ``shape``."""
+    size = int(np.prod(shape, dtype=np.int64))
+    return chunks.reshape(-1)[:size].reshape(shape)
+
+
+def _take_chunk(x, n: int, me):
+    return jax.lax.dynamic_index_in_dim(to_chunks(x, n), me, keepdims=False)
+
+
+def _put_chunk(full, part, n: int, me):
+    chunks = jax.lax.dynamic_update_index_in_dim(to_chunks(full, n), part.astype(full.dtype), me, 0)
+    return from_chunks(chunks, jnp.shape(full))
+
+
+def _reduce_scatter(comm, phis, keys, compressors, acc, memory, owner: Owner | None, n: int, me) -> Exchanged:
+    if owner is None:
+        raise ValueError("strategy 'reduce_scatter' needs the owners' step (Owner)")
+    me = comm.index() if me is None else me
+    payloads, own, errors, bits, stacked = [], [], [], [], []
+    want_error = memory is not None and memory.from_error is not None
+    for phi, key, c in zip(phis, keys, compressors):
+        # Independent draws per worker, except for summable payloads (their shared fields must agree).
+        k = key if c.strategy == "allreduce" else jax.random.fold_in(key, me)
+        chunk_payloads = jax.vmap(lambda x, kk, c=c: c.compress(x, kk, ())[0])(to_chunks(phi, n), jax.random.split(k, n))
+        stacked.append(chunk_payloads)
+        g_hat = from_chunks(jax.vmap(c.decompress)(chunk_payloads), jnp.shape(phi)).astype(jnp.result_type(phi))
+        own.append(None if want_error else g_hat)
+        errors.append((phi - g_hat).astype(jnp.result_type(phi)) if want_error else None)
+        payloads.append(chunk_payloads)
+
+    # Compressed all-to-all in n - 1 permutation rounds: in round r, chunk (me + r) % n goes to its owner.
+    received = [jax.tree.map(lambda a: a[me], stacked)]
+    sent_bits = [0] * len(phis)
+    messages = 0
+    for r in range(1, n):
+        send = jax.tree.map(lambda a, r=r: a[(me + r) % n], stacked)
+        sent_bits = [b + wire_bits(p) for b, p in zip(sent_bits, send)]
+        messages += len(jax.tree.leaves(send))
+        received.append(comm.permute(send, [(s, (s + r) % n) for s in range(n)]))
+
+    # Each owner: average its chunk in float32, compensate with its memory, compress again.
+    owner_payloads, owner_bits, owner_mems = [], [], []
+    for i, (phi, c, a) in enumerate(zip(phis, compressors, acc)):
+        dtype = jnp.result_type(phi)
+        size = int(np.size(phi))
+        clen = _chunk_len(size, n)
+        real = me * clen + jnp.arange(clen) < size  # entries of this chunk that are not padding
+        total = jnp.zeros((clen,), a)
+        for rec in received:
+            total = total + c.decompress(rec[i]).astype(a)
+        mean = jnp.where(real, total / n, 0).astype(dtype)
+        full_mem = owner.memory_leaves[i]
+        m = jax.tree.map(lambda s: _take_chunk(s, n, me), full_mem)
+        v = owner.memory.compensate(m, mean)
+        payload, _ = owner.compressor.compress(v, jax.random.fold_in(owner.keys[i], me), ())
+        q = jnp.where(real, owner.compressor.decompress(payload), 0).astype(v.dtype)
+        new_m = owner.memory.update(m, mean, v, q)
+        owner_mems.append(jax.tree.map(lambda full, part: _put_chunk(full, part, n, me), full_mem, new_m))
+        owner_payloads.append(payload)
+        owner_bits.append(count_bits(wire_bits(payload)))
+
+    gathered = comm.all_gather(owner_payloads)
+    messages += len(jax.tree.leaves(owner_payloads))
+    means = [
+        from_chunks(jax.vmap(owner.compressor.decompress)(g), jnp.shape(phi)).astype(jnp.result_type(phi))
+        for phi, g in zip(phis, gathered)
+    ]
+    bits = [count_bits(b) for b in sent_bits]
+    states = [()] * len(phis)
+    return Exchanged(payloads, states, [None] * len(phis), means, own, errors, bits, owner_bits, owner_mems, messages)
+
+
+# --------------------------------------------------------------------------- #
+# One step of a compressing transformation
+# --------------------------------------------------------------------------- #
+def compress_step(comm, updates, state: CompressionState, *, compressor, memory: memory_lib.Memory,
+                  strategy: str, fuse: bool = True, scope: str = "leaf", owner_step=None):
+    """Compensate → compress → communicate → aggregate → memory update, for a gradient tree.
+
+    Args:
+      comm: the communicator.
+      updates: this worker's gradient tree (floating leaves).
+      state: its :class:`CompressionState`.
+      compressor: a :class:`~jaxcomm.compressors.Compressor`, or a function
+        ``tensor -> Compressor`` called per compressed tensor at trace time
+        (for hyper-parameters that depend on the tensor's size).
+      memory: the worker memory (φ, ψ).
+      strategy: one of :data:`STRATEGIES`.
+      fuse: see :func:`exchange`.
+      scope: ``"leaf"`` (each array compressed alone) or ``"global"`` (all
+        leaves flattened into one tensor, one selection over the whole tree).
+      owner_step: ``"reduce_scatter"`` only: ``leaf_keys -> Owner``.
+    Returns:
+      ``(exchanged, leaves, treedef, new_state, phis)``: the exchange (per
+      tensor), the gradient leaves, their treedef, the new state (memory
+      updated) and the compensated tensors.
+    """
+    leaves, treedef, mem_leaves = flatten_updates(updates, state, scope)
+    if int(comm.size) > 1:
+        check_per_worker(comm, leaves)
+    groups = groups_of(len(leaves), scope)
+    key, keys = step_keys(state.key, len(groups))
+    phi_leaves = [memory.compensate(m, g) for m, g in zip(mem_leaves, leaves)]
+    phis = [group_vector(phi_leaves, idx) for idx in groups]
+    compressors = [compressor if isinstance(compressor, Compressor) else compressor(phi) for phi in phis]
+    owner = owner_step(keys) if owner_step is not None else None
+    ex = exchange(comm, phis, list(keys[: len(groups)]), list(state.compressor_states), compressors, strategy,
+                  fuse=fuse, memory=memory, owner=owner)
+
+    new_mem = list(mem_leaves)
+    for idx, err, own in zip(groups, ex.errors, ex.own):
+        parts = ungroup(err if err is not None else own, phi_leaves, idx)
+        for i, part in parts.items():
+            if err is not None:
+                new_mem[i] = memory.from_error(mem_leaves[i], part)
+            else:
+                new_mem[i] = memory.update(mem_leaves[i], leaves[i], phi_leaves[i], part)
+    new_state = CompressionState(
+        count=state.count + 1,
+        key=key,
+        memory=jax.tree_util.tree_unflatten(treedef, new_mem),
+        compressor_states=tuple(ex.states),
+        wire_bits=jnp.stack(ex.bits) if ex.bits else jnp.zeros((0,), jnp.int32),
+        messages=jnp.asarray(ex.messages, jnp.int32),
+    )
+    return ex, leaves, treedef, new_state, groups
+
+
+# --------------------------------------------------------------------------- #
+# The one-worker communicator
+# --------------------------------------------------------------------------- #
+class Local:
+    """A communicator of one worker: every collective is the identity (stacked for ``all_gather``).
+
+    ``error_feedback`` and DoubleSqueeze's replicated server run the pipeline
+    on it: nothing is sent, and the sum over workers is this worker's own
+    reconstruction.
+    """
+
+    strategies = STRATEGIES
+
+    def __repr__(self):
+        return "Local()"
+
+    @property
+    def size(self) -> int:
+        return 1
+
+    def index(self):
+        return jnp.zeros((), jnp.int32)
+
+    def sum(self, tree):
+        return tree
+
+    def mean(self, tree):
+        return tree
+
+    def all_gather(self, tree):
+        return jax.tree.map(lambda a: jnp.asarray(a)[None], tree)
+
+    def broadcast(self, tree, root: int = 0):
+        if root != 0:
+            raise ValueError(f"root must be 0 for a one-worker communicator; got {root}")
+        return tree
+
+    def permute(self, tree, perm):
+        return tree if list(perm) == [(0, 0)] else jax.tree.map(jnp.zeros_like, tree)
+
+    def varying(self, tree):
+        return tree
+
+
+_LOCAL = Local()
