@@ -77,7 +77,7 @@ def test_quickstart_smoke_via_cli(tmp_path, capsys):
 def test_grace_records_a_failing_run_and_goes_on(monkeypatch, tmp_path):
     # A run that raises (here: a fake trainer that "diverges" for qsgd) is listed under `failed`;
     # the remaining runs still happen and the figures are still written.
-    from jaxcomm.experiments import grace
+    from jaxcomm.experiments.grace import run as grace
     from jaxcomm.train import NonFiniteLossError
 
     monkeypatch.setattr(grace, "load_image_task", lambda *a, **k: (None, None))
