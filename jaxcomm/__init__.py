@@ -5,47 +5,83 @@ run on a named mesh axis inside ``jax.shard_map`` or over MPI processes.
 
 >>> import optax, jaxcomm as jc
 >>> tx = optax.chain(jc.error_feedback(jc.compressors.topk(ratio=0.01)), optax.sgd(0.1, momentum=0.9))
+
+``import jaxcomm`` imports no submodule: each one (and so JAX, Flax, Orbax or
+Matplotlib) is imported on first attribute access (PEP 562), so the command
+line and the MPI worker scripts start fast.
 """
 
-from . import (
-    algorithms,
-    comm,
-    compressors,
-    cost_model,
-    data,
-    experiments,
-    imbalance,
-    memory,
-    models,
-    testing,
-    topology,
-    train,
-    transforms,
-)
-from .compressors import wire_bits
-from .transforms import compressed_mean, doublesqueeze, error_feedback, gradient_dropping, periodic_average
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "algorithms",
-    "comm",
-    "compressed_mean",
-    "compressors",
-    "cost_model",
-    "data",
-    "doublesqueeze",
-    "error_feedback",
-    "experiments",
-    "gradient_dropping",
-    "imbalance",
-    "memory",
-    "models",
-    "periodic_average",
-    "testing",
-    "topology",
-    "train",
-    "transforms",
-    "wire_bits",
-    "__version__",
-]
+# The public names, grouped. Each submodule is imported on first use (``__getattr__`` below).
+_SUBMODULES = (
+    # communication-efficient optimisation
+    "compressors",  # lossy operators with exact wire formats, and their registry
+    "memory",  # error-feedback memories
+    "transforms",  # optax transformations that communicate
+    "comm",  # communicators: mesh axis, MPI
+    "topology",  # graphs and mixing matrices for decentralized training
+    "algorithms",  # parameter-level algorithms: D-PSGD, EventGraD, eager-SGD
+    # modelling and training
+    "imbalance",  # load-imbalance models
+    "cost_model",  # alpha-beta communication time
+    "train",  # mesh, jit-compiled step, training loop, checkpoints
+    "models",  # Flax models of the experiments
+    "data",  # offline datasets and per-worker batching
+    # the papers' studies and checks
+    "experiments",  # ``jaxcomm run NAME``
+    "testing",  # the compressor contract battery
+)
+
+# Functions re-exported at the top level: name -> submodule defining it.
+_REEXPORTS = {
+    "compressed_mean": "transforms",
+    "error_feedback": "transforms",
+    "doublesqueeze": "transforms",
+    "gradient_dropping": "transforms",
+    "periodic_average": "transforms",
+    "wire_bits": "compressors",
+}
+
+if TYPE_CHECKING:  # static tools (type checkers, the API docs) see plain imports
+    from . import (
+        algorithms,
+        comm,
+        compressors,
+        cost_model,
+        data,
+        experiments,
+        imbalance,
+        memory,
+        models,
+        testing,
+        topology,
+        train,
+        transforms,
+    )
+    from .compressors import wire_bits
+    from .transforms import compressed_mean, doublesqueeze, error_feedback, gradient_dropping, periodic_average
+
+__all__ = [*_SUBMODULES, *_REEXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    """Import a submodule or a re-exported function on first access, then cache it here."""
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    elif name in _REEXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_REEXPORTS[name]}"), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``), whether imported yet or not."""
+    return sorted(__all__)

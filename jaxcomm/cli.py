@@ -19,26 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from ._table import format_table
+
 __all__ = ["main", "format_table"]
-
-
-def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
-    """Render a list of dicts as a Markdown table (floats to 4 significant digits)."""
-    if not rows:
-        return "(no rows)"
-    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
-
-    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
-    out = [line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += [line(r) for r in cells]
-    return "\n".join(out)
 
 
 def _set_devices(n: int | None) -> None:

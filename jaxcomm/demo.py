@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from . import compressors as C
+from ._table import format_table
 
 __all__ = ["DEMO_KWARGS", "gradient_table", "run_demo"]
 
@@ -95,8 +96,6 @@ def gradient_table(grads, kwargs: dict | None = None, seed: int = 0) -> list[dic
 
 def run_demo() -> list[dict]:
     """Print and return the table for a real model's gradient."""
-    from .cli import format_table
-
     grads, source = _real_gradient()
     n = sum(np.size(g) for g in jax.tree.leaves(grads))
     print(f"Gradient of {source}: {n} entries in {len(jax.tree.leaves(grads))} tensors "

@@ -77,7 +77,7 @@ def test_quickstart_smoke_via_cli(tmp_path, capsys):
 def test_grace_records_a_failing_run_and_goes_on(monkeypatch, tmp_path):
     # A run that raises (here: a fake trainer that "diverges" for qsgd) is listed under `failed`;
     # the remaining runs still happen and the figures are still written.
-    from jaxcomm.experiments import grace
+    from jaxcomm.experiments.grace import run as grace
     from jaxcomm.train import NonFiniteLossError
 
     monkeypatch.setattr(grace, "load_image_task", lambda *a, **k: (None, None))
@@ -99,3 +99,127 @@ def test_grace_records_a_failing_run_and_goes_on(monkeypatch, tmp_path):
         {"compressor": "qsgd", "error_feedback": True, "error": "NonFiniteLossError: loss became nan at step 3"},
     ]
     assert (tmp_path / "quality_vs_bits.png").exists()
+
+
+# --------------------------------------------------------------------------- #
+# A light package: lazy submodules, no import cycles, registration without JAX
+# --------------------------------------------------------------------------- #
+def _fresh_python(code: str) -> str:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_import_jaxcomm_imports_no_submodule_and_no_heavy_dependency():
+    out = _fresh_python(
+        "import sys, jaxcomm\n"
+        "heavy = ['jax', 'flax', 'orbax', 'matplotlib', 'optax']\n"
+        "print(sorted(m for m in sys.modules if m.startswith('jaxcomm.') or m.split('.')[0] in heavy))\n"
+    )
+    assert out.strip() == "[]"
+
+
+def test_registering_and_listing_experiments_imports_no_jax():
+    out = _fresh_python(
+        "import sys\n"
+        "from jaxcomm.experiments import experiment_names, get_experiment\n"
+        "for n in experiment_names():\n"
+        "    get_experiment(n).config(smoke=True)\n"
+        "print(sorted(m for m in ('jax', 'flax', 'numpy', 'matplotlib') if m in sys.modules))\n"
+    )
+    assert out.strip() == "[]"
+
+
+def test_lazy_attributes_are_the_submodules_objects():
+    import jaxcomm
+    import jaxcomm.transforms
+
+    assert set(dir(jaxcomm)) == set(jaxcomm.__all__)
+    assert jaxcomm.compressed_mean is jaxcomm.transforms.compressed_mean
+    assert jaxcomm.wire_bits is compressors.wire_bits
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        jaxcomm.no_such_name  # noqa: B018
+
+
+def _top_level_import_graph() -> dict:
+    """``{a: {b, ...}}``: some module of ``jaxcomm.a`` imports ``jaxcomm.b`` (at any depth, also in functions)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "jaxcomm"
+    graph: dict = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        package = parts[:-1]
+        if len(parts) < 2 or parts[1] == "__init__":
+            continue  # the package itself imports its submodules lazily
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                targets = [module, *(f"{module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for target in targets:
+                t = target.split(".")
+                if t[0] == "jaxcomm" and len(t) > 1 and t[1] != parts[1]:
+                    graph.setdefault(parts[1], set()).add(t[1])
+    return graph
+
+
+def test_no_import_cycle_between_top_level_modules():
+    graph = _top_level_import_graph()
+    # The walk resolves relative imports, also three levels deep (experiments/grace/run.py).
+    assert "_table" in graph["cli"] and "_table" in graph["demo"] and "demo" in graph["experiments"]
+
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    cycles = sorted(m for m in graph if m in reach(m))
+    assert cycles == [], f"modules on an import cycle: {cycles}"
+
+
+def test_typed_configs_check_keys_and_types():
+    import dataclasses
+
+    from jaxcomm.experiments.grace import GraceConfig
+
+    exp = get_experiment("grace")
+    assert exp.config_type is GraceConfig
+    assert exp.config(smoke=True) == {f.name: (list(v) if isinstance(v, tuple) else v)
+                                      for f in dataclasses.fields(GraceConfig)
+                                      for v in [getattr(GraceConfig.smoke(), f.name)]}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        GraceConfig.default().steps = 3
+    with pytest.raises(ValueError, match=r"GraceConfig.steps: expected int, got 'four'"):
+        exp.run(dict(exp.config(smoke=True), steps="four"), "unused")
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['nope'\] for GraceConfig"):
+        exp.run(dict(exp.config(smoke=True), nope=1), "unused")
+    # ints widen to float fields; JSON lists are accepted for tuple fields.
+    assert exp.config(overrides={"learning_rate": "1"})["learning_rate"] == 1.0
+
+
+def test_eager_worker_is_a_module_with_a_usage_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-m", "jaxcomm.experiments.eager.worker", "nope"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "usage: python -m jaxcomm.experiments.eager.worker" in proc.stderr

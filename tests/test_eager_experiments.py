@@ -82,7 +82,7 @@ def test_hyperplane_smoke(tmp_path):
 def test_severe_learning_rate_schedules():
     """severe_lr_schedule: the constant rate, or a cosine decay from severe_lr to 0 over all rounds;
     severe_warmup_epochs: a linear ramp from 0 first, the decay over the rounds after it."""
-    from jaxcomm.experiments.eager import severe_learning_rate
+    from jaxcomm.experiments.eager.run import severe_learning_rate
 
     def at(schedule, rounds):
         return [float(schedule(r)) for r in rounds]

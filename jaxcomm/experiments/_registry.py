@@ -1,20 +1,34 @@
 """Experiment registry: each paper study is a named :class:`Experiment`.
 
-An experiment has a full configuration (``default``), a small one (``smoke``,
-under a minute on 2 cores, run by the tests) and a ``run(config, out_dir)``
-function that writes ``results.json`` and PNG figures into ``out_dir`` and
-returns the results dictionary.
+An experiment has a typed configuration (a frozen dataclass with ``default()``,
+the full study, and ``smoke()``, under a minute on 2 cores, run by the tests)
+and a runner ``run(config: dict, out_dir) -> dict`` that writes
+``results.json`` and PNG figures into ``out_dir``. The runner is named by a
+``"module:function"`` string and imported on the first run, so that
+registering and listing experiments imports neither JAX nor Flax.
+
+Configurations travel as flat dicts of JSON values (``--set key=value``,
+``results.json``): :func:`config_to_dict` and :func:`config_from_dict` convert
+between a dataclass instance and that form; tuple fields become lists.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import types
+import typing
 from pathlib import Path
 from typing import Any, Callable
 
 __all__ = ["Experiment", "register_experiment", "get_experiment", "experiment_names", "apply_overrides",
-           "write_results"]
+           "write_results", "config_to_dict", "config_from_dict"]
+
+
+def _default_summary(results: dict) -> list:
+    """The rows of ``results["summary"]`` (empty if absent)."""
+    return results.get("summary", [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,37 +38,132 @@ class Experiment:
     Attributes:
       name: command-line name (``jaxcomm run NAME``).
       description: one line for ``jaxcomm list``.
-      default: full configuration (flat dict of JSON scalars/lists).
-      smoke: overrides of ``default`` for the small configuration.
-      run: ``(config: dict, out_dir: Path) -> dict``; writes results.json + PNGs.
+      config_type: frozen dataclass of the configuration, with classmethods
+        ``default()`` (the full study) and ``smoke()`` (the small one).
+      runner: ``"module:function"`` of ``run(config: dict, out_dir: Path) -> dict``,
+        imported on first use; it writes PNGs (and may write results.json).
       summary: ``results -> list[dict]`` rows for the printed table.
     """
 
     name: str
     description: str
-    default: dict
-    smoke: dict
-    run: Callable[[dict, Path], dict]
-    summary: Callable[[dict], list] = lambda results: results.get("summary", [])
+    config_type: type
+    runner: str
+    summary: Callable[[dict], list] = _default_summary
+
+    @property
+    def default(self) -> dict:
+        """The full configuration as a dict."""
+        return config_to_dict(self.config_type.default())
+
+    @property
+    def smoke(self) -> dict:
+        """The small configuration as a dict."""
+        return config_to_dict(self.config_type.smoke())
 
     def config(self, smoke: bool = False, overrides: dict | None = None) -> dict:
-        """The configuration: ``default``, then ``smoke`` if asked, then ``overrides``."""
-        cfg = dict(self.default)
-        if smoke:
-            cfg.update(self.smoke)
-        return apply_overrides(cfg, overrides or {})
+        """The configuration as a dict: ``default()`` or ``smoke()``, then ``overrides``.
+
+        ``overrides`` values may be strings from ``--set`` (parsed as the field's
+        type). Raises ``ValueError`` naming a key that is not a field, or a value
+        of the wrong type.
+        """
+        base = self.config_type.smoke() if smoke else self.config_type.default()
+        merged = apply_overrides(config_to_dict(base), overrides or {})
+        return config_to_dict(config_from_dict(self.config_type, merged))
+
+    def run(self, config: dict | Any, out_dir: Path) -> dict:
+        """Validate ``config`` (a dict or a ``config_type`` instance) and run the study into ``out_dir``."""
+        if dataclasses.is_dataclass(config) and not isinstance(config, type):
+            config = config_to_dict(config)
+        config = config_to_dict(config_from_dict(self.config_type, config))
+        module, _, function = self.runner.partition(":")
+        return getattr(importlib.import_module(module), function)(config, Path(out_dir))
+
+
+def config_to_dict(config) -> dict:
+    """The flat JSON form of a config dataclass instance (tuples become lists)."""
+    return {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+def _jsonable(value):
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _check_value(cls_name: str, key: str, value, hint):
+    """``value`` as the field type ``hint`` (int -> float widening, list -> tuple); ``ValueError`` otherwise."""
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{cls_name}.{key}: expected a list, got {value!r}")
+        item = args[0] if args else Any
+        return tuple(_check_value(cls_name, f"{key}[{i}]", v, item) for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _check_value(cls_name, key, value, option)
+            except ValueError:
+                continue
+        raise ValueError(f"{cls_name}.{key}: {value!r} is none of {hint}")
+    if hint is Any:
+        return value
+    if hint is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"{cls_name}.{key}: expected None, got {value!r}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise ValueError(f"{cls_name}.{key}: expected {hint.__name__}, got {value!r}")
+
+
+def config_from_dict(config_type: type, values: dict):
+    """A ``config_type`` instance from its flat dict form, checking keys and value types.
+
+    Raises ``ValueError`` for a key that is not a field (listing the valid ones),
+    a missing field, or a value that is not of the field's type (ints are
+    accepted for float fields, lists for tuple fields).
+    """
+    names = [f.name for f in dataclasses.fields(config_type)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown} for {config_type.__name__}; valid keys: {', '.join(sorted(names))}")
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise ValueError(f"{config_type.__name__}: missing config key(s) {missing}")
+    hints = typing.get_type_hints(config_type)
+    return config_type(**{n: _check_value(config_type.__name__, n, values[n], hints[n]) for n in names})
 
 
 _EXPERIMENTS: dict[str, Experiment] = {}
 
 
 def register_experiment(exp: Experiment) -> Experiment:
-    """Add ``exp`` to the registry (names must be unique)."""
+    """Add ``exp`` to the registry (names must be unique; ``config_type`` a frozen dataclass)."""
     if exp.name in _EXPERIMENTS:
         raise ValueError(f"experiment {exp.name!r} is already registered")
-    unknown = set(exp.smoke) - set(exp.default)
-    if unknown:
-        raise ValueError(f"smoke config of {exp.name!r} has keys not in default: {sorted(unknown)}")
+    cls = exp.config_type
+    if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+        raise ValueError(f"config_type of {exp.name!r} must be a frozen dataclass; got {cls!r}")
+    for method in ("default", "smoke"):
+        if not callable(getattr(cls, method, None)):
+            raise ValueError(f"config_type {cls.__name__} of {exp.name!r} needs a {method}() classmethod")
+    if ":" not in exp.runner:
+        raise ValueError(f"runner of {exp.name!r} must be 'module:function'; got {exp.runner!r}")
     _EXPERIMENTS[exp.name] = exp
     return exp
 
@@ -121,15 +230,10 @@ def write_results(out_dir: Path, results: dict) -> Path:
     return path
 
 
-_MODULES = ("grace", "doublesqueeze", "gradient_dropping", "eventgrad", "eager", "quickstart")
+# One package per paper: jaxcomm/experiments/<paper>/__init__.py registers its experiments.
+_PAPERS = ("quickstart", "grace", "doublesqueeze", "gradient_dropping", "eventgrad", "eager")
 
 
 def _load_all() -> None:
-    import importlib
-
-    for mod in _MODULES:
-        try:
-            importlib.import_module(f"jaxcomm.experiments.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name != f"jaxcomm.experiments.{mod}":
-                raise
+    for paper in _PAPERS:
+        importlib.import_module(f"jaxcomm.experiments.{paper}")

@@ -15,38 +15,13 @@ from pathlib import Path
 
 import optax
 
-from ._common import load_image_task, plot_curves, train_data_parallel
-from ._registry import Experiment, register_experiment
-
-METHODS = {
-    "none": ("none", {}),
-    "topk-1%+EF": ("topk", {"ratio": 0.01}),
-    "qsgd-16": ("qsgd", {"levels": 16}),
-    "efsignsgd+EF": ("efsignsgd", {}),
-    "powersgd-r2+EF": ("powersgd", {"matrix_approximation_rank": 2}),
-}
-
-DEFAULT = {
-    "dataset": "mnist",
-    "model": "eventgrad_cnn",
-    "devices": 8,
-    "batch_size": 256,
-    "steps": 300,
-    "eval_every": 100,
-    "learning_rate": 0.05,
-    "momentum": 0.9,
-    "methods": list(METHODS),
-    "train_examples": 0,
-    "test_examples": 0,
-    "seed": 0,
-}
-SMOKE = {"steps": 20, "eval_every": 10, "train_examples": 4096, "test_examples": 1000,
-         "methods": ["none", "topk-1%+EF"]}
+from .._common import load_image_task, plot_curves, train_data_parallel
+from .config import METHODS
 
 
 def _transform(method: str, lr: float, momentum: float):
-    from .. import compressors, memory
-    from ..transforms import compressed_mean
+    from ... import compressors, memory
+    from ...transforms import compressed_mean
 
     name, kwargs = METHODS[method]
     c = compressors.make(name, **kwargs)
@@ -86,10 +61,3 @@ def run(config: dict, out_dir: Path) -> dict:
     return {"runs": runs, "summary": summary}
 
 
-EXPERIMENT = register_experiment(Experiment(
-    name="quickstart",
-    description="MNIST on 8 simulated devices: no compression vs top-k/EF-signSGD/PowerSGD with error feedback, QSGD",
-    default=DEFAULT,
-    smoke=SMOKE,
-    run=run,
-))

@@ -11,10 +11,8 @@
   severe rotating skew (50..400 ms) on a ResNet-20 with the mesh simulation
   (:func:`jaxcomm.algorithms.simulate_training`): accuracy against simulated time.
 
-The MPI parts launch ``mpirun`` themselves. Each worker runs *this file as a
-script* and loads ``jaxcomm/comm/_partial_mpi.py`` by path: a worker needs only
-NumPy and mpi4py, and importing the ``jaxcomm`` package (JAX) in 32
-oversubscribed processes would cost ~200 MB and 1.5 CPU-seconds each. The
+The MPI parts launch ``mpirun`` themselves; each rank runs the module
+:mod:`jaxcomm.experiments.eager.worker`. The
 load-imbalance schedule (:mod:`jaxcomm.imbalance`) is computed once by the
 launcher and read by every rank: the paper's "same random stream on all ranks".
 """
@@ -31,10 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["launch_mpi", "run_microbench", "run_hyperplane"]
+from .worker import hyperplane_data
 
-_THIS = Path(__file__).resolve()
-_ROOT = _THIS.parents[2]
+__all__ = ["launch_mpi", "run_microbench", "run_hyperplane", "severe_learning_rate", "severe_staleness"]
+
+# The folder holding the ``jaxcomm`` package: the workers' working directory, so that
+# ``python -m jaxcomm...`` imports the same package as the launcher.
+_PACKAGE_PARENT = Path(__file__).resolve().parents[3]
+_WORKER = "jaxcomm.experiments.eager.worker"
 
 # Paper figures (Li et al. 2020).
 PAPER = {
@@ -53,18 +55,18 @@ PAPER = {
 # Launching MPI workers
 # --------------------------------------------------------------------------- #
 def launch_mpi(num_procs: int, args: list, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``python eager.py worker ARGS...`` on ``num_procs`` MPI processes.
+    """Run ``python -m jaxcomm.experiments.eager.worker ARGS...`` on ``num_procs`` MPI processes.
 
     Raises ``RuntimeError`` (with the output's tail) if ``mpirun`` is missing or
     the job fails, and ``subprocess.TimeoutExpired`` after ``timeout`` seconds.
     """
-    from ..comm import mpirun_env, mpirun_path  # here, not at the top: the MPI workers run this file as a script
+    from ...comm import mpirun_env, mpirun_path
 
     mpirun = mpirun_path()
     if mpirun is None:
         raise RuntimeError("mpirun not found: install the 'mpi' extra (pip install jaxcomm[mpi])")
-    cmd = [mpirun, "-n", str(int(num_procs)), "--oversubscribe", sys.executable, str(_THIS), "worker", *map(str, args)]
-    proc = subprocess.run(cmd, env=mpirun_env(single_thread=True), capture_output=True, text=True, timeout=timeout, cwd=_ROOT)
+    cmd = [mpirun, "-n", str(int(num_procs)), "--oversubscribe", sys.executable, "-m", _WORKER, *map(str, args)]
+    proc = subprocess.run(cmd, env=mpirun_env(single_thread=True), capture_output=True, text=True, timeout=timeout, cwd=_PACKAGE_PARENT)
     if proc.returncode != 0:
         raise RuntimeError(
             f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
@@ -73,143 +75,8 @@ def launch_mpi(num_procs: int, args: list, timeout: float) -> subprocess.Complet
 
 
 # --------------------------------------------------------------------------- #
-# Worker side (runs under mpirun; NumPy + mpi4py only)
-# --------------------------------------------------------------------------- #
-def _load_partial_mpi():
-    import importlib.util
-
-    name = "jaxcomm_partial_mpi_standalone"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _THIS.parents[1] / "comm" / "_partial_mpi.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _worker_microbench(cfg: dict, out: Path) -> None:
-    """Fig. 8: skew, then time one collective; repeat per collective and iteration."""
-    pm = _load_partial_mpi()
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    skew = np.load(out / "schedule.npy")[:, rank] / 1000.0  # seconds, [iterations]
-    iters, warmup, count = int(cfg["iterations"]), int(cfg["warmup"]), int(cfg["count"])
-    x = np.full(count, float(rank + 1), np.float32)
-    y = np.empty_like(x)
-    results = {}
-    for name in ("mpi_allreduce", "solo", "majority"):
-        pa = None
-        if name != "mpi_allreduce":
-            pa = pm.PartialAllreduce(count, np.float32, mode=name, seed=int(cfg["seed"]),
-                                     timeout=float(cfg["timeout_s"]), poll_s=float(cfg["poll_s"]))
-        lat = np.zeros(iters)
-        nap = np.zeros(iters, np.int64)
-        included = np.zeros(iters, bool)
-        for it in range(warmup + iters):
-            comm.Barrier()
-            time.sleep(float(skew[it % len(skew)]))
-            t0 = time.perf_counter()
-            if pa is None:
-                comm.Allreduce(x, y, op=MPI.SUM)
-                n_active, inc = size, True
-            else:
-                res = pa(x)
-                n_active, inc = res.nap, res.included
-            dt = time.perf_counter() - t0
-            if it >= warmup:
-                lat[it - warmup], nap[it - warmup], included[it - warmup] = dt, n_active, inc
-        if pa is not None:
-            pa.close()
-        results[name] = (lat, nap, included)
-    np.savez(out / f"micro_rank{rank}.npz", **{f"{k}_{f}": v[i] for k, v in results.items()
-                                                for i, f in enumerate(("latency", "nap", "included"))})
-
-
-def _hyperplane_data(seed: int, rows: int, features: int, noise: float, stream: int):
-    """``(x, y)`` rows of the hyperplane ``y = x . w* + noise`` (float32), deterministic per stream."""
-    w_star = np.random.default_rng([seed, 0]).standard_normal(features, dtype=np.float32)
-    rng = np.random.default_rng([seed, 1, stream])
-    x = rng.standard_normal((rows, features), dtype=np.float32)
-    y = x @ w_star + noise * rng.standard_normal(rows, dtype=np.float32)
-    return x, y.astype(np.float32)
-
-
-def _worker_hyperplane(cfg: dict, out: Path) -> None:
-    """Sec. 7.2.1: one-layer linear model, local batch B/P, sleep-emulated compute + injected delay."""
-    pm = _load_partial_mpi()
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    mode = cfg["mode"]
-    delays = (np.load(out / "schedule.npy")[:, rank] / 1000.0).astype(float)  # [steps] seconds
-    d, b = int(cfg["features"]), int(cfg["batch_total"]) // size
-    shard_rows = int(cfg["train_points"]) // size
-    x, y = _hyperplane_data(int(cfg["seed"]), shard_rows, d, float(cfg["noise_std"]), stream=2 + rank)
-    steps_per_epoch = shard_rows // b
-    epochs = int(cfg["epochs"])
-    lr, base = float(cfg["lr"]), float(cfg["base_compute_ms"]) / 1000.0
-    w = np.zeros(d + 1, np.float32)  # weights and bias (the paper's 8,193 parameters)
-    grad = np.zeros(d + 1, np.float32)
-    pa = pm.PartialAllreduce(d + 1, np.float32, mode=mode, seed=int(cfg["seed"]), timeout=float(cfg["timeout_s"]),
-                             poll_s=float(cfg["poll_s"]))
-    snaps, times, nap, included = [], [], [], []
-    comm.Barrier()
-    t_start = time.perf_counter()
-    step = 0
-    for epoch in range(epochs):
-        order = np.random.default_rng([int(cfg["seed"]), 3, rank, epoch]).permutation(shard_rows)
-        for s in range(steps_per_epoch):
-            t0 = time.perf_counter()
-            idx = order[s * b:(s + 1) * b]
-            xb, yb = x[idx], y[idx]
-            err = xb @ w[:d] + w[d] - yb  # d(1/2 mean err^2)/dw
-            grad[:d] = xb.T @ err / b
-            grad[d] = err.mean()
-            target = base + float(delays[step])  # emulated accelerator time plus the injected delay
-            left = target - (time.perf_counter() - t0)
-            if left > 0:
-                time.sleep(left)
-            res = pa(grad)
-            w -= lr * res.data / size  # Algorithm 2: G = partial_allreduce(G_local) / P
-            nap.append(res.nap)
-            included.append(res.included)
-            step += 1
-        times.append(time.perf_counter() - t_start)
-        snaps.append(w.copy())
-    t_total = time.perf_counter() - t_start
-    pa.close()
-    leftover = pa.leftover()
-    np.savez(out / f"hyper_rank{rank}.npz", snaps=np.array(snaps), times=np.array(times), nap=np.array(nap),
-             included=np.array(included), total=t_total, leftover=leftover, final=w)
-
-
-def _worker_main(argv: list) -> None:
-    kind, out = argv[0], Path(argv[1])
-    cfg = json.loads((out / "config.json").read_text())
-    {"microbench": _worker_microbench, "hyperplane": _worker_hyperplane}[kind](cfg, out)
-
-
-# --------------------------------------------------------------------------- #
 # Launcher side: the experiments
 # --------------------------------------------------------------------------- #
-MICRO_DEFAULT = {
-    "num_procs": 32,
-    "iterations": 64,
-    "warmup": 4,
-    "skew_unit_ms": 1.0,
-    "count": 256,
-    "seed": 0,
-    "timeout_s": 120.0,
-    "poll_s": 0.001,
-    "launch_timeout_s": 1800.0,
-}
-MICRO_SMOKE = {"num_procs": 4, "iterations": 6, "warmup": 1, "timeout_s": 30.0, "launch_timeout_s": 120.0}
-
-
 def _analytic_microbench(p: int, unit_ms: float) -> dict:
     """Latency (ms) and NAP of an ideal, zero-cost collective under linear skew ``(r+1) * unit``.
 
@@ -229,8 +96,8 @@ def _analytic_microbench(p: int, unit_ms: float) -> dict:
 
 def run_microbench(config: dict, out_dir: Path) -> dict:
     """``eager-microbench``: Fig. 8-9 on ``num_procs`` real MPI processes."""
-    from .. import imbalance
-    from ._registry import write_results
+    from ... import imbalance
+    from .._registry import write_results
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -303,71 +170,6 @@ def _plot_microbench(res: dict, out_dir: Path) -> None:
     plt.close(fig)
 
 
-HYPER_DEFAULT = {
-    # Sec. 7.2.1 on real MPI processes.
-    "mpi": True,
-    "num_procs": 8,
-    "features": 8192,
-    "train_points": 32768,
-    "val_points": 4096,
-    "batch_total": 2048,
-    "epochs": 48,
-    "lr": 0.02,
-    "noise_std": 2.0,
-    "delays_ms": [200.0, 300.0, 400.0],
-    "modes": ["sync", "solo", "majority"],
-    # "Equal loss": within this relative tolerance of synch-SGD's final validation MSE.
-    "equal_loss_rtol": 0.05,
-    # Emulated accelerator time per step and process: the paper's single P100 runs batch 2048 at
-    # 0.64 steps/s (Sec. 7.2.1), i.e. 1562 ms / 2048 * 256 = 195 ms for the local batch of 256.
-    "base_compute_ms": 195.0,
-    "seed": 0,
-    "timeout_s": 120.0,
-    "poll_s": 0.001,
-    "launch_timeout_s": 3600.0,
-    # Sec. 7.2.3 with the mesh simulation: severe rotating skew on a ResNet-20 (Fashion-MNIST).
-    "severe": True,
-    "severe_dataset": "fashion_mnist",
-    "severe_model": "resnet20",
-    "severe_workers": 8,
-    "severe_train_examples": 2048,
-    "severe_test_examples": 1000,
-    "severe_downsample": 1,  # f > 1: f x f average-pool the images (cheaper, for loaded machines)
-    "severe_batch_per_worker": 16,
-    "severe_epochs": 8,
-    "severe_lr": 0.05,
-    # "constant", or "cosine": cosine decay from severe_lr to 0 over all rounds (optax.cosine_decay_schedule)
-    "severe_lr_schedule": "constant",
-    "severe_warmup_epochs": 0,  # > 0: linear warm-up from 0 to severe_lr over this many epochs first
-    "severe_momentum": 0.9,
-    "severe_min_ms": 50.0,
-    "severe_max_ms": 400.0,
-    "severe_clock": "carry",
-    "severe_modes": ["sync", "solo", "majority"],
-}
-HYPER_SMOKE = {
-    "num_procs": 4,
-    "features": 256,
-    "train_points": 2048,
-    "val_points": 512,
-    "batch_total": 256,
-    "epochs": 2,
-    "delays_ms": [30.0],
-    "base_compute_ms": 5.0,
-    "timeout_s": 30.0,
-    "launch_timeout_s": 180.0,
-    "severe_dataset": "digits",
-    "severe_model": "mlp",
-    "severe_workers": 4,
-    "severe_train_examples": 0,
-    "severe_test_examples": 0,
-    "severe_batch_per_worker": 16,
-    "severe_epochs": 2,
-    "severe_lr": 0.1,
-    "lr": 0.1,
-}
-
-
 def _time_to_loss(times: np.ndarray, losses: np.ndarray, target: float):
     hit = np.nonzero(losses <= target)[0]
     return float(times[hit[0]]) if hit.size else None
@@ -375,7 +177,7 @@ def _time_to_loss(times: np.ndarray, losses: np.ndarray, target: float):
 
 def run_hyperplane(config: dict, out_dir: Path) -> dict:
     """``eager-hyperplane``: Sec. 7.2.1 over MPI, then Sec. 7.2.3 in the mesh simulation."""
-    from ._registry import write_results
+    from .._registry import write_results
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -395,14 +197,14 @@ def run_hyperplane(config: dict, out_dir: Path) -> dict:
 
 
 def _run_hyperplane_mpi(config: dict) -> dict:
-    from .. import imbalance
+    from ... import imbalance
 
     p = int(config["num_procs"])
     if int(config["batch_total"]) % p or int(config["train_points"]) % p:
         raise ValueError("batch_total and train_points must be multiples of num_procs")
     steps_per_epoch = (int(config["train_points"]) // p) // (int(config["batch_total"]) // p)
     steps = steps_per_epoch * int(config["epochs"])
-    x_val, y_val = _hyperplane_data(int(config["seed"]), int(config["val_points"]), int(config["features"]),
+    x_val, y_val = hyperplane_data(int(config["seed"]), int(config["val_points"]), int(config["features"]),
                                     float(config["noise_std"]), stream=1)
     d = int(config["features"])
     runs = {}
@@ -500,7 +302,7 @@ def severe_learning_rate(config: dict, epochs: int, rounds_per_epoch: int):
 
 def _severe_skew(config: dict):
     """The severe study's imbalance: ``RotatingSkew(severe_workers, severe_min_ms, severe_max_ms)``."""
-    from .. import imbalance
+    from ... import imbalance
 
     return imbalance.RotatingSkew(int(config["severe_workers"]), float(config["severe_min_ms"]),
                                   float(config["severe_max_ms"]))
@@ -514,7 +316,7 @@ def severe_staleness(config: dict, mode: str, rounds: int) -> dict:
     """
     import jax
 
-    from ..algorithms.eager_sgd import EagerSGDConfig, staleness_profile
+    from ...algorithms.eager_sgd import EagerSGDConfig, staleness_profile
 
     key = jax.random.split(jax.random.key(int(config["seed"])))[0]
     profile = staleness_profile(EagerSGDConfig(mode, _severe_skew(config), clock=config["severe_clock"]), rounds, key)
@@ -530,8 +332,8 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
     import optax
     from flax import nnx
 
-    from ..algorithms.eager_sgd import simulate_training
-    from ._common import build_model, load_image_task
+    from ...algorithms.eager_sgd import simulate_training
+    from .._common import build_model, load_image_task
 
     train, test = load_image_task(config["severe_dataset"], int(config["severe_train_examples"]),
                                   int(config["severe_test_examples"]))
@@ -658,30 +460,3 @@ def _plot_severe(sv: dict, out_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "severe.png", dpi=110)
     plt.close(fig)
-
-
-if __name__ == "__main__":
-    # MPI worker: keep the package directory off sys.path (it would shadow nothing today, but
-    # a module named like a library must never be picked up by a worker).
-    if sys.path and Path(sys.path[0]).resolve() == _THIS.parent:
-        sys.path.pop(0)
-    if len(sys.argv) < 2 or sys.argv[1] != "worker":
-        raise SystemExit("usage: python eager.py worker {microbench|hyperplane} DIR (launched by jaxcomm run)")
-    _worker_main(sys.argv[2:])
-else:
-    from ._registry import Experiment, register_experiment
-
-    register_experiment(Experiment(
-        name="eager-microbench",
-        description="eager-SGD Fig. 8-9: MPI_Allreduce vs solo/majority allreduce latency and NAP, linear skew",
-        default=MICRO_DEFAULT,
-        smoke=MICRO_SMOKE,
-        run=run_microbench,
-    ))
-    register_experiment(Experiment(
-        name="eager-hyperplane",
-        description="eager-SGD Sec. 7.2.1/7.2.3: hyperplane regression over MPI + severe skew ResNet-20 (simulation)",
-        default=HYPER_DEFAULT,
-        smoke=HYPER_SMOKE,
-        run=run_hyperplane,
-    ))

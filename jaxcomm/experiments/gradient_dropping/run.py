@@ -15,37 +15,12 @@ from pathlib import Path
 import jax
 import optax
 
-from ._common import plot_curves
-from ._registry import Experiment, register_experiment
-
-METHODS = ("baseline", "drop99", "sum", "partial", "error")
-
-DEFAULT = {
-    "devices": 4,
-    "seq_len": 64,
-    "batch_size": 64,
-    "steps": 1000,
-    "eval_every": 100,
-    "eval_windows": 512,
-    "learning_rate": 0.002,
-    "drop_ratio": 0.99,
-    "warmup_steps": 100,
-    "sync_every": 500,
-    "sync": [False, True],
-    "embed": 64,
-    "hidden": 256,
-    "methods": list(METHODS),
-    "corpus_chars": 0,
-    "seed": 0,
-}
-SMOKE = {"steps": 6, "eval_every": 3, "sync_every": 3, "warmup_steps": 3, "hidden": 32, "embed": 16,
-         "seq_len": 16, "batch_size": 16, "eval_windows": 32, "corpus_chars": 20000,
-         "methods": ["baseline", "partial"]}
-
+from .._common import plot_curves
+from .config import METHODS
 
 def _transform(method: str, config: dict, sync: bool):
-    from .. import compressors
-    from ..transforms import compressed_mean, drop_ratio_warmup, gradient_dropping, periodic_average
+    from ... import compressors
+    from ...transforms import compressed_mean, drop_ratio_warmup, gradient_dropping, periodic_average
 
     if method == "baseline":
         parts = [compressed_mean(compressors.none())]
@@ -63,8 +38,8 @@ def run(config: dict, out_dir: Path) -> dict:
     """Train each (method, sync) pair; write ``perplexity.png`` (validation) and ``train_perplexity.png``."""
     from flax import nnx
 
-    from .. import data, models
-    from ..train import Trainer
+    from ... import data, models
+    from ...train import Trainer
 
     unknown = [m for m in config["methods"] if m not in METHODS]
     if unknown:
@@ -104,10 +79,3 @@ def run(config: dict, out_dir: Path) -> dict:
             "note": "The paper's task is translation; ours is character-level Shakespeare."}
 
 
-EXPERIMENT = register_experiment(Experiment(
-    name="gradient-dropping",
-    description="Char-LSTM on Shakespeare: baseline, drop 99%, +SUM/+PARTIAL/+ERROR, with/without sync",
-    default=DEFAULT,
-    smoke=SMOKE,
-    run=run,
-))

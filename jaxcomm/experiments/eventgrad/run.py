@@ -35,53 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._registry import Experiment, register_experiment
-
-TASKS = {
-    "mnist_cnn": {"dataset": "mnist", "model": "eventgrad_cnn", "prefix": ""},
-    "digits_cnn": {"dataset": "digits", "model": "eventgrad_cnn", "prefix": ""},
-    "fmnist_resnet20": {"dataset": "fashion_mnist", "model": "resnet20", "prefix": "resnet_"},
-}
-ALGORITHMS = ("dpsgd", "eventgrad", "eventgrad_topk")
+from .config import ALGORITHMS, TASKS
 
 # EventGraD (this paper) Tables 1 and 2: CIFAR-10, ResNet-18, 20 epochs, ring.
 PAPER_TABLE1 = {4: (86.5, 87.0, 43.24), 8: (86.3, 86.2, 42.98), 16: (84.9, 84.2, 45.91), 32: (82.5, 81.9, 44.89)}
 PAPER_TABLE2 = {4: (85.4, 36.6, 7.3), 8: (85.26, 37.7, 7.5), 16: (83.09, 37.7, 7.5)}
-
-DEFAULT = {
-    "tasks": ["mnist_cnn", "fmnist_resnet20"],
-    "algorithms": list(ALGORITHMS),
-    "topology": "ring",
-    "workers": [4, 8, 16, 32],
-    "iterations": 100,
-    "epochs": 10.0,
-    "batch_per_worker": 16,
-    "lr": 0.05,
-    "momentum": 0.0,
-    "test_examples": 2000,
-    "resnet_workers": [4],
-    "resnet_iterations": 120,
-    "resnet_batch_per_worker": 8,
-    "resnet_lr": 0.02,
-    "resnet_momentum": 0.9,
-    "resnet_test_examples": 1000,
-    "train_examples": 0,
-    "horizon": 1.0,
-    "history": 2,
-    "forced_iterations": 10,
-    "threshold_rule": "paper",
-    "topk": 0.1,
-    "trace_tensors": 4,
-    "seed": 0,
-}
-SMOKE = {
-    "tasks": ["digits_cnn"],
-    "workers": [4],
-    "iterations": 12,
-    "batch_per_worker": 8,
-    "forced_iterations": 3,
-    "test_examples": 300,
-}
 
 
 # --------------------------------------------------------------------------- #
@@ -89,7 +47,7 @@ SMOKE = {
 # --------------------------------------------------------------------------- #
 def _load(dataset: str, train_examples: int, test_examples: int, seed: int):
     """``(train, test)`` :class:`jaxcomm.data.Dataset`, 28x28x1, standardised by the train mean/std."""
-    from .. import data
+    from ... import data
 
     if dataset == "digits":
         full = data.load_digits()
@@ -119,7 +77,7 @@ def _model(name: str, seed: int):
     """``(apply, params)``: ``apply(params, x, key, train) -> logits`` pure; ``params`` one worker's."""
     from flax import nnx
 
-    from .. import models
+    from ... import models
 
     rngs = nnx.Rngs(seed)
     model = models.EventGradCNN(rngs=rngs) if name == "eventgrad_cnn" else models.ResNet20(10, 1, rngs=rngs)
@@ -154,7 +112,7 @@ def _traced_tensors(params, count: int) -> list:
 # one run
 # --------------------------------------------------------------------------- #
 def _make_algorithm(name: str, topo, tx, cfg):
-    from ..algorithms import dpsgd, eventgrad
+    from ...algorithms import dpsgd, eventgrad
 
     if name == "dpsgd":
         return dpsgd(topo, tx, axis_name="w")
@@ -208,8 +166,8 @@ def _grad_fn(apply):
 
 
 def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: bool) -> dict:
-    from .. import data, topology
-    from ..algorithms import average_model, replicate
+    from ... import data, topology
+    from ...algorithms import average_model, replicate
 
     spec = TASKS[task]
     pre = spec["prefix"]
@@ -448,12 +406,3 @@ def _summary_rows(results: dict) -> list:
                      "% communication": round(r["percent_communication"], 1),
                      "s/iter": round(r["seconds_per_iteration"], 3)})
     return rows
-
-
-register_experiment(Experiment(
-    name="eventgrad",
-    description="EventGraD Tables 1-2, Figs. 1/4/5: D-PSGD vs event-triggered (and top-K) exchange on a ring",
-    default=DEFAULT,
-    smoke=SMOKE,
-    run=run,
-))

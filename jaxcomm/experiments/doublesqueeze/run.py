@@ -15,33 +15,13 @@ from pathlib import Path
 
 import optax
 
-from ._common import load_image_task, plot_curves, train_data_parallel
-from ._registry import Experiment, register_experiment
-
-METHODS = ("sgd", "doublesqueeze-1bit", "doublesqueeze-topk", "memsgd-1bit", "qsgd", "topk")
-
-DEFAULT = {
-    "dataset": "fashion_mnist",
-    "model": "resnet20",
-    "devices": 8,
-    "batch_size": 256,
-    "steps": 200,
-    "eval_every": 50,
-    "learning_rate": 0.05,
-    "momentum": 0.9,
-    "topk_ratio": 0.01,
-    "methods": list(METHODS),
-    "train_examples": 0,
-    "test_examples": 2000,
-    "seed": 0,
-}
-SMOKE = {"model": "mlp", "devices": 4, "batch_size": 64, "steps": 4, "eval_every": 4,
-         "methods": ["sgd", "doublesqueeze-1bit"], "train_examples": 1024, "test_examples": 256}
-
+from .._common import load_image_task, plot_curves, train_data_parallel
+from .config import METHODS
 
 def _transform(method: str, ratio: float):
-    from .. import compressors
-    from ..transforms import compressed_mean, doublesqueeze, memsgd, qsgd_no_feedback, topk_no_feedback
+    from ... import compressors
+    from ...transforms import compressed_mean, doublesqueeze
+    from .baselines import memsgd, qsgd_no_feedback, topk_no_feedback
 
     if method == "sgd":
         return compressed_mean(compressors.none()), "allreduce"
@@ -84,10 +64,3 @@ def run(config: dict, out_dir: Path) -> dict:
             "note": "CIFAR-10 is not available offline: Fashion-MNIST + ResNet-20-style network stands in."}
 
 
-EXPERIMENT = register_experiment(Experiment(
-    name="doublesqueeze",
-    description="DoubleSqueeze (1-bit, top-k) vs MEM-SGD vs QSGD vs top-k without feedback vs SGD",
-    default=DEFAULT,
-    smoke=SMOKE,
-    run=run,
-))

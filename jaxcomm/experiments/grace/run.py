@@ -19,35 +19,15 @@ from pathlib import Path
 import numpy as np
 import optax
 
-from ..demo import DEMO_KWARGS
-from ._common import load_image_task, train_data_parallel
-from ._registry import Experiment, register_experiment
+from ...demo import DEMO_KWARGS
+from .._common import load_image_task, train_data_parallel
 
 LOSSLESS = ("none", "fp16", "bf16")
 
-DEFAULT = {
-    "dataset": "fashion_mnist",
-    "model": "resnet20",
-    "devices": 8,
-    "batch_size": 256,
-    "steps": 100,
-    "eval_every": 50,
-    "learning_rate": 0.1,
-    "momentum": 0.9,
-    "compressors": [],  # empty: every registered compressor
-    "error_feedback": [False, True],
-    "train_examples": 0,
-    "test_examples": 2000,
-    "seed": 0,
-}
-SMOKE = {"model": "mlp", "devices": 4, "batch_size": 64, "steps": 4, "eval_every": 4,
-         "compressors": ["none", "topk", "qsgd"], "train_examples": 1024, "test_examples": 256}
-
-
 def run(config: dict, out_dir: Path) -> dict:
     """Train every (compressor, EF) pair; write ``quality_vs_bits.png`` and ``quality_vs_time.png``."""
-    from .. import compressors, memory
-    from ..transforms import compressed_mean
+    from ... import compressors, memory
+    from ...transforms import compressed_mean
 
     names = config["compressors"] or compressors.names()
     unknown = sorted(set(names) - set(compressors.names()))
@@ -128,10 +108,3 @@ def _plot(runs, out: Path, setting: str) -> None:
         plt.close(fig)
 
 
-EXPERIMENT = register_experiment(Experiment(
-    name="grace",
-    description="GRACE Fig. 6/7: accuracy vs wire bits and estimated time, whole catalogue, with/without EF",
-    default=DEFAULT,
-    smoke=SMOKE,
-    run=run,
-))

@@ -1,0 +1,17 @@
+"""``jaxcomm run grace``: GRACE Figs. 6/7, quality vs data volume and vs estimated time, whole catalogue.
+
+Registration only (no JAX import); the runner is :mod:`jaxcomm.experiments.grace.run`.
+"""
+
+from .._registry import Experiment, register_experiment
+from .config import GraceConfig
+
+__all__ = ["EXPERIMENT", "GraceConfig"]
+
+EXPERIMENT = register_experiment(Experiment(
+    name="grace",
+    description="GRACE Fig. 6/7: accuracy vs wire bits and estimated time, whole catalogue, with/without EF",
+    config_type=GraceConfig,
+    runner="jaxcomm.experiments.grace.run:run",
+))
+"""The registered experiment."""

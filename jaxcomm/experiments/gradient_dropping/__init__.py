@@ -1,0 +1,17 @@
+"""``jaxcomm run gradient-dropping``: gradient dropping with local gradients (Algorithm 2), perplexity per step.
+
+Registration only (no JAX import); the runner is :mod:`jaxcomm.experiments.gradient_dropping.run`.
+"""
+
+from .._registry import Experiment, register_experiment
+from .config import GradientDroppingConfig
+
+__all__ = ["EXPERIMENT", "GradientDroppingConfig"]
+
+EXPERIMENT = register_experiment(Experiment(
+    name="gradient-dropping",
+    description="Char-LSTM on Shakespeare: baseline, drop 99%, +SUM/+PARTIAL/+ERROR, with/without sync",
+    config_type=GradientDroppingConfig,
+    runner="jaxcomm.experiments.gradient_dropping.run:run",
+))
+"""The registered experiment."""

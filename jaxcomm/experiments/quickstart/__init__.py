@@ -1,0 +1,17 @@
+"""``jaxcomm run quickstart``: the README's study, compression vs none on MNIST with 8 simulated devices.
+
+Registration only (no JAX import); the runner is :mod:`jaxcomm.experiments.quickstart.run`.
+"""
+
+from .._registry import Experiment, register_experiment
+from .config import QuickstartConfig
+
+__all__ = ["EXPERIMENT", "QuickstartConfig"]
+
+EXPERIMENT = register_experiment(Experiment(
+    name="quickstart",
+    description="MNIST on 8 simulated devices: no compression vs top-k/EF-signSGD/PowerSGD with error feedback, QSGD",
+    config_type=QuickstartConfig,
+    runner="jaxcomm.experiments.quickstart.run:run",
+))
+"""The registered experiment."""

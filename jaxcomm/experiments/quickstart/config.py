@@ -1,0 +1,58 @@
+"""Configuration of ``jaxcomm run quickstart``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["METHODS", "QuickstartConfig"]
+
+METHODS = {
+    "none": ("none", {}),
+    "topk-1%+EF": ("topk", {"ratio": 0.01}),
+    "qsgd-16": ("qsgd", {"levels": 16}),
+    "efsignsgd+EF": ("efsignsgd", {}),
+    "powersgd-r2+EF": ("powersgd", {"matrix_approximation_rank": 2}),
+}
+"""Method label -> ``(compressor name, its keyword arguments)``; a ``+EF`` label adds residual memory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuickstartConfig:
+    """The README's study: compressed data-parallel SGD with momentum on ``devices`` mesh workers.
+
+    Attributes:
+      dataset: ``"mnist"``, ``"fashion_mnist"``, ``"mnist5k"`` or ``"digits"``.
+      model: ``"mlp"``, ``"eventgrad_cnn"`` or ``"resnet20"``.
+      devices: data-parallel workers (simulated CPU devices).
+      batch_size: examples per worker and step.
+      steps: optimizer steps per method.
+      eval_every: steps between test evaluations.
+      learning_rate, momentum: of ``optax.sgd``.
+      methods: labels from :data:`METHODS`, trained in this order.
+      train_examples, test_examples: keep only this many examples (0: all).
+      seed: initialisation, data split and compressor randomness.
+    """
+
+    dataset: str = "mnist"
+    model: str = "eventgrad_cnn"
+    devices: int = 8
+    batch_size: int = 256
+    steps: int = 300
+    eval_every: int = 100
+    learning_rate: float = 0.05
+    momentum: float = 0.9
+    methods: tuple[str, ...] = tuple(METHODS)
+    train_examples: int = 0
+    test_examples: int = 0
+    seed: int = 0
+
+    @classmethod
+    def default(cls) -> QuickstartConfig:
+        """The full study: MNIST, EventGraD CNN, 8 workers, 300 steps, every method."""
+        return cls()
+
+    @classmethod
+    def smoke(cls) -> QuickstartConfig:
+        """20 steps on 4096 training examples, no compression vs top-k 1 % with EF."""
+        return dataclasses.replace(cls.default(), steps=20, eval_every=10, train_examples=4096,
+                                   test_examples=1000, methods=("none", "topk-1%+EF"))
