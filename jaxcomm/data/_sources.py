@@ -141,7 +141,8 @@ def load_fashion_mnist(path: Optional[PathLike] = None, split: str = "train", no
     """Load Fashion-MNIST (Xiao, Rasul & Vollgraf 2017) from IDX files.
 
     With :class:`jaxcomm.models.ResNet20` this is the project's CIFAR-class workload: CIFAR-10
-    cannot be fetched offline, so wherever a paper reports CIFAR-10 we run Fashion-MNIST and say so.
+    cannot be fetched offline, so wherever a paper reports CIFAR-10 the experiments run Fashion-MNIST
+    and say so.
 
     Args:
       path: directory holding ``{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]``; default
