@@ -40,7 +40,13 @@ class MeshAxis:
 
     Valid inside ``jax.shard_map(..., mesh=...)`` whose mesh has the axis, and
     inside ``jax.vmap(..., axis_name=axis_name)``. Outside both, every method
-    raises ``ValueError`` naming the axis.
+    raises ``ValueError`` naming the axis. Serves every capability:
+
+    * ``sum``/``mean`` -- ``psum``; ``all_gather`` -- ``all_gather``.
+    * ``reduce_scatter`` -- ``psum_scatter`` of ``(n, *s)`` leaves (16-bit
+      floats: ``all_to_all`` and a float32 sum); ``all_to_all`` -- ``all_to_all``.
+    * ``broadcast`` -- a binomial tree of ``ppermute``: ``ceil(log2 n)`` rounds.
+    * ``permute`` -- ``ppermute`` (partial permutations also under ``vmap``).
 
     >>> import jax, jax.numpy as jnp
     >>> from jaxcomm.comm import MeshAxis
