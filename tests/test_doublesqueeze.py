@@ -323,6 +323,8 @@ def test_shard_map_eight_devices():
 class RecordingComm:
     """A Communicator of our own: forwards to MeshAxis and records the collectives used."""
 
+    capabilities = frozenset({"sum", "all_gather", "broadcast", "permute"})  # the collectives it forwards
+
     def __init__(self, axis):
         self.inner, self.calls = MeshAxis(axis), []
 

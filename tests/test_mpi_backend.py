@@ -66,3 +66,12 @@ def test_mpirun_env_is_one_cpu_device_per_process():
     assert env["OMPI_MCA_osc"] == "^ucx" and "OMP_NUM_THREADS" not in env
     assert base["XLA_FLAGS"]  # the caller's dict is not modified
     assert mpirun_env(single_thread=True, base={})["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_mpicomm_reduce_scatter_all_to_all_broadcast_under_mpirun(n):
+    """MPIComm's reduce_scatter (float32, int32, uint8, bool; bfloat16/float16 summed in float32),
+    all_to_all (with typed PRNG keys) and broadcast from every root, against NumPy in every
+    process of ``mpirun -n {3, 4}`` (tests/mpi_scripts/collectives.py)."""
+    proc = run_mpi(n, HERE / "mpi_scripts" / "collectives.py", timeout=600)
+    assert f"collectives ok on {n} processes" in proc.stdout

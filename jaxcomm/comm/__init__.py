@@ -1,6 +1,29 @@
-"""Communicators: one protocol, a mesh-axis backend and an MPI backend."""
+"""Communicators: one protocol, a mesh-axis backend and an MPI backend.
 
-from ._protocol import Communicator, current, is_communicator, resolve, use
+Every communicator declares the collectives it serves in ``capabilities``, a
+``frozenset`` drawn from :data:`CAPABILITIES` (:data:`SUM`, :data:`ALL_GATHER`,
+:data:`REDUCE_SCATTER`, :data:`ALL_TO_ALL`, :data:`BROADCAST`, :data:`PERMUTE`);
+:func:`require` checks them and :func:`resolve` picks the communicator a
+transform uses.
+"""
+
+from ._protocol import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    BROADCAST,
+    CAPABILITIES,
+    PERMUTE,
+    REDUCE_SCATTER,
+    SUM,
+    Communicator,
+    capabilities_of,
+    current,
+    is_communicator,
+    require,
+    resolve,
+    serves,
+    use,
+)
 from ._mesh import MeshAxis
 from ._mpi import MPIComm
 from ._launch import mpirun_env, mpirun_path
@@ -15,6 +38,13 @@ from ._partial_mpi import (
 )
 
 __all__ = [
+    "ALL_GATHER",
+    "ALL_TO_ALL",
+    "BROADCAST",
+    "CAPABILITIES",
+    "PERMUTE",
+    "REDUCE_SCATTER",
+    "SUM",
     "all_gather_packed",
     "Communicator",
     "MeshAxis",
@@ -25,11 +55,14 @@ __all__ = [
     "PartialCollectiveError",
     "PartialCollectiveTimeout",
     "PartialResult",
+    "capabilities_of",
     "current",
     "is_communicator",
     "majority_initiator",
     "mpirun_env",
     "mpirun_path",
+    "require",
     "resolve",
+    "serves",
     "use",
 ]

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._protocol import CAPABILITIES
+
 __all__ = ["MPIComm"]
 
 # dtypes mpi4jax (0.9) has an MPI datatype for; others are bit-cast for transport.
@@ -45,6 +47,14 @@ class MPIComm:
 
     * ``sum`` -- ``MPI_Allreduce(SUM)``; ``mean`` divides by ``size``.
     * ``all_gather`` -- ``MPI_Allgather``: leaves stacked on a new leading axis.
+    * ``reduce_scatter(tree)`` -- leaves of shape ``(n, *s)``; this process
+      receives ``sum_w x_w[rank]`` of shape ``(*s)``. ``MPI_Alltoall`` of the
+      rows, then a local sum (float32 for float16/bfloat16, then cast back;
+      int32 for ``bool``, a logical or): each process sends and receives
+      ``(n - 1) / n`` of its buffer, as in a ring reduce-scatter (mpi4jax has
+      no ``MPI_Reduce_scatter``).
+    * ``all_to_all(tree)`` -- ``MPI_Alltoall``: row ``j`` of every ``(n, *s)``
+      leaf goes to process ``j``; row ``i`` of the result came from process ``i``.
     * ``broadcast(tree, root)`` -- ``MPI_Bcast`` from ``root``.
     * ``permute(tree, perm)`` -- ``MPI_Sendrecv`` / ``Send`` / ``Recv`` along
       the ``(source, destination)`` pairs; workers no pair names receive zeros.
@@ -52,10 +62,13 @@ class MPIComm:
 
     dtypes without an MPI datatype in mpi4jax (float16, bfloat16, PRNG key
     arrays) are bit-cast to unsigned integers of the same width for
-    ``all_gather``/``broadcast``/``permute`` (the wire still carries 16 bits per
+    ``all_gather``/``all_to_all``/``broadcast``/``permute`` (the wire still carries 16 bits per
     entry); ``sum`` of float16/bfloat16 is an all-gather of the 16-bit
     patterns followed by a local float32 sum, cast back (MPI has no 16-bit
     float reduction), so each process still sends 16 bits per entry.
+
+    ``size`` and ``index()`` are the protocol's ``(n, rank)`` pair; ``rank``
+    is the same rank as a Python ``int``, known before tracing.
 
     Args:
       comm: an ``mpi4py.MPI.Comm``; default a clone of ``MPI.COMM_WORLD``
@@ -69,8 +82,8 @@ class MPIComm:
         print(jax.jit(c.mean)(jnp.float32(c.rank)))
     """
 
-    strategies = ("allreduce", "allgather", "broadcast")
-    """The ``compressed_mean`` strategies this backend serves (all of them)."""
+    capabilities = CAPABILITIES
+    """Every collective of the vocabulary."""
 
     def __init__(self, comm=None):
         MPI, mpi4jax = _import_mpi()
@@ -109,6 +122,14 @@ class MPIComm:
     def all_gather(self, tree):
         """Every process's leaves stacked on a new leading axis of length ``size``."""
         return jax.tree.map(self._gather_leaf, tree)
+
+    def reduce_scatter(self, tree):
+        """Sum over processes of ``(n, *s)`` chunks; process ``j`` keeps chunk ``j``, shape ``(*s)``."""
+        return jax.tree.map(self._reduce_scatter_leaf, tree)
+
+    def all_to_all(self, tree):
+        """Row ``j`` of every ``(n, *s)`` leaf goes to process ``j`` (``MPI_Alltoall``)."""
+        return jax.tree.map(lambda x: self._all_to_all_leaf(self._leading(x, "all_to_all")), tree)
 
     def broadcast(self, tree, root: int = 0):
         """``root``'s value on every process (``MPI_Bcast``)."""
@@ -168,6 +189,30 @@ class MPIComm:
         if jnp.issubdtype(x.dtype, jnp.bool_):
             return self._m4j.allreduce(x.astype(jnp.int32), op=self._MPI.SUM, comm=self.comm).astype(jnp.bool_)
         return self._m4j.allreduce(x, op=self._MPI.SUM, comm=self.comm)
+
+    def _leading(self, x, what):
+        x = jnp.asarray(x)
+        if x.ndim == 0 or x.shape[0] != self._size:
+            raise ValueError(
+                f"{what}: every leaf must have a leading axis of length {self._size} (one row per process); "
+                f"got shape {tuple(x.shape)}"
+            )
+        return x
+
+    def _all_to_all_leaf(self, x):
+        wire, back = self._to_wire(x)
+        return back(self._m4j.alltoall(wire, comm=self.comm))
+
+    def _reduce_scatter_leaf(self, x):
+        x = self._leading(x, "reduce_scatter")
+        if jnp.issubdtype(x.dtype, jnp.floating) and np.dtype(x.dtype).name not in _NATIVE:
+            acc = jnp.float32  # float16/bfloat16: 16-bit words on the wire, float32 sum
+        elif x.dtype == jnp.bool_:
+            acc = jnp.int32
+        else:
+            acc = x.dtype
+        rows = self._all_to_all_leaf(x)
+        return jnp.sum(rows.astype(acc), axis=0, dtype=acc).astype(x.dtype)
 
     def _gather_leaf(self, x):
         wire, back = self._to_wire(x)

@@ -1,0 +1,103 @@
+"""MPI worker: MPIComm's reduce_scatter, all_to_all, broadcast and capabilities against NumPy.
+
+Usage: ``mpirun -n N python tests/mpi_scripts/collectives.py`` (N >= 2). Every
+rank builds every rank's input from a seed, so each computes the NumPy reference
+of its own result locally and asserts it; a failed assertion exits non-zero.
+Rank 0 prints ``collectives ok on N processes`` when every rank passed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+from jaxcomm.comm import CAPABILITIES, REDUCE_SCATTER, MPIComm, is_communicator, require
+
+
+def inputs(n: int, w: int) -> dict:
+    """Worker ``w``'s leaves, each of shape ``(n, ...)``: row ``j`` is its chunk for owner ``j``."""
+    rng = np.random.default_rng(1000 + w)
+    return {
+        "f32": rng.normal(size=(n, 3, 2)).astype(np.float32),
+        "i32": rng.integers(-50, 50, size=(n, 4)).astype(np.int32),
+        "u8": rng.integers(0, 256, size=(n, 5)).astype(np.uint8),
+        "bool": rng.integers(0, 2, size=(n, 3)).astype(np.bool_),
+        "bf16": rng.normal(size=(n, 6)).astype(ml_dtypes.bfloat16),
+        "f16": rng.normal(size=(n, 6)).astype(np.float16),
+    }
+
+
+def main() -> None:
+    comm = MPIComm()
+    n, r = comm.size, comm.rank
+    assert n >= 2, "run under mpirun -n N with N >= 2"
+    assert is_communicator(comm) and comm.capabilities == CAPABILITIES
+    assert require(comm, REDUCE_SCATTER, for_what="the test") is comm
+
+    everyone = [inputs(n, w) for w in range(n)]
+    mine = {k: jnp.asarray(v) for k, v in everyone[r].items()}
+    keys = jax.random.split(jax.random.key(7), n * n).reshape(n, n)  # the same on every rank
+    my_keys = keys[r]  # row j: this rank's key for rank j (n keys)
+
+    @jax.jit
+    def step(tree, k):
+        return comm.reduce_scatter(tree), comm.all_to_all(tree), comm.all_to_all(k)
+
+    rs, a2a, a2a_keys = step(mine, jnp.stack([my_keys[j] for j in range(n)]))
+
+    # all_to_all: row i came from rank i, its row r.
+    for k, v in a2a.items():
+        want = np.stack([everyone[i][k][r] for i in range(n)])
+        assert v.dtype == mine[k].dtype, k
+        np.testing.assert_array_equal(np.asarray(v), want, err_msg=f"all_to_all {k}")
+    assert a2a_keys.dtype == keys.dtype
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.key_data(a2a_keys)), np.asarray(jax.random.key_data(keys[:, r])))
+
+    # reduce_scatter: this rank owns chunk r, the sum over ranks.
+    rows = {k: np.stack([everyone[i][k][r] for i in range(n)]) for k in everyone[r]}
+    np.testing.assert_allclose(np.asarray(rs["f32"]), rows["f32"].sum(0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(rs["i32"]), rows["i32"].sum(0, dtype=np.int32))
+    np.testing.assert_array_equal(np.asarray(rs["u8"]), rows["u8"].sum(0, dtype=np.uint8))
+    np.testing.assert_array_equal(np.asarray(rs["bool"]), rows["bool"].any(0))
+    for k in ("bf16", "f16"):  # summed in float32, cast back once
+        assert rs[k].dtype == mine[k].dtype, k
+        want = rows[k].astype(np.float32).sum(0).astype(rows[k].dtype).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(rs[k], np.float32), want,
+                                   rtol=float(ml_dtypes.finfo(rows[k].dtype).eps), err_msg=k)
+    # float32 accumulation is visible: 256 + 1 + ... + 1 is 256 in a bfloat16 running sum.
+    big = np.ones((n, 2), np.float32)
+    if r == 0:
+        big[:] = 256.0
+    got = jax.jit(comm.reduce_scatter)(jnp.asarray(big, jnp.bfloat16))
+    want = np.float32(256.0 + n - 1).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.full(2, want))
+
+    # broadcast from every root: integers, bool, 16-bit floats and typed keys.
+    tree = {"i32": mine["i32"], "bool": mine["bool"], "bf16": mine["bf16"], "key": my_keys}
+    outs = jax.jit(lambda t: [comm.broadcast(t, root) for root in range(n)])(tree)
+    for root, out in enumerate(outs):
+        for k in ("i32", "bool", "bf16"):
+            np.testing.assert_array_equal(np.asarray(out[k]), everyone[root][k], err_msg=f"root {root} {k}")
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(out["key"])),
+                                      np.asarray(jax.random.key_data(keys[root])))
+
+    # a leaf without the (n, ...) leading axis is refused, naming the collective
+    for f, name in ((comm.reduce_scatter, "reduce_scatter"), (comm.all_to_all, "all_to_all")):
+        try:
+            f(jnp.ones((n + 1, 2)))
+        except ValueError as e:
+            assert name in str(e) and f"length {n}" in str(e), e
+        else:
+            raise AssertionError(f"{name}: expected ValueError")
+
+    ok = MPI.COMM_WORLD.allreduce(1, op=MPI.SUM) == n
+    if r == 0 and ok:
+        print(f"collectives ok on {n} processes")
+
+
+if __name__ == "__main__":
+    main()
