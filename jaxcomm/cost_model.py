@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -283,7 +284,7 @@ def comm_time(
     *,
     degree: int = 2,
     messages: int = 1,
-    algorithm: Optional[str] = None,
+    algorithm: str | None = None,
 ):
     """Communication time of one training step, dispatched on the strategy.
 

@@ -83,14 +83,16 @@ def gradient_table(grads, kwargs: dict | None = None, seed: int = 0) -> list[dic
             e, b = roundtrip(g, k)
             err += float(e)
             bits += int(b)
-        rows.append({
-            "compressor": name,
-            "rel_error": err / norm2,
-            "wire_bits": bits,
-            "ratio": dense_bits / bits,
-            "unbiased": c.unbiased,
-            "strategy": c.strategy,
-        })
+        rows.append(
+            {
+                "compressor": name,
+                "rel_error": err / norm2,
+                "wire_bits": bits,
+                "ratio": dense_bits / bits,
+                "unbiased": c.unbiased,
+                "strategy": c.strategy,
+            }
+        )
     return rows
 
 
@@ -98,8 +100,7 @@ def run_demo() -> list[dict]:
     """Print and return the table for a real model's gradient."""
     grads, source = _real_gradient()
     n = sum(np.size(g) for g in jax.tree.leaves(grads))
-    print(f"Gradient of {source}: {n} entries in {len(jax.tree.leaves(grads))} tensors "
-          f"({32 * n} bits dense)\n")
+    print(f"Gradient of {source}: {n} entries in {len(jax.tree.leaves(grads))} tensors ({32 * n} bits dense)\n")
     rows = gradient_table(grads)
     print(format_table(rows))
     return rows

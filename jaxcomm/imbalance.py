@@ -209,9 +209,7 @@ class EmpiricalTimes:
         if arr.ndim not in (1, 2) or arr.size == 0:
             raise ValueError(f"times_ms must be a non-empty 1-D list or a 2-D [T, P] table; got shape {arr.shape}")
         if arr.ndim == 2 and arr.shape[1] != self.num_workers:
-            raise ValueError(
-                f"times_ms table has {arr.shape[1]} columns but num_workers={self.num_workers}"
-            )
+            raise ValueError(f"times_ms table has {arr.shape[1]} columns but num_workers={self.num_workers}")
         if not np.all(np.isfinite(arr)) or np.any(arr < 0):
             raise ValueError("times_ms must be finite and >= 0 ms")
         object.__setattr__(self, "times_ms", tuple(map(tuple, arr.tolist())) if arr.ndim == 2 else tuple(arr.tolist()))

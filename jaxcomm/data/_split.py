@@ -12,7 +12,8 @@ is spent on shuffling indices.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -58,7 +59,9 @@ def _key_words(key) -> list[int]:
         key = jax.random.key_data(key)
     words = np.asarray(key)
     if words.dtype != np.uint32 or words.ndim != 1:
-        raise TypeError(f"key must be a single JAX PRNG key (jax.random.key or PRNGKey); got {words.dtype}{words.shape}")
+        raise TypeError(
+            f"key must be a single JAX PRNG key (jax.random.key or PRNGKey); got {words.dtype}{words.shape}"
+        )
     return words.tolist()
 
 
@@ -96,7 +99,7 @@ def split_by_label(
     dataset: Dataset,
     num_workers: int,
     labels_per_worker: int,
-    key: Optional[Any] = None,
+    key: Any | None = None,
 ) -> list[Dataset]:
     """Non-i.i.d. split: each worker sees only ``labels_per_worker`` classes.
 
@@ -221,7 +224,7 @@ class WorkerBatches:
                 f"batch_size={batch_size} gives {self.per_worker_batch} examples per worker, more than the "
                 f"smallest shard ({min(self._sizes)} examples)"
             )
-        self._order_epoch: Optional[int] = None
+        self._order_epoch: int | None = None
         self._order: list[np.ndarray] = []
         self.position = self._check_position(start)
 
@@ -255,7 +258,7 @@ class WorkerBatches:
             return per_worker[0]
         return jax.tree.map(lambda *xs: np.stack(xs), *per_worker)
 
-    def __iter__(self) -> "WorkerBatches":
+    def __iter__(self) -> WorkerBatches:
         return self
 
     def __next__(self) -> Any:

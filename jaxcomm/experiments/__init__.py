@@ -21,5 +21,11 @@ from ._registry import (
     write_results,
 )
 
-__all__ = ["Experiment", "apply_overrides", "experiment_names", "get_experiment", "register_experiment",
-           "write_results"]
+__all__ = [
+    "Experiment",
+    "apply_overrides",
+    "experiment_names",
+    "get_experiment",
+    "register_experiment",
+    "write_results",
+]

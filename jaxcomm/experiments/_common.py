@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import numpy as np
@@ -115,7 +115,13 @@ def train_data_parallel(
         return trainer.evaluate(s, test.images, test.labels)
 
     state, history = trainer.fit(
-        state, batches, steps, eval_fn=evaluate, eval_every=eval_every, progress=progress, desc=name,
+        state,
+        batches,
+        steps,
+        eval_fn=evaluate,
+        eval_every=eval_every,
+        progress=progress,
+        desc=name,
         callback=callback,
     )
     n_params = sum(int(np.size(p)) for p in jax.tree.leaves(trainer.pure.params))
@@ -134,9 +140,17 @@ def train_data_parallel(
     }
 
 
-def plot_curves(runs: list[dict], path: Path, *, x: str = "step", y: str = "eval_accuracy",
-                title: str = "", xlabel: str | None = None, ylabel: str | None = None,
-                logy: bool = False) -> Path:
+def plot_curves(
+    runs: list[dict],
+    path: Path,
+    *,
+    x: str = "step",
+    y: str = "eval_accuracy",
+    title: str = "",
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    logy: bool = False,
+) -> Path:
     """Line plot of ``y`` against ``x`` for each run's history (rows lacking ``y`` are skipped)."""
     import matplotlib
 

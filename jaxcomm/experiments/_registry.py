@@ -19,11 +19,20 @@ import importlib
 import json
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["Experiment", "register_experiment", "get_experiment", "experiment_names", "apply_overrides",
-           "write_results", "config_to_dict", "config_from_dict"]
+__all__ = [
+    "Experiment",
+    "register_experiment",
+    "get_experiment",
+    "experiment_names",
+    "apply_overrides",
+    "write_results",
+    "config_to_dict",
+    "config_from_dict",
+]
 
 
 def _default_summary(results: dict) -> list:
@@ -141,7 +150,9 @@ def config_from_dict(config_type: type, values: dict):
     names = [f.name for f in dataclasses.fields(config_type)]
     unknown = sorted(set(values) - set(names))
     if unknown:
-        raise ValueError(f"unknown config key(s) {unknown} for {config_type.__name__}; valid keys: {', '.join(sorted(names))}")
+        raise ValueError(
+            f"unknown config key(s) {unknown} for {config_type.__name__}; valid keys: {', '.join(sorted(names))}"
+        )
     missing = [n for n in names if n not in values]
     if missing:
         raise ValueError(f"{config_type.__name__}: missing config key(s) {missing}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 from flax import nnx
@@ -49,7 +49,7 @@ class EventGradCNN(nnx.Module):
         self.fc_dropout = make_dropout(check_rate(fc_dropout, "fc_dropout"), rngs)
         self.fc2 = nnx.Linear(50, 10, rngs=rngs)
 
-    def __call__(self, x: jax.Array, *, deterministic: Optional[bool] = None, rngs: Any = None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None, rngs: Any = None) -> jax.Array:
         """``x [B, 28, 28, 1]`` -> logits ``[B, 10]``.
 
         Args:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
@@ -58,6 +59,6 @@ def check_rate(rate, name: str) -> float:
     return rate
 
 
-def make_dropout(rate: float, rngs: Optional[nnx.Rngs]) -> nnx.Dropout:
+def make_dropout(rate: float, rngs: nnx.Rngs | None) -> nnx.Dropout:
     """A dropout layer with its own forked ``dropout`` stream (falls back to ``default``)."""
     return nnx.Dropout(rate, rngs=rngs)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +74,7 @@ class CharLSTM(nnx.Module):
       rngs: ``nnx.Rngs``.
     """
 
-    def __init__(self, vocab_size: int, embed: int, hidden: int, layers: int, rngs: nnx.Rngs, *,
-                 dropout: float = 0.0):
+    def __init__(self, vocab_size: int, embed: int, hidden: int, layers: int, rngs: nnx.Rngs, *, dropout: float = 0.0):
         for v, n in ((vocab_size, "vocab_size"), (embed, "embed"), (hidden, "hidden"), (layers, "layers")):
             check_features(v, n)
         self.vocab_size = vocab_size
@@ -85,7 +84,7 @@ class CharLSTM(nnx.Module):
         rate = check_rate(dropout, "dropout")
         self.dropouts = nnx.List([make_dropout(rate, rngs) for _ in range(layers + 1)] if rate > 0 else [])
 
-    def __call__(self, tokens: jax.Array, *, deterministic: Optional[bool] = None, rngs: Any = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, deterministic: bool | None = None, rngs: Any = None) -> jax.Array:
         """``tokens int [B, T]`` -> next-character logits ``[B, T, vocab_size]``.
 
         Args:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+import itertools
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from flax import nnx
@@ -32,7 +34,7 @@ class MLP(nnx.Module):
     def __init__(
         self,
         in_features: int,
-        hidden: Union[int, Sequence[int]],
+        hidden: int | Sequence[int],
         num_classes: int,
         rngs: nnx.Rngs,
         *,
@@ -43,11 +45,11 @@ class MLP(nnx.Module):
         sizes += [check_features(h, "hidden") for h in hidden]
         sizes.append(check_features(num_classes, "num_classes"))
         self.in_features = sizes[0]
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
         rate = check_rate(dropout, "dropout")
         self.dropouts = nnx.List([make_dropout(rate, rngs) for _ in hidden] if rate > 0 else [])
 
-    def __call__(self, x: jax.Array, *, deterministic: Optional[bool] = None, rngs: Any = None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None, rngs: Any = None) -> jax.Array:
         """``x [B, ...]`` with ``prod(...) == in_features`` -> logits ``[B, num_classes]``.
 
         Args:
@@ -83,7 +85,7 @@ class LinearRegression(nnx.Module):
         init = nnx.initializers.zeros_init() if zero_init else nnx.initializers.lecun_normal()
         self.linear = nnx.Linear(self.features, 1, kernel_init=init, rngs=rngs)
 
-    def __call__(self, x: jax.Array, *, deterministic: Optional[bool] = None, rngs: Any = None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None, rngs: Any = None) -> jax.Array:
         """``x [B, features]`` -> predictions ``[B]``. ``deterministic``/``rngs`` are accepted for a
         uniform model interface and unused (no dropout)."""
         del deterministic, rngs

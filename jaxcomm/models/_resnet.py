@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ def _norm(kind: str, channels: int, groups: int, rngs: nnx.Rngs) -> nnx.Module:
     return nnx.BatchNorm(channels, momentum=0.9, epsilon=1e-5, rngs=rngs)
 
 
-def _apply_norm(norm: nnx.Module, x: jax.Array, deterministic: Optional[bool]) -> jax.Array:
+def _apply_norm(norm: nnx.Module, x: jax.Array, deterministic: bool | None) -> jax.Array:
     if isinstance(norm, nnx.BatchNorm):
         return norm(x, use_running_average=deterministic)
     return norm(x)
@@ -42,18 +42,29 @@ class BasicBlock(nnx.Module):
       rngs: ``nnx.Rngs``.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, stride: int, norm: str, norm_groups: int, *, rngs: nnx.Rngs):
+    def __init__(
+        self, in_channels: int, out_channels: int, stride: int, norm: str, norm_groups: int, *, rngs: nnx.Rngs
+    ):
         pad = ((1, 1), (1, 1))  # PyTorch-style symmetric padding: 28 -> 14 -> 7 with stride 2
-        self.conv1 = nnx.Conv(in_channels, out_channels, (3, 3), strides=stride, padding=pad, use_bias=False,
-                              kernel_init=_he_normal, rngs=rngs)
+        self.conv1 = nnx.Conv(
+            in_channels,
+            out_channels,
+            (3, 3),
+            strides=stride,
+            padding=pad,
+            use_bias=False,
+            kernel_init=_he_normal,
+            rngs=rngs,
+        )
         self.norm1 = _norm(norm, out_channels, norm_groups, rngs)
-        self.conv2 = nnx.Conv(out_channels, out_channels, (3, 3), padding=pad, use_bias=False,
-                              kernel_init=_he_normal, rngs=rngs)
+        self.conv2 = nnx.Conv(
+            out_channels, out_channels, (3, 3), padding=pad, use_bias=False, kernel_init=_he_normal, rngs=rngs
+        )
         self.norm2 = _norm(norm, out_channels, norm_groups, rngs)
         self.stride = stride
         self.extra_channels = out_channels - in_channels
 
-    def __call__(self, x: jax.Array, deterministic: Optional[bool] = None) -> jax.Array:
+    def __call__(self, x: jax.Array, deterministic: bool | None = None) -> jax.Array:
         """``x [B, H, W, in]`` -> ``[B, ceil(H / stride), ceil(W / stride), out]``."""
         y = jax.nn.relu(_apply_norm(self.norm1, self.conv1(x), deterministic))
         y = _apply_norm(self.norm2, self.conv2(y), deterministic)
@@ -117,8 +128,9 @@ class ResNet20(nnx.Module):
         if 16 % norm_groups:
             raise ValueError(f"norm_groups must divide 16 (the narrowest stage); got {norm_groups}")
         self.norm_kind = norm
-        self.stem = nnx.Conv(in_channels, 16, (3, 3), padding=((1, 1), (1, 1)), use_bias=False,
-                             kernel_init=_he_normal, rngs=rngs)
+        self.stem = nnx.Conv(
+            in_channels, 16, (3, 3), padding=((1, 1), (1, 1)), use_bias=False, kernel_init=_he_normal, rngs=rngs
+        )
         self.stem_norm = _norm(norm, 16, norm_groups, rngs)
         blocks = []
         width = 16
@@ -130,7 +142,7 @@ class ResNet20(nnx.Module):
         self.blocks = nnx.List(blocks)
         self.head = nnx.Linear(64, num_classes, rngs=rngs)
 
-    def __call__(self, x: jax.Array, *, deterministic: Optional[bool] = None, rngs: Any = None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None, rngs: Any = None) -> jax.Array:
         """``x [B, H, W, in_channels]`` -> logits ``[B, num_classes]``.
 
         Args:

@@ -10,10 +10,12 @@ from .config import DoubleSqueezeConfig
 
 __all__ = ["EXPERIMENT", "DoubleSqueezeConfig"]
 
-EXPERIMENT = register_experiment(Experiment(
-    name="doublesqueeze",
-    description="DoubleSqueeze (1-bit, top-k) vs MEM-SGD vs QSGD vs top-k without feedback vs SGD",
-    config_type=DoubleSqueezeConfig,
-    runner="jaxcomm.experiments.doublesqueeze.run:run",
-))
+EXPERIMENT = register_experiment(
+    Experiment(
+        name="doublesqueeze",
+        description="DoubleSqueeze (1-bit, top-k) vs MEM-SGD vs QSGD vs top-k without feedback vs SGD",
+        config_type=DoubleSqueezeConfig,
+        runner="jaxcomm.experiments.doublesqueeze.run:run",
+    )
+)
 """The registered experiment."""

@@ -35,8 +35,9 @@ def qsgd_no_feedback(levels: int = 1, *, axis_name: str | None = None, comm=None
     a norm times ternary codes in {−1, 0, 1}, as in the paper's comparison), an
     unbiased quantiser, so it converges without feedback.
     """
-    return jaxcomm.compressed_mean(jaxcomm.compressors.make("qsgd", levels=levels, seed=seed),
-                                   axis_name=axis_name, comm=comm)
+    return jaxcomm.compressed_mean(
+        jaxcomm.compressors.make("qsgd", levels=levels, seed=seed), axis_name=axis_name, comm=comm
+    )
 
 
 def topk_no_feedback(ratio: float = 0.01, *, axis_name: str | None = None, comm=None):

@@ -50,5 +50,14 @@ class DoubleSqueezeConfig:
     @classmethod
     def smoke(cls) -> DoubleSqueezeConfig:
         """4 steps of an MLP on 4 workers: SGD and DoubleSqueeze 1-bit."""
-        return dataclasses.replace(cls.default(), model="mlp", devices=4, batch_size=64, steps=4, eval_every=4,
-                                   methods=("sgd", "doublesqueeze-1bit"), train_examples=1024, test_examples=256)
+        return dataclasses.replace(
+            cls.default(),
+            model="mlp",
+            devices=4,
+            batch_size=64,
+            steps=4,
+            eval_every=4,
+            methods=("sgd", "doublesqueeze-1bit"),
+            train_examples=1024,
+            test_examples=256,
+        )

@@ -18,6 +18,7 @@ import optax
 from .._common import load_image_task, plot_curves, train_data_parallel
 from .config import METHODS
 
+
 def _transform(method: str, ratio: float):
     from ... import compressors
     from ...transforms import compressed_mean, doublesqueeze
@@ -45,22 +46,43 @@ def run(config: dict, out_dir: Path) -> dict:
     for method in config["methods"]:
         comm_tx, strategy = _transform(method, config["topk_ratio"])
         tx = optax.chain(comm_tx, optax.sgd(config["learning_rate"], momentum=config["momentum"]))
-        runs.append(train_data_parallel(
-            name=method, tx=tx, model=config["model"], train=train, test=test, workers=config["devices"],
-            batch_size=config["batch_size"], steps=config["steps"], eval_every=config["eval_every"],
-            seed=config["seed"], strategy=strategy,
-        ))
+        runs.append(
+            train_data_parallel(
+                name=method,
+                tx=tx,
+                model=config["model"],
+                train=train,
+                test=test,
+                workers=config["devices"],
+                batch_size=config["batch_size"],
+                steps=config["steps"],
+                eval_every=config["eval_every"],
+                seed=config["seed"],
+                strategy=strategy,
+            )
+        )
     out = Path(out_dir)
-    plot_curves(runs, out / "loss.png", y="loss", ylabel="training loss", logy=True,
-                title=f"DoubleSqueeze study: {config['dataset']}, {config['model']}, {config['devices']} workers")
+    plot_curves(
+        runs,
+        out / "loss.png",
+        y="loss",
+        ylabel="training loss",
+        logy=True,
+        title=f"DoubleSqueeze study: {config['dataset']}, {config['model']}, {config['devices']} workers",
+    )
     plot_curves(runs, out / "accuracy.png", ylabel="test accuracy", title="DoubleSqueeze study: test accuracy")
     summary = [
-        {"method": r["name"], "test_accuracy": r["final_accuracy"], "final_train_loss": r["history"][-1]["loss"],
-         "Mbit/worker": r["wire_bits_per_worker"] / 1e6,
-         "volume_%": 100 * r["wire_bits_per_worker"] / r["dense_bits_per_worker"]}
+        {
+            "method": r["name"],
+            "test_accuracy": r["final_accuracy"],
+            "final_train_loss": r["history"][-1]["loss"],
+            "Mbit/worker": r["wire_bits_per_worker"] / 1e6,
+            "volume_%": 100 * r["wire_bits_per_worker"] / r["dense_bits_per_worker"],
+        }
         for r in runs
     ]
-    return {"runs": runs, "summary": summary,
-            "note": "CIFAR-10 is not available offline: Fashion-MNIST + ResNet-20-style network stands in."}
-
-
+    return {
+        "runs": runs,
+        "summary": summary,
+        "note": "CIFAR-10 is not available offline: Fashion-MNIST + ResNet-20-style network stands in.",
+    }

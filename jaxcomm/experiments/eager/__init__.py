@@ -14,18 +14,22 @@ from .config import HyperplaneConfig, MicrobenchConfig
 
 __all__ = ["MICROBENCH", "HYPERPLANE", "MicrobenchConfig", "HyperplaneConfig"]
 
-MICROBENCH = register_experiment(Experiment(
-    name="eager-microbench",
-    description="eager-SGD Fig. 8-9: MPI_Allreduce vs solo/majority allreduce latency and NAP, linear skew",
-    config_type=MicrobenchConfig,
-    runner="jaxcomm.experiments.eager.run:run_microbench",
-))
+MICROBENCH = register_experiment(
+    Experiment(
+        name="eager-microbench",
+        description="eager-SGD Fig. 8-9: MPI_Allreduce vs solo/majority allreduce latency and NAP, linear skew",
+        config_type=MicrobenchConfig,
+        runner="jaxcomm.experiments.eager.run:run_microbench",
+    )
+)
 """The registered ``eager-microbench`` experiment."""
 
-HYPERPLANE = register_experiment(Experiment(
-    name="eager-hyperplane",
-    description="eager-SGD Sec. 7.2.1/7.2.3: hyperplane regression over MPI + severe skew ResNet-20 (simulation)",
-    config_type=HyperplaneConfig,
-    runner="jaxcomm.experiments.eager.run:run_hyperplane",
-))
+HYPERPLANE = register_experiment(
+    Experiment(
+        name="eager-hyperplane",
+        description="eager-SGD Sec. 7.2.1/7.2.3: hyperplane regression over MPI + severe skew ResNet-20 (simulation)",
+        config_type=HyperplaneConfig,
+        runner="jaxcomm.experiments.eager.run:run_hyperplane",
+    )
+)
 """The registered ``eager-hyperplane`` experiment."""

@@ -39,8 +39,9 @@ class MicrobenchConfig:
     @classmethod
     def smoke(cls) -> MicrobenchConfig:
         """4 processes, 6 timed iterations."""
-        return dataclasses.replace(cls.default(), num_procs=4, iterations=6, warmup=1, timeout_s=30.0,
-                                   launch_timeout_s=120.0)
+        return dataclasses.replace(
+            cls.default(), num_procs=4, iterations=6, warmup=1, timeout_s=30.0, launch_timeout_s=120.0
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +127,24 @@ class HyperplaneConfig:
     def smoke(cls) -> HyperplaneConfig:
         """4 processes, 256 features, 2 epochs, one 30 ms delay; severe skew on digits with an MLP."""
         return dataclasses.replace(
-            cls.default(), num_procs=4, features=256, train_points=2048, val_points=512, batch_total=256,
-            epochs=2, delays_ms=(30.0,), base_compute_ms=5.0, timeout_s=30.0, launch_timeout_s=180.0,
-            severe_dataset="digits", severe_model="mlp", severe_workers=4, severe_train_examples=0,
-            severe_test_examples=0, severe_batch_per_worker=16, severe_epochs=2, severe_lr=0.1, lr=0.1,
+            cls.default(),
+            num_procs=4,
+            features=256,
+            train_points=2048,
+            val_points=512,
+            batch_total=256,
+            epochs=2,
+            delays_ms=(30.0,),
+            base_compute_ms=5.0,
+            timeout_s=30.0,
+            launch_timeout_s=180.0,
+            severe_dataset="digits",
+            severe_model="mlp",
+            severe_workers=4,
+            severe_train_examples=0,
+            severe_test_examples=0,
+            severe_batch_per_worker=16,
+            severe_epochs=2,
+            severe_lr=0.1,
+            lr=0.1,
         )

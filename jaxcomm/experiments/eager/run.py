@@ -66,7 +66,9 @@ def launch_mpi(num_procs: int, args: list, timeout: float) -> subprocess.Complet
     if mpirun is None:
         raise RuntimeError("mpirun not found: install the 'mpi' extra (pip install jaxcomm[mpi])")
     cmd = [mpirun, "-n", str(int(num_procs)), "--oversubscribe", sys.executable, "-m", _WORKER, *map(str, args)]
-    proc = subprocess.run(cmd, env=mpirun_env(single_thread=True), capture_output=True, text=True, timeout=timeout, cwd=_PACKAGE_PARENT)
+    proc = subprocess.run(
+        cmd, env=mpirun_env(single_thread=True), capture_output=True, text=True, timeout=timeout, cwd=_PACKAGE_PARENT
+    )
     if proc.returncode != 0:
         raise RuntimeError(
             f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
@@ -130,10 +132,18 @@ def run_microbench(config: dict, out_dir: Path) -> dict:
     res["speedup_majority"] = base / per["majority"]["mean_latency_ms"]
     res["analytic"] = _analytic_microbench(p, float(config["skew_unit_ms"]))
     res["summary"] = [
-        {"collective": n, "mean_latency_ms": per[n]["mean_latency_ms"], "speedup": base / per[n]["mean_latency_ms"],
-         "nap": per[n]["nap_mean"], "ideal_latency_ms": res["analytic"][f"latency_ms_{n}"],
-         "paper_speedup": {"mpi_allreduce": 1.0, "solo": PAPER["microbench_speedup_solo"],
-                           "majority": PAPER["microbench_speedup_majority"]}[n]}
+        {
+            "collective": n,
+            "mean_latency_ms": per[n]["mean_latency_ms"],
+            "speedup": base / per[n]["mean_latency_ms"],
+            "nap": per[n]["nap_mean"],
+            "ideal_latency_ms": res["analytic"][f"latency_ms_{n}"],
+            "paper_speedup": {
+                "mpi_allreduce": 1.0,
+                "solo": PAPER["microbench_speedup_solo"],
+                "majority": PAPER["microbench_speedup_majority"],
+            }[n],
+        }
         for n in ("mpi_allreduce", "solo", "majority")
     ]
     _plot_microbench(res, out_dir)
@@ -204,8 +214,9 @@ def _run_hyperplane_mpi(config: dict) -> dict:
         raise ValueError("batch_total and train_points must be multiples of num_procs")
     steps_per_epoch = (int(config["train_points"]) // p) // (int(config["batch_total"]) // p)
     steps = steps_per_epoch * int(config["epochs"])
-    x_val, y_val = hyperplane_data(int(config["seed"]), int(config["val_points"]), int(config["features"]),
-                                    float(config["noise_std"]), stream=1)
+    x_val, y_val = hyperplane_data(
+        int(config["seed"]), int(config["val_points"]), int(config["features"]), float(config["noise_std"]), stream=1
+    )
     d = int(config["features"])
     runs = {}
     for delay in config["delays_ms"]:
@@ -242,8 +253,14 @@ def _run_hyperplane_mpi(config: dict) -> dict:
         sync = runs.get(f"sync-{delay:g}")
         for mode in config["modes"]:
             r = runs[f"{mode}-{delay:g}"]
-            row = {"study": "hyperplane (MPI)", "mode": mode, "delay_ms": delay, "steps_per_s": r["throughput_steps_s"],
-                   "nap": r["nap_mean"], "final_val_mse": r["val_mse"][-1]}
+            row = {
+                "study": "hyperplane (MPI)",
+                "mode": mode,
+                "delay_ms": delay,
+                "steps_per_s": r["throughput_steps_s"],
+                "nap": r["nap_mean"],
+                "final_val_mse": r["val_mse"][-1],
+            }
             if sync is not None:
                 r["speedup_throughput"] = r["throughput_steps_s"] / sync["throughput_steps_s"]
                 # Equal loss: the first epoch boundary at which the run's validation MSE is within
@@ -304,8 +321,9 @@ def _severe_skew(config: dict):
     """The severe study's imbalance: ``RotatingSkew(severe_workers, severe_min_ms, severe_max_ms)``."""
     from ... import imbalance
 
-    return imbalance.RotatingSkew(int(config["severe_workers"]), float(config["severe_min_ms"]),
-                                  float(config["severe_max_ms"]))
+    return imbalance.RotatingSkew(
+        int(config["severe_workers"]), float(config["severe_min_ms"]), float(config["severe_max_ms"])
+    )
 
 
 def severe_staleness(config: dict, mode: str, rounds: int) -> dict:
@@ -335,8 +353,9 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
     from ...algorithms.eager_sgd import simulate_training
     from .._common import build_model, load_image_task
 
-    train, test = load_image_task(config["severe_dataset"], int(config["severe_train_examples"]),
-                                  int(config["severe_test_examples"]))
+    train, test = load_image_task(
+        config["severe_dataset"], int(config["severe_train_examples"]), int(config["severe_test_examples"])
+    )
     f = int(config["severe_downsample"])
     if f > 1:  # f x f average pooling of the images: f^2 fewer FLOPs per example (28 -> 14 for f = 2)
         train, test = (_pool_images(d, f) for d in (train, test))
@@ -368,11 +387,20 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
         model = build_model(config["severe_model"], train, int(config["seed"]))
         t0 = time.time()
         out = simulate_training(
-            model, loss_fn, train.images, train.labels, mode=mode, imbalance=skew,
-            batch_per_worker=b, epochs=epochs,
+            model,
+            loss_fn,
+            train.images,
+            train.labels,
+            mode=mode,
+            imbalance=skew,
+            batch_per_worker=b,
+            epochs=epochs,
             optimizer=optax.sgd(lr, momentum=float(config["severe_momentum"])),
-            key=jax.random.key(int(config["seed"])), clock=config["severe_clock"], eval_fn=evaluate,
-            progress=True, on_eval=functools.partial(save_partial, mode),
+            key=jax.random.key(int(config["seed"])),
+            clock=config["severe_clock"],
+            eval_fn=evaluate,
+            progress=True,
+            on_eval=functools.partial(save_partial, mode),
         )
         out.pop("model")
         out["host_seconds"] = time.time() - t0
@@ -382,9 +410,16 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
     sync = runs.get("sync")
     for mode, r in runs.items():
         last = r["history"][-1]
-        row = {"study": f"severe skew (sim, {config['severe_model']})", "mode": mode, "delay_ms": "50..400",
-               "nap": float(np.mean(r["nap"])), "final_test_acc": last["test_acc"], "sim_time_s": last["sim_time_s"],
-               "fresh_fraction": r["staleness"]["fresh_fraction"], "mean_staleness": r["staleness"]["mean_staleness"]}
+        row = {
+            "study": f"severe skew (sim, {config['severe_model']})",
+            "mode": mode,
+            "delay_ms": "50..400",
+            "nap": float(np.mean(r["nap"])),
+            "final_test_acc": last["test_acc"],
+            "sim_time_s": last["sim_time_s"],
+            "fresh_fraction": r["staleness"]["fresh_fraction"],
+            "mean_staleness": r["staleness"]["mean_staleness"],
+        }
         if sync is not None:
             r["speedup_sim_time"] = sync["history"][-1]["sim_time_s"] / last["sim_time_s"]
             row["speedup"] = r["speedup_sim_time"]
@@ -414,9 +449,15 @@ def _plot_hyperplane(hp: dict, out_dir: Path) -> None:
     axes[0].legend(loc="upper left", ncol=len(modes), fontsize=8)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for key, r in runs.items():
-        axes[1].plot(r["epoch_times_s"], r["val_mse"], marker=".", ms=3, label=key,
-                     color=colors[delays.index(r["delay_ms"]) % len(colors)],
-                     ls={"sync": "-", "solo": "--", "majority": ":"}[r["mode"]])
+        axes[1].plot(
+            r["epoch_times_s"],
+            r["val_mse"],
+            marker=".",
+            ms=3,
+            label=key,
+            color=colors[delays.index(r["delay_ms"]) % len(colors)],
+            ls={"sync": "-", "solo": "--", "majority": ":"}[r["mode"]],
+        )
     axes[1].set_yscale("log")
     axes[1].set_xlabel("wall-clock time (s)")
     axes[1].set_ylabel("validation MSE")
@@ -438,8 +479,13 @@ def _plot_severe(sv: dict, out_dir: Path) -> None:
     runs = {m: sv["runs"][m] for m in ("sync", "solo", "majority") if m in sv["runs"]}
     for mode, r in runs.items():
         h = r["history"]
-        ax.plot([e["sim_time_s"] for e in h], [e["test_acc"] for e in h], marker="o", ms=3,
-                label=f"{mode} (NAP {np.mean(r['nap']):.2f})")
+        ax.plot(
+            [e["sim_time_s"] for e in h],
+            [e["test_acc"] for e in h],
+            marker="o",
+            ms=3,
+            label=f"{mode} (NAP {np.mean(r['nap']):.2f})",
+        )
     ax.set_xlabel("simulated wall-clock time (s)")
     ax.set_ylabel("test accuracy")
     ax.set_title("(a) severe rotating skew 50..400 ms (mesh simulation)")
@@ -448,8 +494,12 @@ def _plot_severe(sv: dict, out_dir: Path) -> None:
     width = 0.8 / max(1, len(runs))
     for i, (mode, r) in enumerate(runs.items()):
         counts = np.asarray(r["staleness"]["counts"], float)
-        bx.bar(np.arange(len(counts)) + i * width, counts / counts.sum(), width,
-               label=f"{mode} (mean {r['staleness']['mean_staleness']:.2f})")
+        bx.bar(
+            np.arange(len(counts)) + i * width,
+            counts / counts.sum(),
+            width,
+            label=f"{mode} (mean {r['staleness']['mean_staleness']:.2f})",
+        )
     longest = max(len(r["staleness"]["counts"]) for r in runs.values())
     bx.set_xticks(np.arange(longest) + width * (len(runs) - 1) / 2)
     bx.set_xticklabels([str(s) for s in range(longest)])

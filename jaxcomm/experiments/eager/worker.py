@@ -37,8 +37,14 @@ def _microbench(cfg: dict, out: Path) -> None:
     for name in ("mpi_allreduce", "solo", "majority"):
         pa = None
         if name != "mpi_allreduce":
-            pa = PartialAllreduce(count, np.float32, mode=name, seed=int(cfg["seed"]),
-                                     timeout=float(cfg["timeout_s"]), poll_s=float(cfg["poll_s"]))
+            pa = PartialAllreduce(
+                count,
+                np.float32,
+                mode=name,
+                seed=int(cfg["seed"]),
+                timeout=float(cfg["timeout_s"]),
+                poll_s=float(cfg["poll_s"]),
+            )
         lat = np.zeros(iters)
         nap = np.zeros(iters, np.int64)
         included = np.zeros(iters, bool)
@@ -58,8 +64,10 @@ def _microbench(cfg: dict, out: Path) -> None:
         if pa is not None:
             pa.close()
         results[name] = (lat, nap, included)
-    np.savez(out / f"micro_rank{rank}.npz", **{f"{k}_{f}": v[i] for k, v in results.items()
-                                                for i, f in enumerate(("latency", "nap", "included"))})
+    np.savez(
+        out / f"micro_rank{rank}.npz",
+        **{f"{k}_{f}": v[i] for k, v in results.items() for i, f in enumerate(("latency", "nap", "included"))},
+    )
 
 
 def hyperplane_data(seed: int, rows: int, features: int, noise: float, stream: int):
@@ -89,8 +97,14 @@ def _hyperplane(cfg: dict, out: Path) -> None:
     lr, base = float(cfg["lr"]), float(cfg["base_compute_ms"]) / 1000.0
     w = np.zeros(d + 1, np.float32)  # weights and bias (the paper's 8,193 parameters)
     grad = np.zeros(d + 1, np.float32)
-    pa = PartialAllreduce(d + 1, np.float32, mode=mode, seed=int(cfg["seed"]), timeout=float(cfg["timeout_s"]),
-                             poll_s=float(cfg["poll_s"]))
+    pa = PartialAllreduce(
+        d + 1,
+        np.float32,
+        mode=mode,
+        seed=int(cfg["seed"]),
+        timeout=float(cfg["timeout_s"]),
+        poll_s=float(cfg["poll_s"]),
+    )
     snaps, times, nap, included = [], [], [], []
     comm.Barrier()
     t_start = time.perf_counter()
@@ -99,7 +113,7 @@ def _hyperplane(cfg: dict, out: Path) -> None:
         order = np.random.default_rng([int(cfg["seed"]), 3, rank, epoch]).permutation(shard_rows)
         for s in range(steps_per_epoch):
             t0 = time.perf_counter()
-            idx = order[s * b:(s + 1) * b]
+            idx = order[s * b : (s + 1) * b]
             xb, yb = x[idx], y[idx]
             err = xb @ w[:d] + w[d] - yb  # d(1/2 mean err^2)/dw
             grad[:d] = xb.T @ err / b
@@ -118,8 +132,16 @@ def _hyperplane(cfg: dict, out: Path) -> None:
     t_total = time.perf_counter() - t_start
     pa.close()
     leftover = pa.leftover()
-    np.savez(out / f"hyper_rank{rank}.npz", snaps=np.array(snaps), times=np.array(times), nap=np.array(nap),
-             included=np.array(included), total=t_total, leftover=leftover, final=w)
+    np.savez(
+        out / f"hyper_rank{rank}.npz",
+        snaps=np.array(snaps),
+        times=np.array(times),
+        nap=np.array(nap),
+        included=np.array(included),
+        total=t_total,
+        leftover=leftover,
+        final=w,
+    )
 
 
 _KINDS = {"microbench": _microbench, "hyperplane": _hyperplane}
@@ -128,8 +150,10 @@ _KINDS = {"microbench": _microbench, "hyperplane": _hyperplane}
 def main(argv: list[str]) -> None:
     """``argv = [KIND, DIR]``: run the ``KIND`` worker on ``DIR/config.json`` and ``DIR/schedule.npy``."""
     if len(argv) != 2 or argv[0] not in _KINDS:
-        raise SystemExit("usage: python -m jaxcomm.experiments.eager.worker {microbench|hyperplane} DIR "
-                         f"(launched under mpirun by jaxcomm run eager-*); got {argv}")
+        raise SystemExit(
+            "usage: python -m jaxcomm.experiments.eager.worker {microbench|hyperplane} DIR "
+            f"(launched under mpirun by jaxcomm run eager-*); got {argv}"
+        )
     kind, out = argv[0], Path(argv[1])
     cfg = json.loads((out / "config.json").read_text())
     _KINDS[kind](cfg, out)

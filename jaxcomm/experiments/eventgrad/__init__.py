@@ -8,10 +8,12 @@ from .config import EventGradConfig
 
 __all__ = ["EXPERIMENT", "EventGradConfig"]
 
-EXPERIMENT = register_experiment(Experiment(
-    name="eventgrad",
-    description="EventGraD Tables 1-2, Figs. 1/4/5: D-PSGD vs event-triggered (and top-K) exchange on a ring",
-    config_type=EventGradConfig,
-    runner="jaxcomm.experiments.eventgrad.run:run",
-))
+EXPERIMENT = register_experiment(
+    Experiment(
+        name="eventgrad",
+        description="EventGraD Tables 1-2, Figs. 1/4/5: D-PSGD vs event-triggered (and top-K) exchange on a ring",
+        config_type=EventGradConfig,
+        runner="jaxcomm.experiments.eventgrad.run:run",
+    )
+)
 """The registered experiment."""

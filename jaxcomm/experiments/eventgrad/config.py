@@ -77,5 +77,12 @@ class EventGradConfig:
     @classmethod
     def smoke(cls) -> EventGradConfig:
         """12 iterations of the digits CNN on 4 workers."""
-        return dataclasses.replace(cls.default(), tasks=("digits_cnn",), workers=(4,), iterations=12,
-                                   batch_per_worker=8, forced_iterations=3, test_examples=300)
+        return dataclasses.replace(
+            cls.default(),
+            tasks=("digits_cnn",),
+            workers=(4,),
+            iterations=12,
+            batch_per_worker=8,
+            forced_iterations=3,
+            test_examples=300,
+        )

@@ -26,7 +26,6 @@ one of them is a config key (``--set KEY=VALUE``, repeated); the paper's MNIST p
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -69,7 +68,7 @@ def _load(dataset: str, train_examples: int, test_examples: int, seed: int):
     if test_examples:
         test = test.take(np.arange(min(test_examples, test.num_examples)))
     mean, std = float(train.images.mean()), float(train.images.std())
-    norm = lambda d: data.Dataset(((d.images - mean) / std).astype(np.float32), d.labels, d.num_classes)  # noqa: E731
+    norm = lambda d: data.Dataset(((d.images - mean) / std).astype(np.float32), d.labels, d.num_classes)
     return norm(train), norm(test)
 
 
@@ -92,9 +91,11 @@ def _model(name: str, seed: int):
 
 def _tensor_names(params) -> list:
     """``"conv1/kernel"``-style names of the leaves, in ``jax.tree.leaves`` order."""
+
     def name(path):
         parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
         return "/".join(p for p in parts if p != "value")
+
     return [name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
@@ -116,8 +117,13 @@ def _make_algorithm(name: str, topo, tx, cfg):
 
     if name == "dpsgd":
         return dpsgd(topo, tx, axis_name="w")
-    common = dict(horizon=cfg["horizon"], history=cfg["history"], forced_iterations=cfg["forced_iterations"],
-                  threshold_rule=cfg["threshold_rule"], axis_name="w")
+    common = dict(
+        horizon=cfg["horizon"],
+        history=cfg["history"],
+        forced_iterations=cfg["forced_iterations"],
+        threshold_rule=cfg["threshold_rule"],
+        axis_name="w",
+    )
     if name == "eventgrad":
         return eventgrad(topo, tx, **common)
     if name == "eventgrad_topk":
@@ -130,7 +136,7 @@ def _evaluate(apply, params, test, batch: int = 500) -> tuple:
     fn = _eval_fn(apply)
     correct, loss = 0.0, 0.0
     for s in range(0, test.num_examples, batch):
-        c, l = fn(params, jnp.asarray(test.images[s:s + batch]), jnp.asarray(test.labels[s:s + batch]))
+        c, l = fn(params, jnp.asarray(test.images[s : s + batch]), jnp.asarray(test.labels[s : s + batch]))
         correct += float(c)
         loss += float(l)
     return 100.0 * correct / test.num_examples, loss / test.num_examples
@@ -142,11 +148,15 @@ _GRAD_CACHE: dict = {}
 
 def _eval_fn(apply):
     if apply not in _EVAL_CACHE:
+
         @jax.jit
         def fn(p, x, y):
             logits = apply(p, x, None, False)
-            return (jnp.sum(jnp.argmax(logits, -1) == y),
-                    jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, y)))
+            return (
+                jnp.sum(jnp.argmax(logits, -1) == y),
+                jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, y)),
+            )
+
         _EVAL_CACHE[apply] = fn
     return _EVAL_CACHE[apply]
 
@@ -154,6 +164,7 @@ def _eval_fn(apply):
 def _grad_fn(apply):
     """Per-worker loss and gradient at each worker's own parameters, vmapped over workers (one compile per n)."""
     if apply not in _GRAD_CACHE:
+
         def loss(p, x, y, key):
             return optax.softmax_cross_entropy_with_integer_labels(apply(p, x, key, True), y).mean()
 
@@ -161,6 +172,7 @@ def _grad_fn(apply):
         def fn(P, x, y, key):
             keys = jax.random.split(key, x.shape[0])
             return jax.vmap(jax.value_and_grad(loss))(P, x, y, keys)
+
         _GRAD_CACHE[apply] = fn
     return _GRAD_CACHE[apply]
 
@@ -179,8 +191,9 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
     tx = optax.sgd(lr, momentum=momentum or None)
     alg = _make_algorithm(algorithm, topo, tx, cfg)
     key = jax.random.key(cfg["seed"])
-    batches = data.WorkerBatches(data.split_iid(train, n, jax.random.fold_in(key, 1)), n * batch,
-                                 jax.random.fold_in(key, 2))
+    batches = data.WorkerBatches(
+        data.split_iid(train, n, jax.random.fold_in(key, 1)), n * batch, jax.random.fold_in(key, 2)
+    )
     iterations = cfg[pre + "iterations"]
     if iterations <= 0:
         iterations = max(1, int(round(cfg["epochs"] * batches.steps_per_epoch)))
@@ -199,8 +212,12 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
         params, state = step_fn(params, grads, state)
         losses.append(loss)
         if picks:
-            for field, tree in (("norm", state.norm), ("threshold", state.check_threshold),
-                                ("fired", state.fired), ("last_sent_norm", state.trigger.last_sent_norm)):
+            for field, tree in (
+                ("norm", state.norm),
+                ("threshold", state.check_threshold),
+                ("fired", state.fired),
+                ("last_sent_norm", state.trigger.last_sent_norm),
+            ):
                 leaves = jax.tree.leaves(tree)
                 rec[field].append([leaves[i][0] for i in picks])
         if t == 0:
@@ -211,11 +228,17 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
     acc, test_loss = _evaluate(apply, average_model(params), test)
     train_loss = np.asarray(jax.device_get(losses)).mean(axis=1)
     out = {
-        "task": task, "algorithm": algorithm, "workers": n, "iterations": iterations,
-        "batch_per_worker": batch, "accuracy": acc, "test_loss": test_loss,
-        "final_train_loss": float(train_loss[-max(1, iterations // 10):].mean()),
+        "task": task,
+        "algorithm": algorithm,
+        "workers": n,
+        "iterations": iterations,
+        "batch_per_worker": batch,
+        "accuracy": acc,
+        "test_loss": test_loss,
+        "final_train_loss": float(train_loss[-max(1, iterations // 10) :].mean()),
         "train_loss": train_loss.tolist(),
-        "wall_s": wall, "first_step_s": first_step_s,
+        "wall_s": wall,
+        "first_step_s": first_step_s,
         "seconds_per_iteration": (wall - first_step_s) / max(1, iterations - 1),
         "spectral_gap": topo.spectral_gap,
     }
@@ -223,25 +246,35 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
     deg = topo.degrees
     if algorithm == "dpsgd":
         size = sum(int(np.size(x)) for x in jax.tree.leaves(params0))
-        out.update(percent_messages=100.0, percent_communication=100.0,
-                   messages=int(iterations * L * deg.sum()), bytes_per_worker=float(4 * size * iterations * deg.mean()))
+        out.update(
+            percent_messages=100.0,
+            percent_communication=100.0,
+            messages=int(iterations * L * deg.sum()),
+            bytes_per_worker=float(4 * size * iterations * deg.mean()),
+        )
     else:
         st = alg.stats(state)
         forced = min(iterations, cfg["forced_iterations"])
         after = iterations - forced
         ev_after = st["events"] - forced * L * n
         out.update(
-            percent_messages=st["percent_messages"], percent_communication=st["percent_communication"],
-            messages=st["messages"], bytes_per_worker=st["bytes_sent"] / n,
+            percent_messages=st["percent_messages"],
+            percent_communication=st["percent_communication"],
+            messages=st["messages"],
+            bytes_per_worker=st["bytes_sent"] / n,
             percent_messages_after_forced=(100.0 * ev_after / (after * L * n)) if after else None,
         )
     if picks:
         names = _tensor_names(params0)
-        get = lambda f: np.asarray(jax.device_get(rec[f]), dtype=float).T.tolist()  # noqa: E731
-        out["trace"] = {"tensors": [names[i] for i in picks], "sizes": [int(np.size(jax.tree.leaves(params0)[i]))
-                                                                      for i in picks],
-                        "norm": get("norm"), "threshold": get("threshold"), "fired": get("fired"),
-                        "last_sent_norm": get("last_sent_norm")}
+        get = lambda f: np.asarray(jax.device_get(rec[f]), dtype=float).T.tolist()
+        out["trace"] = {
+            "tensors": [names[i] for i in picks],
+            "sizes": [int(np.size(jax.tree.leaves(params0)[i])) for i in picks],
+            "norm": get("norm"),
+            "threshold": get("threshold"),
+            "fired": get("fired"),
+            "last_sent_norm": get("last_sent_norm"),
+        }
     return out
 
 
@@ -273,8 +306,9 @@ def _plots(results: dict, out_dir: Path) -> list:
             ax.set_xlabel("iteration")
             if j == 0:
                 ax.legend(fontsize=7)
-        fig.suptitle(f"{task}: tensor norms and events, worker 0 of {trace_run['workers']} (cf. paper Figs. 1, 4)",
-                     fontsize=9)
+        fig.suptitle(
+            f"{task}: tensor norms and events, worker 0 of {trace_run['workers']} (cf. paper Figs. 1, 4)", fontsize=9
+        )
         fig.tight_layout()
         path = out_dir / f"norms_events_{task}.png"
         fig.savefig(path, dpi=110)
@@ -287,8 +321,9 @@ def _plots(results: dict, out_dir: Path) -> list:
         ax.set_xlabel("iteration")
         ax.set_ylabel("threshold compared against")
         ax.set_yscale("symlog", linthresh=1e-4)
-        ax.set_title(f"{task}: adaptive thresholds (horizon {results['config']['horizon']:g}; cf. paper Fig. 5)",
-                     fontsize=9)
+        ax.set_title(
+            f"{task}: adaptive thresholds (horizon {results['config']['horizon']:g}; cf. paper Fig. 5)", fontsize=9
+        )
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = out_dir / f"thresholds_{task}.png"
@@ -303,8 +338,11 @@ def _plots(results: dict, out_dir: Path) -> list:
             pts = sorted((r["workers"], r["accuracy"]) for r in rows if r["algorithm"] == algo)
             if pts:
                 axes[0].plot(*zip(*pts), marker=marker, label=f"{task} {algo}")
-        for algo, key, marker in (("eventgrad", "percent_messages", "s"), ("eventgrad_topk", "percent_messages", "^"),
-                                  ("eventgrad_topk", "percent_communication", "v")):
+        for algo, key, marker in (
+            ("eventgrad", "percent_messages", "s"),
+            ("eventgrad_topk", "percent_messages", "^"),
+            ("eventgrad_topk", "percent_communication", "v"),
+        ):
             pts = sorted((r["workers"], r[key]) for r in rows if r["algorithm"] == algo)
             if pts:
                 axes[1].plot(*zip(*pts), marker=marker, label=f"{task} {algo} {key.split('_')[1]}")
@@ -359,19 +397,26 @@ def run(config: dict, out_dir: Path) -> dict:
             for algo in cfg["algorithms"]:
                 trace = algo == "eventgrad" and n == min(workers) and cfg["trace_tensors"] > 0
                 r = _train(task, algo, n, cfg, data_, model_, trace)
-                print(f"[eventgrad] {task} n={n} {algo}: acc {r['accuracy']:.2f}% "
-                      f"msgs {r['percent_messages']:.1f}% comm {r['percent_communication']:.1f}% "
-                      f"({r['wall_s']:.1f}s)", flush=True)
+                print(
+                    f"[eventgrad] {task} n={n} {algo}: acc {r['accuracy']:.2f}% "
+                    f"msgs {r['percent_messages']:.1f}% comm {r['percent_communication']:.1f}% "
+                    f"({r['wall_s']:.1f}s)",
+                    flush=True,
+                )
                 if trace:
                     traces[task] = {"workers": n, "trace": r.pop("trace")}
                 runs.append(r)
     results = {"config": cfg, "runs": runs, "traces": traces}
     results["table1"], results["table2"] = _tables(runs)
     results["paper"] = {
-        "table1_cifar10_resnet18": [{"workers": w, "regular_accuracy": a, "event_accuracy": b,
-                                     "percent_messages": c} for w, (a, b, c) in PAPER_TABLE1.items()],
-        "table2_cifar10_resnet18_top10": [{"workers": w, "accuracy": a, "percent_messages": b,
-                                           "percent_communication": c} for w, (a, b, c) in PAPER_TABLE2.items()],
+        "table1_cifar10_resnet18": [
+            {"workers": w, "regular_accuracy": a, "event_accuracy": b, "percent_messages": c}
+            for w, (a, b, c) in PAPER_TABLE1.items()
+        ],
+        "table2_cifar10_resnet18_top10": [
+            {"workers": w, "accuracy": a, "percent_messages": b, "percent_communication": c}
+            for w, (a, b, c) in PAPER_TABLE2.items()
+        ],
     }
     results["summary"] = _summary_rows(results)
     results["figures"] = _plots(results, out_dir)
@@ -384,25 +429,43 @@ def _tables(runs: list) -> tuple:
     for task, n in keys:
         by = {r["algorithm"]: r for r in runs if r["task"] == task and r["workers"] == n}
         if "eventgrad" in by:
-            row = {"task": task, "workers": n, "event_accuracy": by["eventgrad"]["accuracy"],
-                   "percent_messages": by["eventgrad"]["percent_messages"],
-                   "percent_messages_after_forced": by["eventgrad"].get("percent_messages_after_forced")}
+            row = {
+                "task": task,
+                "workers": n,
+                "event_accuracy": by["eventgrad"]["accuracy"],
+                "percent_messages": by["eventgrad"]["percent_messages"],
+                "percent_messages_after_forced": by["eventgrad"].get("percent_messages_after_forced"),
+            }
             if "dpsgd" in by:
                 row["regular_accuracy"] = by["dpsgd"]["accuracy"]
             t1.append(row)
         if "eventgrad_topk" in by:
             r = by["eventgrad_topk"]
-            t2.append({"task": task, "workers": n, "sparse_event_accuracy": r["accuracy"],
-                       "percent_messages": r["percent_messages"], "percent_communication": r["percent_communication"]})
+            t2.append(
+                {
+                    "task": task,
+                    "workers": n,
+                    "sparse_event_accuracy": r["accuracy"],
+                    "percent_messages": r["percent_messages"],
+                    "percent_communication": r["percent_communication"],
+                }
+            )
     return t1, t2
 
 
 def _summary_rows(results: dict) -> list:
     rows = []
     for r in results["runs"]:
-        rows.append({"task": r["task"], "workers": r["workers"], "algorithm": r["algorithm"],
-                     "iterations": r["iterations"], "accuracy": round(r["accuracy"], 2),
-                     "% messages": round(r["percent_messages"], 1),
-                     "% communication": round(r["percent_communication"], 1),
-                     "s/iter": round(r["seconds_per_iteration"], 3)})
+        rows.append(
+            {
+                "task": r["task"],
+                "workers": r["workers"],
+                "algorithm": r["algorithm"],
+                "iterations": r["iterations"],
+                "accuracy": round(r["accuracy"], 2),
+                "% messages": round(r["percent_messages"], 1),
+                "% communication": round(r["percent_communication"], 1),
+                "s/iter": round(r["seconds_per_iteration"], 3),
+            }
+        )
     return rows

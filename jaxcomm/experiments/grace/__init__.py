@@ -8,10 +8,12 @@ from .config import GraceConfig
 
 __all__ = ["EXPERIMENT", "GraceConfig"]
 
-EXPERIMENT = register_experiment(Experiment(
-    name="grace",
-    description="GRACE Fig. 6/7: accuracy vs wire bits and estimated time, whole catalogue, with/without EF",
-    config_type=GraceConfig,
-    runner="jaxcomm.experiments.grace.run:run",
-))
+EXPERIMENT = register_experiment(
+    Experiment(
+        name="grace",
+        description="GRACE Fig. 6/7: accuracy vs wire bits and estimated time, whole catalogue, with/without EF",
+        config_type=GraceConfig,
+        runner="jaxcomm.experiments.grace.run:run",
+    )
+)
 """The registered experiment."""

@@ -47,5 +47,14 @@ class GraceConfig:
     @classmethod
     def smoke(cls) -> GraceConfig:
         """4 steps of an MLP on 4 workers for none, top-k and QSGD."""
-        return dataclasses.replace(cls.default(), model="mlp", devices=4, batch_size=64, steps=4, eval_every=4,
-                                   compressors=("none", "topk", "qsgd"), train_examples=1024, test_examples=256)
+        return dataclasses.replace(
+            cls.default(),
+            model="mlp",
+            devices=4,
+            batch_size=64,
+            steps=4,
+            eval_every=4,
+            compressors=("none", "topk", "qsgd"),
+            train_examples=1024,
+            test_examples=256,
+        )

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import optax
 
 from ...demo import DEMO_KWARGS
 from .._common import load_image_task, train_data_parallel
 
 LOSSLESS = ("none", "fp16", "bf16")
+
 
 def run(config: dict, out_dir: Path) -> dict:
     """Train every (compressor, EF) pair; write ``quality_vs_bits.png`` and ``quality_vs_time.png``."""
@@ -47,9 +47,17 @@ def run(config: dict, out_dir: Path) -> dict:
             label = f"{name}{'+EF' if ef else ''}"
             try:
                 r = train_data_parallel(
-                    name=label, tx=tx, model=config["model"], train=train, test=test, workers=config["devices"],
-                    batch_size=config["batch_size"], steps=config["steps"], eval_every=config["eval_every"],
-                    seed=config["seed"], strategy=c.strategy,
+                    name=label,
+                    tx=tx,
+                    model=config["model"],
+                    train=train,
+                    test=test,
+                    workers=config["devices"],
+                    batch_size=config["batch_size"],
+                    steps=config["steps"],
+                    eval_every=config["eval_every"],
+                    seed=config["seed"],
+                    strategy=c.strategy,
                 )
             except Exception as e:  # one failing compressor must not lose the rest of a long study
                 failed.append({"compressor": name, "error_feedback": bool(ef), "error": f"{type(e).__name__}: {e}"})
@@ -72,9 +80,13 @@ def run(config: dict, out_dir: Path) -> dict:
     ]
     for r in runs:  # keep the JSON small: drop per-step rows without evaluation
         r["history"] = [row for row in r["history"] if "eval_accuracy" in row or row["step"] % 10 == 0]
-    return {"runs": runs, "summary": summary, "failed": failed,
-            "note": "GRACE used ResNet-20 on CIFAR-10, which is not available offline: the default "
-                    "configuration uses Fashion-MNIST with the ResNet-20-style network as the stand-in."}
+    return {
+        "runs": runs,
+        "summary": summary,
+        "failed": failed,
+        "note": "GRACE used ResNet-20 on CIFAR-10, which is not available offline: the default "
+        "configuration uses Fashion-MNIST with the ResNet-20-style network as the stand-in.",
+    }
 
 
 def _plot(runs, out: Path, setting: str) -> None:
@@ -92,11 +104,20 @@ def _plot(runs, out: Path, setting: str) -> None:
             sel = [r for r in runs if r["error_feedback"] == ef]
             if not sel:
                 continue
-            ax.scatter([r[x_key] for r in sel], [r["final_accuracy"] for r in sel], marker=marker,
-                       label="with EF" if ef else "without EF")
+            ax.scatter(
+                [r[x_key] for r in sel],
+                [r["final_accuracy"] for r in sel],
+                marker=marker,
+                label="with EF" if ef else "without EF",
+            )
             for r in sel:
-                ax.annotate(r["compressor"], (r[x_key], r["final_accuracy"]), fontsize=6,
-                            xytext=(3, 2), textcoords="offset points")
+                ax.annotate(
+                    r["compressor"],
+                    (r[x_key], r["final_accuracy"]),
+                    fontsize=6,
+                    xytext=(3, 2),
+                    textcoords="offset points",
+                )
         ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy")
@@ -106,5 +127,3 @@ def _plot(runs, out: Path, setting: str) -> None:
         fig.tight_layout()
         fig.savefig(out / fname, dpi=120)
         plt.close(fig)
-
-

@@ -8,10 +8,12 @@ from .config import GradientDroppingConfig
 
 __all__ = ["EXPERIMENT", "GradientDroppingConfig"]
 
-EXPERIMENT = register_experiment(Experiment(
-    name="gradient-dropping",
-    description="Char-LSTM on Shakespeare: baseline, drop 99%, +SUM/+PARTIAL/+ERROR, with/without sync",
-    config_type=GradientDroppingConfig,
-    runner="jaxcomm.experiments.gradient_dropping.run:run",
-))
+EXPERIMENT = register_experiment(
+    Experiment(
+        name="gradient-dropping",
+        description="Char-LSTM on Shakespeare: baseline, drop 99%, +SUM/+PARTIAL/+ERROR, with/without sync",
+        config_type=GradientDroppingConfig,
+        runner="jaxcomm.experiments.gradient_dropping.run:run",
+    )
+)
 """The registered experiment."""

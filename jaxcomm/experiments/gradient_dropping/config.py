@@ -57,6 +57,17 @@ class GradientDroppingConfig:
     @classmethod
     def smoke(cls) -> GradientDroppingConfig:
         """6 steps of a small LSTM on 20,000 characters: baseline and PARTIAL."""
-        return dataclasses.replace(cls.default(), steps=6, eval_every=3, sync_every=3, warmup_steps=3, hidden=32,
-                                   embed=16, seq_len=16, batch_size=16, eval_windows=32, corpus_chars=20000,
-                                   methods=("baseline", "partial"))
+        return dataclasses.replace(
+            cls.default(),
+            steps=6,
+            eval_every=3,
+            sync_every=3,
+            warmup_steps=3,
+            hidden=32,
+            embed=16,
+            seq_len=16,
+            batch_size=16,
+            eval_windows=32,
+            corpus_chars=20000,
+            methods=("baseline", "partial"),
+        )

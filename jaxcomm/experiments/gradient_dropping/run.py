@@ -10,6 +10,7 @@ each with and without parameter averaging every ``sync_every`` steps (paper:
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -17,6 +18,7 @@ import optax
 
 from .._common import plot_curves
 from .config import METHODS
+
 
 def _transform(method: str, config: dict, sync: bool):
     from ... import compressors
@@ -54,28 +56,68 @@ def run(config: dict, out_dir: Path) -> dict:
     for method in config["methods"]:
         for sync in config["sync"]:
             name = f"{method}{'+sync' if sync else ''}"
-            model = models.CharLSTM(corpus.vocab_size, config["embed"], config["hidden"], 1,
-                                    rngs=nnx.Rngs(config["seed"]))
-            trainer = Trainer(model, _transform(method, config, sync), task="language_model",
-                              num_workers=config["devices"], seed=config["seed"])
-            batches = corpus.batches(config["seq_len"], config["batch_size"], jax.random.PRNGKey(config["seed"]),
-                                     num_workers=config["devices"])
-            state, history = trainer.fit(
-                trainer.init_state(), batches, config["steps"], desc=name,
-                eval_fn=lambda s: trainer.evaluate(s, xv, yv, batch_size=128), eval_every=config["eval_every"],
+            model = models.CharLSTM(
+                corpus.vocab_size, config["embed"], config["hidden"], 1, rngs=nnx.Rngs(config["seed"])
+            )
+            trainer = Trainer(
+                model,
+                _transform(method, config, sync),
+                task="language_model",
+                num_workers=config["devices"],
+                seed=config["seed"],
+            )
+            batches = corpus.batches(
+                config["seq_len"],
+                config["batch_size"],
+                jax.random.PRNGKey(config["seed"]),
+                num_workers=config["devices"],
+            )
+            _, history = trainer.fit(
+                trainer.init_state(),
+                batches,
+                config["steps"],
+                desc=name,
+                eval_fn=functools.partial(trainer.evaluate, x=xv, y=yv, batch_size=128),
+                eval_every=config["eval_every"],
             )
             final = [r for r in history if "eval_perplexity" in r][-1]
-            runs.append({"name": name, "method": method, "sync": sync, "history": history,
-                         "final_valid_perplexity": final["eval_perplexity"],
-                         "wire_bits_per_worker": float(sum(r["wire_bits"] for r in history))})
+            runs.append(
+                {
+                    "name": name,
+                    "method": method,
+                    "sync": sync,
+                    "history": history,
+                    "final_valid_perplexity": final["eval_perplexity"],
+                    "wire_bits_per_worker": float(sum(r["wire_bits"] for r in history)),
+                }
+            )
     out = Path(out_dir)
-    plot_curves(runs, out / "perplexity.png", y="eval_perplexity", ylabel="validation perplexity (worker 0)",
-                logy=True, title="Char-LSTM on Shakespeare: gradient dropping + local gradients")
-    plot_curves(runs, out / "train_perplexity.png", y="perplexity", ylabel="training perplexity (mean of workers)",
-                logy=True, title="Training perplexity per step")
-    summary = [{"run": r["name"], "valid_perplexity": r["final_valid_perplexity"],
-                "Mbit/worker": r["wire_bits_per_worker"] / 1e6} for r in runs]
-    return {"runs": runs, "summary": summary,
-            "note": "The paper's task is translation; ours is character-level Shakespeare."}
-
-
+    plot_curves(
+        runs,
+        out / "perplexity.png",
+        y="eval_perplexity",
+        ylabel="validation perplexity (worker 0)",
+        logy=True,
+        title="Char-LSTM on Shakespeare: gradient dropping + local gradients",
+    )
+    plot_curves(
+        runs,
+        out / "train_perplexity.png",
+        y="perplexity",
+        ylabel="training perplexity (mean of workers)",
+        logy=True,
+        title="Training perplexity per step",
+    )
+    summary = [
+        {
+            "run": r["name"],
+            "valid_perplexity": r["final_valid_perplexity"],
+            "Mbit/worker": r["wire_bits_per_worker"] / 1e6,
+        }
+        for r in runs
+    ]
+    return {
+        "runs": runs,
+        "summary": summary,
+        "note": "The paper's task is translation; ours is character-level Shakespeare.",
+    }

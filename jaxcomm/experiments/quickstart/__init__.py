@@ -8,10 +8,14 @@ from .config import QuickstartConfig
 
 __all__ = ["EXPERIMENT", "QuickstartConfig"]
 
-EXPERIMENT = register_experiment(Experiment(
-    name="quickstart",
-    description="MNIST on 8 simulated devices: no compression vs top-k/EF-signSGD/PowerSGD with error feedback, QSGD",
-    config_type=QuickstartConfig,
-    runner="jaxcomm.experiments.quickstart.run:run",
-))
+EXPERIMENT = register_experiment(
+    Experiment(
+        name="quickstart",
+        description=(
+            "MNIST on 8 simulated devices: no compression vs top-k/EF-signSGD/PowerSGD with error feedback, QSGD"
+        ),
+        config_type=QuickstartConfig,
+        runner="jaxcomm.experiments.quickstart.run:run",
+    )
+)
 """The registered experiment."""

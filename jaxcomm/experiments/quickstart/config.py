@@ -54,5 +54,11 @@ class QuickstartConfig:
     @classmethod
     def smoke(cls) -> QuickstartConfig:
         """20 steps on 4096 training examples, no compression vs top-k 1 % with EF."""
-        return dataclasses.replace(cls.default(), steps=20, eval_every=10, train_examples=4096,
-                                   test_examples=1000, methods=("none", "topk-1%+EF"))
+        return dataclasses.replace(
+            cls.default(),
+            steps=20,
+            eval_every=10,
+            train_examples=4096,
+            test_examples=1000,
+            methods=("none", "topk-1%+EF"),
+        )

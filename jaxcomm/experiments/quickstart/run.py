@@ -4,9 +4,10 @@ MNIST (the full 60k/10k set) with the EventGraD CNN, 8 data-parallel workers on
 a ``jax.shard_map`` mesh, plain SGD with momentum after each communicating
 transform. Compared: no compression, and top-k 1 %, QSGD (16 levels),
 EF-signSGD and PowerSGD rank 2, with error feedback (residual memory,
-GRACE Eq. 4) except QSGD, which is unbiased and runs without it. Reports test accuracy, exact wire bits per worker, and the
-estimated communication time at 10 Gbps from the α-β model (ring allreduce for
-summable payloads, allgather otherwise).
+GRACE Eq. 4) except QSGD, which is unbiased and runs without it. Reports test
+accuracy, exact wire bits per worker, and the estimated communication time at
+10 Gbps from the α-β model (ring allreduce for summable payloads, allgather
+otherwise).
 """
 
 from __future__ import annotations
@@ -40,13 +41,22 @@ def run(config: dict, out_dir: Path) -> dict:
     runs = []
     for method in config["methods"]:
         tx, strategy = _transform(method, config["learning_rate"], config["momentum"])
-        runs.append(train_data_parallel(
-            name=method, tx=tx, model=config["model"], train=train, test=test, workers=config["devices"],
-            batch_size=config["batch_size"], steps=config["steps"], eval_every=config["eval_every"],
-            seed=config["seed"], strategy=strategy,
-        ))
-    plot_curves(runs, Path(out_dir) / "accuracy.png", title="MNIST, EventGraD CNN, 8 workers",
-                ylabel="test accuracy")
+        runs.append(
+            train_data_parallel(
+                name=method,
+                tx=tx,
+                model=config["model"],
+                train=train,
+                test=test,
+                workers=config["devices"],
+                batch_size=config["batch_size"],
+                steps=config["steps"],
+                eval_every=config["eval_every"],
+                seed=config["seed"],
+                strategy=strategy,
+            )
+        )
+    plot_curves(runs, Path(out_dir) / "accuracy.png", title="MNIST, EventGraD CNN, 8 workers", ylabel="test accuracy")
     summary = [
         {
             "method": r["name"],
@@ -59,5 +69,3 @@ def run(config: dict, out_dir: Path) -> dict:
         for r in runs
     ]
     return {"runs": runs, "summary": summary}
-
-
