@@ -11,6 +11,8 @@ and compresses it with every registered compressor, printing per method:
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,7 @@ from ._table import format_table
 
 __all__ = ["DEMO_KWARGS", "gradient_table", "run_demo"]
 
-DEMO_KWARGS = {
+DEMO_KWARGS: dict[str, dict[str, Any]] = {
     "qsgd": dict(levels=16),
     "randomk": dict(ratio=0.01),
     "topk": dict(ratio=0.01),
@@ -45,17 +47,17 @@ def _real_gradient():
 
     try:
         ds = data.load_mnist(split="train")
-        model = models.EventGradCNN(rngs=nnx.Rngs(0))
+        model: nnx.Module = models.EventGradCNN(rngs=nnx.Rngs(0))
         source = "MNIST (64 images), EventGraD CNN"
     except FileNotFoundError:
         ds = data.load_digits()
         model = models.MLP(in_features=64, hidden=(64,), num_classes=10, rngs=nnx.Rngs(0))
         source = "sklearn digits (64 images), MLP (MNIST not fetched)"
     x, y = jnp.asarray(ds.images[:64]), jnp.asarray(ds.labels[:64])
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
 
     def loss(p):
-        m = nnx.merge(graphdef, p, rest)
+        m = nnx.merge(graphdef, p, *rest)
         logits = m(x, deterministic=True)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 

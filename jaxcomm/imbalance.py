@@ -55,7 +55,9 @@ class ImbalanceModel(Protocol):
     (an int or int32 scalar, may be traced).
     """
 
-    num_workers: int
+    # Read-only, so frozen dataclasses (RandomDelay, LinearSkew, ...) satisfy the protocol.
+    @property
+    def num_workers(self) -> int: ...
 
     def sample(self, key: jax.Array, step) -> jax.Array: ...
 

@@ -312,8 +312,8 @@ def _edge_colouring(n: int, support: np.ndarray) -> list:
     if not edges:
         return []
     delta = int(max(support.sum(axis=0).max(), support.sum(axis=1).max()))
-    at_src = [dict() for _ in range(n)]  # colour -> dst
-    at_dst = [dict() for _ in range(n)]  # colour -> src
+    at_src: list[dict[int, int]] = [{} for _ in range(n)]  # colour -> dst
+    at_dst: list[dict[int, int]] = [{} for _ in range(n)]  # colour -> src
     for s, d in edges:
         a = next(c for c in range(delta) if c not in at_src[s])
         b = next(c for c in range(delta) if c not in at_dst[d])

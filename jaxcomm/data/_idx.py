@@ -21,7 +21,7 @@ __all__ = ["read_idx", "write_idx", "read_csv_images", "open_maybe_gzip"]
 PathLike = str | os.PathLike
 
 # IDX type code -> big-endian numpy dtype.
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),

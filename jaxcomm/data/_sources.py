@@ -224,13 +224,10 @@ def standardize(
       ValueError: a zero or negative ``std``.
     """
     images = np.asarray(dataset.images, dtype=np.float32)
-    if mean is None:
-        mean = images.mean(axis=(0, 1, 2), dtype=np.float64)
-    if std is None:
-        std = images.std(axis=(0, 1, 2), dtype=np.float64)
-    mean = np.asarray(mean, dtype=np.float32).reshape(-1)
-    std = np.asarray(std, dtype=np.float32).reshape(-1)
-    if np.any(std <= 0):
-        raise ValueError(f"std must be > 0 per channel; got {std}")
-    out = (images - mean) / std
-    return Dataset(out.astype(np.float32), dataset.labels, dataset.num_classes), (mean, std)
+    mean_c = np.asarray(images.mean(axis=(0, 1, 2), dtype=np.float64) if mean is None else mean, dtype=np.float32)
+    std_c = np.asarray(images.std(axis=(0, 1, 2), dtype=np.float64) if std is None else std, dtype=np.float32)
+    mean_c, std_c = mean_c.reshape(-1), std_c.reshape(-1)
+    if np.any(std_c <= 0):
+        raise ValueError(f"std must be > 0 per channel; got {std_c}")
+    out = (images - mean_c) / std_c
+    return Dataset(out.astype(np.float32), dataset.labels, dataset.num_classes), (mean_c, std_c)

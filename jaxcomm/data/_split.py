@@ -42,7 +42,8 @@ class BatchPosition(NamedTuple):
     """
 
     epoch: int
-    index: int
+    # Shadows tuple.index (a method) on purpose: `index` is the public, checkpointed field name.
+    index: int  # type: ignore[assignment]
 
 
 def _check_int(value, name: str, minimum: int) -> int:

@@ -56,7 +56,7 @@ class Experiment:
 
     name: str
     description: str
-    config_type: type
+    config_type: type[Any]  # a frozen dataclass with classmethods default() and smoke()
     runner: str
     summary: Callable[[dict], list] = _default_summary
 
@@ -83,11 +83,14 @@ class Experiment:
 
     def run(self, config: dict | Any, out_dir: Path) -> dict:
         """Validate ``config`` (a dict or a ``config_type`` instance) and run the study into ``out_dir``."""
-        if dataclasses.is_dataclass(config) and not isinstance(config, type):
-            config = config_to_dict(config)
-        config = config_to_dict(config_from_dict(self.config_type, config))
+        values: dict = config_to_dict(config) if _is_dataclass_instance(config) else config
+        values = config_to_dict(config_from_dict(self.config_type, values))
         module, _, function = self.runner.partition(":")
-        return getattr(importlib.import_module(module), function)(config, Path(out_dir))
+        return getattr(importlib.import_module(module), function)(values, Path(out_dir))
+
+
+def _is_dataclass_instance(obj) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
 def config_to_dict(config) -> dict:
@@ -168,7 +171,8 @@ def register_experiment(exp: Experiment) -> Experiment:
     if exp.name in _EXPERIMENTS:
         raise ValueError(f"experiment {exp.name!r} is already registered")
     cls = exp.config_type
-    if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+    # typeshed's DataclassInstance does not declare __dataclass_params__, which @dataclass sets.
+    if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
         raise ValueError(f"config_type of {exp.name!r} must be a frozen dataclass; got {cls!r}")
     for method in ("default", "smoke"):
         if not callable(getattr(cls, method, None)):

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -105,15 +106,19 @@ def run_microbench(config: dict, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     p = int(config["num_procs"])
     model = imbalance.LinearSkew(p, unit_ms=float(config["skew_unit_ms"]))
-    with tempfile.TemporaryDirectory(prefix="eager-micro-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="eager-micro-") as tmp_name:
+        tmp = Path(tmp_name)
         np.save(tmp / "schedule.npy", imbalance.schedule(model, int(config["seed"]), 1))
         (tmp / "config.json").write_text(json.dumps(config))
         t0 = time.time()
         launch_mpi(p, ["microbench", tmp], timeout=float(config["launch_timeout_s"]))
         wall = time.time() - t0
         ranks = [dict(np.load(tmp / f"micro_rank{r}.npz")) for r in range(p)]
-    res = {"config": config, "paper": {k: v for k, v in PAPER.items() if k.startswith("microbench")}, "mpirun_s": wall}
+    res: dict[str, Any] = {
+        "config": config,
+        "paper": {k: v for k, v in PAPER.items() if k.startswith("microbench")},
+        "mpirun_s": wall,
+    }
     per = {}
     for name in ("mpi_allreduce", "solo", "majority"):
         lat = np.stack([r[f"{name}_latency"] for r in ranks]) * 1000.0  # [P, iters] ms
@@ -191,7 +196,10 @@ def run_hyperplane(config: dict, out_dir: Path) -> dict:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    res = {"config": config, "paper": {k: v for k, v in PAPER.items() if not k.startswith("microbench")}}
+    res: dict[str, Any] = {
+        "config": config,
+        "paper": {k: v for k, v in PAPER.items() if not k.startswith("microbench")},
+    }
     summary = []
     if config["mpi"]:
         res["hyperplane"] = _run_hyperplane_mpi(config)
@@ -224,8 +232,8 @@ def _run_hyperplane_mpi(config: dict) -> dict:
         model = imbalance.RandomDelay(p, 1, float(delay))
         table = imbalance.schedule(model, int(config["seed"]), steps)
         for mode in config["modes"]:
-            with tempfile.TemporaryDirectory(prefix="eager-hyper-") as tmp:
-                tmp = Path(tmp)
+            with tempfile.TemporaryDirectory(prefix="eager-hyper-") as tmp_name:
+                tmp = Path(tmp_name)
                 np.save(tmp / "schedule.npy", table)
                 (tmp / "config.json").write_text(json.dumps({**config, "mode": mode}))
                 launch_mpi(p, ["hyperplane", tmp], timeout=float(config["launch_timeout_s"]))

@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -64,10 +65,10 @@ def _microbench(cfg: dict, out: Path) -> None:
         if pa is not None:
             pa.close()
         results[name] = (lat, nap, included)
-    np.savez(
-        out / f"micro_rank{rank}.npz",
-        **{f"{k}_{f}": v[i] for k, v in results.items() for i, f in enumerate(("latency", "nap", "included"))},
-    )
+    arrays: dict[str, Any] = {
+        f"{k}_{f}": v[i] for k, v in results.items() for i, f in enumerate(("latency", "nap", "included"))
+    }
+    np.savez(out / f"micro_rank{rank}.npz", **arrays)
 
 
 def hyperplane_data(seed: int, rows: int, features: int, noise: float, stream: int):

@@ -80,10 +80,10 @@ def _model(name: str, seed: int):
 
     rngs = nnx.Rngs(seed)
     model = models.EventGradCNN(rngs=rngs) if name == "eventgrad_cnn" else models.ResNet20(10, 1, rngs=rngs)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
 
     def apply(p, x, key, train):
-        m = nnx.merge(graphdef, p, rest)
+        m = nnx.merge(graphdef, p, *rest)
         return m(x, deterministic=not train, rngs=key)
 
     return apply, params
@@ -202,10 +202,10 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
     grad_fn = _grad_fn(apply)
     step_fn = jax.jit(jax.vmap(alg.step, axis_name="w"))
     picks = _traced_tensors(params0, cfg["trace_tensors"]) if trace else []
-    rec = {"norm": [], "threshold": [], "fired": [], "last_sent_norm": []}
+    rec: dict[str, list] = {"norm": [], "threshold": [], "fired": [], "last_sent_norm": []}
     losses = []
     t0 = time.perf_counter()
-    first_step_s = None
+    first_step_s: float | None = None
     for t in range(iterations):
         b = next(batches)
         loss, grads = grad_fn(params, jnp.asarray(b.images), jnp.asarray(b.labels), jax.random.fold_in(key, 100 + t))
@@ -225,6 +225,7 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
             first_step_s = time.perf_counter() - t0
     jax.block_until_ready(params)
     wall = time.perf_counter() - t0
+    assert first_step_s is not None, "iterations must be >= 1"
     acc, test_loss = _evaluate(apply, average_model(params), test)
     train_loss = np.asarray(jax.device_get(losses)).mean(axis=1)
     out = {

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 __all__ = ["METHODS", "QuickstartConfig"]
 
-METHODS = {
+METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("none", {}),
     "topk-1%+EF": ("topk", {"ratio": 0.01}),
     "qsgd-16": ("qsgd", {"levels": 16}),
