@@ -95,12 +95,11 @@ def check_optax(c: Compressor) -> None:
     tx = optax.chain(c, optax.sgd(0.1))
     state = tx.init(params)
     updates, state2 = jax.jit(tx.update)(grads, state, params)
-    # mypy cannot see jaxlib's PyTreeDef (no stubs for jaxlib._jax); == is its structural equality.
-    assert jax.tree.structure(updates) == jax.tree.structure(params)  # type: ignore[operator]
+    assert jax.tree.structure(updates) == jax.tree.structure(params)
     for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)):
         assert u.shape == p.shape and u.dtype == p.dtype
     # The state advances (the PRNG key is split every step) and keeps its structure.
-    assert jax.tree.structure(state2) == jax.tree.structure(state)  # type: ignore[operator]  # as above
+    assert jax.tree.structure(state2) == jax.tree.structure(state)
     ms = optax.MultiSteps(tx, every_k_schedule=2)
     ms_state = ms.init(params)
     step = jax.jit(ms.update)
