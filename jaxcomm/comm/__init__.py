@@ -24,6 +24,7 @@ from ._protocol import (
     serves,
     use,
 )
+from ._local import Local
 from ._mesh import MeshAxis
 from ._mpi import MPIComm
 from ._launch import mpirun_env, mpirun_path
@@ -47,6 +48,7 @@ __all__ = [
     "SUM",
     "all_gather_packed",
     "Communicator",
+    "Local",
     "MeshAxis",
     "MPIComm",
     "OneSidedEventGrad",
