@@ -1,4 +1,4 @@
-"""Training: mesh set-up, the jit-compiled step, the loop, checkpoints.
+"""Training: mesh set-up, the jit-compiled step, the two loops (data-parallel and simulated), checkpoints.
 
 >>> import optax, jaxcomm as jc
 >>> from flax import nnx
@@ -8,6 +8,7 @@
 from ._checkpoint import CheckpointError, latest_step, restore_checkpoint, save_checkpoint
 from ._mesh import make_mesh, shard_workers, stack_workers, unstack_worker
 from ._nnx import PureModel, classification_loss, language_model_loss, split_model
+from ._simulate import SimulationResult, simulate
 from ._step import TrainState, collect_counter, init_train_state, make_train_step
 from ._trainer import NonFiniteLossError, Trainer, to_workers
 
@@ -25,8 +26,10 @@ __all__ = [
     "make_mesh",
     "make_train_step",
     "restore_checkpoint",
+    "SimulationResult",
     "save_checkpoint",
     "shard_workers",
+    "simulate",
     "split_model",
     "stack_workers",
     "to_workers",

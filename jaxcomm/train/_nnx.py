@@ -35,17 +35,28 @@ class PureModel:
     model_state: Any
     rng_state: Any
 
+    def module(self, params, model_state=None, *, key=None, train: bool | None = None) -> nnx.Module:
+        """The NNX module holding ``params`` and ``model_state`` (default: the split-time state).
+
+        ``key`` reseeds every RNG stream (see :meth:`apply`); ``train`` ``True`` /
+        ``False`` switches training / evaluation behaviour, ``None`` keeps the
+        mode the model was split in.
+        """
+        state = self.model_state if model_state is None else model_state
+        model = nnx.merge(self.graphdef, params, self._rng_state_for(key), state)
+        if train is True:
+            model.train()
+        elif train is False:
+            model.eval()
+        return model
+
     def apply(self, params, model_state, x, *, key=None, train: bool = False, **kwargs):
         """Run the model: returns ``(output, new_model_state)``.
 
         ``key`` reseeds every RNG stream (dropout) for this call; ``train`` selects
-        training behaviour (dropout on).
+        training behaviour (dropout on); ``kwargs`` go to the module's call.
         """
-        model = nnx.merge(self.graphdef, params, self._rng_state_for(key), model_state)
-        if train:
-            model.train()
-        else:
-            model.eval()
+        model = self.module(params, model_state, key=key, train=bool(train))
         out = model(x, **kwargs)
         _, _, _, new_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
         return out, new_state

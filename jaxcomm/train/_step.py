@@ -151,5 +151,5 @@ def make_train_step(
     # replicated and the vma type system has nothing to protect here; turning it off lets
     # compressors use lax.cond/scan with constant branches without pcast boilerplate.
     f = jax.shard_map(sharded, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(axis), P(axis)),
-                      check_vma=False)
+                      check_vma=True)
     return jax.jit(f, donate_argnums=donate_argnums)
