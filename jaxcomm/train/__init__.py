@@ -7,7 +7,14 @@
 
 from ._checkpoint import CheckpointError, latest_step, restore_checkpoint, save_checkpoint
 from ._mesh import make_mesh, shard_workers, stack_workers, unstack_worker
-from ._nnx import PureModel, classification_loss, language_model_loss, split_model
+from ._nnx import (
+    PureModel,
+    classification_eval,
+    classification_loss,
+    evaluate_classifier,
+    language_model_loss,
+    split_model,
+)
 from ._simulate import SimulationResult, simulate
 from ._step import TrainState, collect_counter, init_train_state, make_train_step
 from ._trainer import NonFiniteLossError, Trainer, to_workers
@@ -18,8 +25,10 @@ __all__ = [
     "PureModel",
     "TrainState",
     "Trainer",
+    "classification_eval",
     "classification_loss",
     "collect_counter",
+    "evaluate_classifier",
     "init_train_state",
     "language_model_loss",
     "latest_step",

@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._checkpoint import latest_step, restore_checkpoint, save_checkpoint
 from ._mesh import make_mesh
-from ._nnx import PureModel, classification_loss, language_model_loss, split_model
+from ._nnx import (PureModel, classification_eval, classification_loss, evaluate_classifier, language_model_loss,
+                   split_model)
 from ._step import TrainState, init_train_state, make_train_step
 
 __all__ = ["Trainer", "NonFiniteLossError", "to_workers"]
@@ -109,7 +110,7 @@ class Trainer:
             self.mesh = None
             self.num_workers = int(self.comm.size)
             self.step_fn = make_train_step(self.loss_fn, self.tx, comm=self.comm)
-        self._eval_fn = jax.jit(self._eval_batch)
+        self._eval_fn = classification_eval(self.pure)
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> TrainState:
@@ -142,12 +143,6 @@ class Trainer:
         return jax.tree.map(_first_worker, state.params)
 
     # ------------------------------------------------------------- evaluation
-    def _eval_batch(self, params, model_state, x, y):
-        out, _ = self.pure.apply(params, model_state, x, train=False)
-        loss = optax.softmax_cross_entropy_with_integer_labels(out, y)
-        correct = jnp.argmax(out, -1) == y
-        return loss.sum(), correct.sum()
-
     def evaluate(self, state: TrainState, x, y, batch_size: int = 1000, average: bool = False) -> dict:
         """Mean loss and accuracy of (worker 0's or the averaged) model on ``(x, y)``.
 
@@ -157,16 +152,9 @@ class Trainer:
         model_state = (
             state.model_state if self.mesh is None else jax.tree.map(_first_worker, state.model_state)
         )
-        total_loss, total_correct, count = 0.0, 0.0, 0
-        for i in range(0, len(x), batch_size):
-            xb, yb = jnp.asarray(x[i : i + batch_size]), jnp.asarray(y[i : i + batch_size])
-            loss, correct = self._eval_fn(params, model_state, xb, yb)
-            total_loss += float(loss)
-            total_correct += float(correct)
-            count += int(np.prod(yb.shape))
-        out = {"loss": total_loss / count, "accuracy": total_correct / count}
-        if self.task == "language_model":
-            out["perplexity"] = math.exp(out["loss"])
+        out = evaluate_classifier(self._eval_fn, params, model_state, x, y, batch_size)
+        if self.task != "language_model":
+            out.pop("perplexity")
         return out
 
     # ------------------------------------------------------------------- loop
