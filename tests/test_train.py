@@ -16,7 +16,7 @@ from flax import nnx
 
 import jaxcomm as jc
 from jaxcomm import data, models
-from jaxcomm.train import CheckpointError, NonFiniteLossError, Trainer, make_mesh
+from jaxcomm.train import CheckpointError, NonFiniteLossError, Trainer, make_mesh, split_model
 
 from mpirun import ROOT, run_mpi
 
@@ -91,6 +91,57 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteLossError, match="step 5"):
         _digits_run(tmp_path, steps=8, shards=shards, every=2)
     assert jc.train.latest_step(tmp_path) == 4
+
+
+def _least_squares(replicated_params=False, tx=None, steps=5, lr=0.1, workers=4, per=8, features=5):
+    """A linear model on a fixed least-squares problem: (Trainer's parameters, NumPy's).
+
+    NumPy: ``w <- w - lr * (1/P) sum_i X_i^T (X_i w + b - y_i) / B``, the same for ``b``.
+    """
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((steps, workers, per, features)).astype(np.float32)
+    ys = rng.standard_normal((steps, workers, per)).astype(np.float32)
+    model = models.LinearRegression(features, nnx.Rngs(0))
+    pure = split_model(model)
+
+    def mse(params, model_state, batch, key):
+        pred, model_state = pure.apply(params, model_state, batch["x"])
+        return 0.5 * jnp.mean((pred - batch["y"]) ** 2), (model_state, {})
+
+    if tx is None:
+        tx = optax.chain(jc.compressed_mean(jc.compressors.make("none")), optax.sgd(lr))
+    trainer = Trainer(model, tx, task=mse, num_workers=workers, replicated_params=replicated_params)
+    batches = iter([{"x": x, "y": y} for x, y in zip(xs, ys)])
+    state, _ = trainer.fit(trainer.init_state(), batches, steps, progress=False)
+    got = trainer.params_of(state)
+    w = np.asarray(pure.params["linear"]["kernel"][...], np.float64)[:, 0]
+    b = float(np.asarray(pure.params["linear"]["bias"][...])[0])
+    for x, y in zip(xs.astype(np.float64), ys.astype(np.float64)):
+        resid = x @ w + b - y  # [P, B]
+        w = w - lr * np.einsum("pbf,pb->pf", x, resid).mean(0) / per
+        b = b - lr * resid.mean()
+    return got, (w, b)
+
+
+def _assert_matches_numpy(got, reference):
+    w, b = reference
+    np.testing.assert_allclose(np.asarray(got["linear"]["kernel"][...])[:, 0], w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got["linear"]["bias"][...])[0], b, rtol=1e-5, atol=1e-6)
+
+
+def test_step_trains_like_numpy_with_the_type_check_on():
+    """check_vma=True: per-worker parameters through compressed_mean give plain mean-gradient SGD."""
+    _assert_matches_numpy(*_least_squares())
+
+
+def test_replicated_parameters_trip_the_guard_inside_the_step():
+    """jax.grad of replicated (P()) parameters inside the step is the gradient summed over the
+    workers; compressed_mean's guard sees that at trace time instead of compressing a dense sum."""
+    with pytest.raises(ValueError, match="is not device-varying"):
+        _least_squares(replicated_params=True)
+    # A plain optax optimizer applies the summed gradient: lr / P gives the mean again, and the
+    # replicated state passes the type check (every worker applied the same update).
+    _assert_matches_numpy(*_least_squares(replicated_params=True, tx=optax.sgd(0.1 / 4)))
 
 
 def test_too_many_devices_is_a_clear_error():

@@ -234,6 +234,7 @@ def simulate_decentralized(
     *,
     num_workers: int,
     key,
+    key_offset: int = 0,
     axis_name: str = "workers",
     record: Optional[Callable[[PyTree, Any], Any]] = None,
     eval_fn: Optional[Callable[[PyTree, PyTree], dict]] = None,
@@ -245,7 +246,7 @@ def simulate_decentralized(
     """Train ``P`` simulated workers with a decentralized algorithm (:func:`jaxcomm.train.simulate`).
 
     Round ``t``: worker ``w`` evaluates ``loss_fn`` and its gradient at its own
-    parameters on its batch ``batches[t][w]`` with key ``split(fold_in(key, t), P)[w]``,
+    parameters on its batch ``batches[t][w]`` with key ``split(fold_in(key, key_offset + t), P)[w]``,
     then ``algorithm.step`` mixes with the neighbours and applies the update
     (Eq. 2 / Eq. 5), every worker under ``jax.vmap(axis_name=axis_name)``.
 
@@ -259,7 +260,7 @@ def simulate_decentralized(
         :class:`jaxcomm.data.WorkerBatches`); one is drawn per round.
       num_rounds: iterations ``T >= 1``.
       num_workers: ``P``.
-      key: PRNG key (dropout).
+      key, key_offset: PRNG key (dropout) and the offset of the rounds' ``fold_in``.
       record: optional ``(params, alg_state) -> pytree`` of the stacked (``[P, ...]``)
         state after each round, traced inside the round; collected as ``records``.
       eval_fn: optional ``(params, model_state) -> dict`` of floats on the stacked
@@ -279,6 +280,8 @@ def simulate_decentralized(
     if not hasattr(batches, "__next__"):
         raise TypeError(f"batches must be an iterator of worker-stacked batches; got {type(batches).__name__}")
     p = int(num_workers)
+    if isinstance(key_offset, bool) or not isinstance(key_offset, (int, np.integer)) or key_offset < 0:
+        raise ValueError(f"key_offset must be an int >= 0; got {key_offset!r}")
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def worker(prm, mstate, alg_state, batch, k):
@@ -290,7 +293,7 @@ def simulate_decentralized(
 
     def round_fn(carry, t, batch):
         prm, mstate, alg_state = carry
-        keys = jax.random.split(jax.random.fold_in(key, t), p)
+        keys = jax.random.split(jax.random.fold_in(key, key_offset + t), p)
         prm, mstate, alg_state, loss, metrics = workers(prm, mstate, alg_state, batch, keys)
         out = {"loss": loss, "metrics": metrics, "records": None if record is None else record(prm, alg_state)}
         return (prm, mstate, alg_state), out

@@ -163,7 +163,7 @@ def _make_algorithm(name: str, topo, tx, cfg):
 def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: bool) -> dict:
     from .. import data, topology
     from ..algorithms import average_model, simulate_decentralized
-    from ..train import classification_eval, classification_loss, evaluate_classifier
+    from ..train import classification_eval, evaluate_classifier
 
     spec = TASKS[task]
     pre = spec["prefix"]
@@ -188,9 +188,12 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
                   "last_sent_norm": state.trigger.last_sent_norm}
         return {f: [jax.tree.leaves(tree)[i][0] for i in picks] for f, tree in fields.items()}
 
-    run = simulate_decentralized(alg, classification_loss(pure), params0, pure.model_state, batches,
-                                 iterations, num_workers=n, key=jax.random.fold_in(key, 100), axis_name="w",
-                                 record=record if picks else None)
+    def loss(params, model_state, b, k):  # dropout keyed by the model's own ``rngs`` argument
+        logits, model_state = pure.apply(params, model_state, b.images, train=True, rngs=k)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b.labels).mean(), (model_state, {})
+
+    run = simulate_decentralized(alg, loss, params0, pure.model_state, batches, iterations, num_workers=n,
+                                 key=key, key_offset=100, axis_name="w", record=record if picks else None)
     params, state, wall, first_step_s = run["params"], run["state"], run["wall_s"], run["first_call_s"]
     ev = evaluate_classifier(classification_eval(pure), average_model(params),
                              jax.tree.map(lambda a: a[0], run["model_state"]), test.images, test.labels, 500)
