@@ -201,3 +201,38 @@ def test_mpirun_trainer_matches_mesh(tmp_path):
     """The same optimizer under mpirun -n 4 (MPI communicator) matches a 4-device mesh run."""
     run_mpi(4, SCRIPTS / "train_mpi.py", str(tmp_path / "mpi.npz"))
     _compare(digits_job.run(4), tmp_path / "mpi.npz", exact=False)
+
+
+def test_simulate_loop_rounds_inputs_history_and_errors():
+    """The simulation loop: per-round outputs in order, entries every eval_every calls and at the end."""
+    from jaxcomm.comm import MeshAxis
+    from jaxcomm.train import simulate
+
+    comm = MeshAxis("w")
+
+    def step(total, t):  # 3 workers; each adds its index + t, then the workers' mean is shared
+        mine = jax.vmap(lambda s, i: comm.mean(s + i + t), axis_name="w")(total, jnp.arange(3.0))
+        return mine, {"t": t, "mean": mine[0]}
+
+    seen = []
+    total, res = simulate(step, jnp.zeros(3), 6, rounds_per_call=2, eval_every=2, on_eval=seen.append,
+                          summary=lambda calls, out: {"calls": calls, "last": float(out["mean"][-1])},
+                          eval_fn=lambda s: {"sum": jnp.sum(s)})
+    expected = np.cumsum(1.0 + np.arange(6))  # the mean of i + t over i = 0, 1, 2 is 1 + t
+    np.testing.assert_array_equal(res.outputs["t"], np.arange(6))
+    np.testing.assert_allclose(res.outputs["mean"], expected)
+    assert seen == res.history == [{"calls": 2, "last": expected[3], "sum": 3 * expected[3]},
+                                   {"calls": 3, "last": expected[5], "sum": 3 * expected[5]}]
+    np.testing.assert_allclose(total, np.full(3, expected[-1]))
+    assert res.wall_s >= res.first_call_s > 0
+
+    feed = iter([1.0, 2.0, 3.0])
+    _, res = simulate(lambda s, t, x: (s + x, s + x), jnp.zeros(()), 3, inputs=lambda c: next(feed))
+    np.testing.assert_array_equal(res.outputs, [1.0, 3.0, 6.0])
+    assert res.history == [{"round": 3}]
+    with pytest.raises(ValueError, match="rounds_per_call"):
+        simulate(step, jnp.zeros(3), 5, rounds_per_call=2)
+    with pytest.raises(TypeError, match="on_eval"):
+        simulate(step, jnp.zeros(3), 2, on_eval="print")
+    with pytest.raises(ValueError, match="num_rounds"):
+        simulate(step, jnp.zeros(3), 0)

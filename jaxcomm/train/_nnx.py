@@ -47,7 +47,7 @@ class PureModel:
     def module(self, params, model_state=None, *, key=None, train: bool | None = None) -> nnx.Module:
         """The NNX module holding ``params`` and ``model_state`` (default: the split-time state).
 
-        ``key`` reseeds every RNG stream (see :meth:`apply`); ``train`` ``True`` /
+        ``key`` reseeds every RNG stream (see :meth:`PureModel.apply`); ``train`` ``True`` /
         ``False`` switches training / evaluation behaviour, ``None`` keeps the
         mode the model was split in.
         """
