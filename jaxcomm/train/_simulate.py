@@ -18,7 +18,8 @@ it is made.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,11 +68,11 @@ def simulate(
     num_rounds: int,
     *,
     rounds_per_call: int = 1,
-    inputs: Optional[Callable[[int], Any]] = None,
-    summary: Optional[Callable[[int, Any], dict]] = None,
-    eval_fn: Optional[Callable[[Any], dict]] = None,
+    inputs: Callable[[int], Any] | None = None,
+    summary: Callable[[int, Any], dict] | None = None,
+    eval_fn: Callable[[Any], dict] | None = None,
     eval_every: int = 0,
-    on_eval: Optional[Callable[[dict], None]] = None,
+    on_eval: Callable[[dict], None] | None = None,
     progress: bool = False,
     desc: str = "simulate",
     unit: str = "round",
