@@ -11,6 +11,7 @@ from .dpsgd import (
     neighbor_exchange,
     per_worker,
     replicate,
+    simulate_decentralized,
 )
 from .eventgrad import (
     EventGrad,
@@ -71,6 +72,7 @@ __all__ = [
     "neighbor_exchange",
     "per_worker",
     "replicate",
+    "simulate_decentralized",
     "topk_count",
     "trigger",
 ]
