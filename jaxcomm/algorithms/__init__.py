@@ -26,7 +26,6 @@ from .eventgrad import (
 
 from .eager_sgd import (
     CLOCKS,
-    MODES,
     EagerSGDConfig,
     EagerSGDState,
     eager_sgd,
@@ -43,7 +42,6 @@ from .eager_sgd import (
 
 __all__ = [
     "CLOCKS",
-    "MODES",
     "EagerSGDConfig",
     "EagerSGDState",
     "eager_sgd",

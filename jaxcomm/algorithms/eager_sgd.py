@@ -62,11 +62,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ..comm._partial_mpi import PARTIAL_MODES
 from ..comm import resolve
 from ..imbalance import ImbalanceModel
 
 __all__ = [
-    "MODES",
     "CLOCKS",
     "EagerSGDConfig",
     "EagerSGDState",
@@ -83,7 +83,6 @@ __all__ = [
 ]
 
 PyTree = Any
-MODES = ("sync", "solo", "majority")
 CLOCKS = ("reset", "carry")
 
 
@@ -108,8 +107,8 @@ class EagerSGDConfig:
     max_lag: int = 8
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
+        if self.mode not in PARTIAL_MODES:
+            raise ValueError(f"mode must be one of {PARTIAL_MODES}; got {self.mode!r}")
         if not isinstance(self.imbalance, ImbalanceModel):
             raise TypeError(
                 f"imbalance must implement jaxcomm.imbalance.ImbalanceModel; got {type(self.imbalance).__name__}"
@@ -217,7 +216,7 @@ def round_trigger(arrive_ms: jax.Array, mode: str, initiator) -> jax.Array:
 
     Args:
       arrive_ms: ``float[P]``.
-      mode: one of :data:`MODES`.
+      mode: one of :data:`jaxcomm.comm.PARTIAL_MODES`.
       initiator: int32 scalar, the majority initiator (ignored otherwise).
     """
     if mode == "sync":
@@ -226,7 +225,7 @@ def round_trigger(arrive_ms: jax.Array, mode: str, initiator) -> jax.Array:
         return jnp.min(arrive_ms)
     if mode == "majority":
         return arrive_ms[initiator]
-    raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    raise ValueError(f"mode must be one of {PARTIAL_MODES}; got {mode!r}")
 
 
 def round_draws(config: EagerSGDConfig, key, step) -> tuple:

@@ -31,6 +31,7 @@ from ._launch import mpirun_env, mpirun_path
 from ._packing import all_gather_packed
 from ._rma import OneSidedEventGrad, RMAExchange
 from ._partial_mpi import (
+    PARTIAL_MODES,
     PartialAllreduce,
     PartialCollectiveError,
     PartialCollectiveTimeout,
@@ -53,6 +54,7 @@ __all__ = [
     "MPIComm",
     "OneSidedEventGrad",
     "RMAExchange",
+    "PARTIAL_MODES",
     "PartialAllreduce",
     "PartialCollectiveError",
     "PartialCollectiveTimeout",

@@ -59,7 +59,8 @@ __all__ = [
     "num_kept",
 ]
 
-MODES = ("none", "sum", "partial", "error")
+COMBINATIONS = ("none", "sum", "partial", "error")
+"""Algorithm 2's ways of combining the global sparse gradient with the local one (``mode=``)."""
 SCOPES = ("global", "leaf")
 EXCHANGES = ("auto", "sparse", "dense")
 
@@ -232,8 +233,8 @@ def gradient_dropping(
         ``[0, 1)``, non-positive ``clip_norm``, ``exchange="sparse"`` with a
         schedule, or updates whose tree differs from the one ``init`` saw.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    if mode not in COMBINATIONS:
+        raise ValueError(f"mode must be one of {COMBINATIONS}; got {mode!r}")
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}; got {scope!r}")
     if exchange not in EXCHANGES:
