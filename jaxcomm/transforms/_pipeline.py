@@ -591,9 +591,9 @@ def compress_step(comm, updates, state: CompressionState, *, compressor, memory:
         leaves flattened into one tensor, one selection over the whole tree).
       owner_step: ``"reduce_scatter"`` only: ``leaf_keys -> Owner``.
     Returns:
-      ``(exchanged, leaves, treedef, new_state, phis)``: the exchange (per
-      tensor), the gradient leaves, their treedef, the new state (memory
-      updated) and the compensated tensors.
+      ``(exchanged, leaves, treedef, new_state, groups)``: the exchange (per
+      compressed tensor), the gradient leaves, their treedef, the new state
+      (memory updated) and the leaf indices of each compressed tensor.
     """
     leaves, treedef, mem_leaves = flatten_updates(updates, state, scope)
     if int(comm.size) > 1:
