@@ -57,7 +57,7 @@ __all__ = [
     "Network",
     "DEFAULT_LATENCY_S",
     "STANDARD_NETWORKS",
-    "STRATEGIES",
+    "COLLECTIVES",
     "allreduce_time",
     "reduce_scatter_time",
     "allgather_time",
@@ -111,7 +111,7 @@ STANDARD_NETWORKS: Mapping[str, Network] = {
     "25Gbps": Network(25.0),
 }
 
-STRATEGIES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "neighbor_exchange")
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "neighbor_exchange")
 
 
 # --------------------------------------------------------------------------- #
@@ -309,8 +309,8 @@ def comm_time(
     kw = {} if algorithm is None else {"algorithm": algorithm}
     if strategy == "neighbour_exchange":
         strategy = "neighbor_exchange"
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
+    if strategy not in COLLECTIVES:
+        raise ValueError(f"strategy must be one of {COLLECTIVES}; got {strategy!r}")
     per_message = _check_bits(bits) / messages
     if strategy == "neighbor_exchange":
         if algorithm is not None:

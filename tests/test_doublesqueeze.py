@@ -378,11 +378,11 @@ def test_step_traces_once():
 # Bad input
 # --------------------------------------------------------------------------- #
 class GatherOnly(RecordingComm):
-    strategies = ("allgather",)
+    capabilities = frozenset({"all_gather"})
 
 
 class SumOnly(RecordingComm):
-    strategies = ("allreduce",)
+    capabilities = frozenset({"sum"})
 
 
 def test_strategy_the_communicator_cannot_serve():

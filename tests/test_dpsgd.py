@@ -8,7 +8,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcomm import topology as T
-from jaxcomm.algorithms import average_model, consensus_distance, dpsgd, per_worker, replicate
+from jaxcomm.algorithms import (
+    average_model,
+    consensus_distance,
+    dpsgd,
+    per_worker,
+    replicate,
+    simulate_decentralized,
+)
 
 N = 8
 LR = 0.1
@@ -84,6 +91,31 @@ def test_dpsgd_matches_numpy_reference(topo):
     # float32 vs float64 over 4 steps of O(1) values: a few ulp of float32 per step.
     np.testing.assert_allclose(_as_matrix(params), ref, rtol=2e-5, atol=2e-5)
     assert np.all(np.asarray(state.step) == STEPS)
+
+
+def test_simulation_loop_runs_dpsgd_like_numpy():
+    """simulate_decentralized: one batch per round from the iterator, Eq. 2, records and losses per round."""
+    a, b, x0 = _least_squares(N, seed=3)
+    topo = T.ring(N)
+
+    def loss_fn(p, model_state, batch, key):
+        ai, bi = batch
+        return _loss(p, ai, bi), (model_state, {"c": p["c"]})
+
+    batches = iter([(a, b)] * STEPS)
+    run = simulate_decentralized(dpsgd(topo, LR, axis_name="w"), loss_fn, jax.tree.map(jnp.asarray, x0), {},
+                                 batches, STEPS, num_workers=N, key=jax.random.key(0), axis_name="w",
+                                 record=lambda p, s: s.step)
+    np.testing.assert_allclose(_as_matrix(run["params"]), _numpy_dpsgd(topo.weights, a, b, x0, STEPS, LR),
+                               rtol=2e-5, atol=2e-5)
+    assert run["loss"].shape == (STEPS, N) and run["metrics"]["c"].shape == (STEPS, N)
+    np.testing.assert_array_equal(run["records"], np.tile(np.arange(1, STEPS + 1)[:, None], (1, N)))
+    # Round 0's loss is every worker's at x0.
+    r0 = np.einsum("nij,j->ni", a, x0["w"]) + x0["c"] - b
+    np.testing.assert_allclose(run["loss"][0], 0.5 * (r0 ** 2).sum(1), rtol=1e-5)
+    assert [e["round"] for e in run["history"]] == [STEPS]
+    with pytest.raises(TypeError, match="batches"):
+        simulate_decentralized(dpsgd(topo, LR, axis_name="w"), loss_fn, x0, {}, [(a, b)], 1, num_workers=N, key=0)
 
 
 def test_dpsgd_on_mesh_equals_vmap_and_preserves_the_average():

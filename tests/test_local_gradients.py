@@ -1,7 +1,7 @@
 """Gradient dropping with local gradients (Algorithm 2), warm-ups, clipping, periodic averaging.
 
 The reference is a line-by-line NumPy transcription of Algorithm 2 of "Combining
-global sparse gradients with local gradients" (ICLR 2019 submission), with the
+global sparse gradients with local gradients" (EMNLP-IJCNLP 2019), with the
 paper's names (L, E, S, G, C, threshold, mask). Everything is deterministic, so
 the transform must match it to float32 rounding.
 """

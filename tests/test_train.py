@@ -16,7 +16,7 @@ from flax import nnx
 
 import jaxcomm as jc
 from jaxcomm import data, models
-from jaxcomm.train import CheckpointError, NonFiniteLossError, Trainer, make_mesh
+from jaxcomm.train import CheckpointError, NonFiniteLossError, Trainer, make_mesh, split_model
 
 from mpirun import ROOT, run_mpi
 
@@ -93,6 +93,57 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert jc.train.latest_step(tmp_path) == 4
 
 
+def _least_squares(replicated_params=False, tx=None, steps=5, lr=0.1, workers=4, per=8, features=5):
+    """A linear model on a fixed least-squares problem: (Trainer's parameters, NumPy's).
+
+    NumPy: ``w <- w - lr * (1/P) sum_i X_i^T (X_i w + b - y_i) / B``, the same for ``b``.
+    """
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((steps, workers, per, features)).astype(np.float32)
+    ys = rng.standard_normal((steps, workers, per)).astype(np.float32)
+    model = models.LinearRegression(features, nnx.Rngs(0))
+    pure = split_model(model)
+
+    def mse(params, model_state, batch, key):
+        pred, model_state = pure.apply(params, model_state, batch["x"])
+        return 0.5 * jnp.mean((pred - batch["y"]) ** 2), (model_state, {})
+
+    if tx is None:
+        tx = optax.chain(jc.compressed_mean(jc.compressors.make("none")), optax.sgd(lr))
+    trainer = Trainer(model, tx, task=mse, num_workers=workers, replicated_params=replicated_params)
+    batches = iter([{"x": x, "y": y} for x, y in zip(xs, ys)])
+    state, _ = trainer.fit(trainer.init_state(), batches, steps, progress=False)
+    got = trainer.params_of(state)
+    w = np.asarray(pure.params["linear"]["kernel"][...], np.float64)[:, 0]
+    b = float(np.asarray(pure.params["linear"]["bias"][...])[0])
+    for x, y in zip(xs.astype(np.float64), ys.astype(np.float64)):
+        resid = x @ w + b - y  # [P, B]
+        w = w - lr * np.einsum("pbf,pb->pf", x, resid).mean(0) / per
+        b = b - lr * resid.mean()
+    return got, (w, b)
+
+
+def _assert_matches_numpy(got, reference):
+    w, b = reference
+    np.testing.assert_allclose(np.asarray(got["linear"]["kernel"][...])[:, 0], w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got["linear"]["bias"][...])[0], b, rtol=1e-5, atol=1e-6)
+
+
+def test_step_trains_like_numpy_with_the_type_check_on():
+    """check_vma=True: per-worker parameters through compressed_mean give plain mean-gradient SGD."""
+    _assert_matches_numpy(*_least_squares())
+
+
+def test_replicated_parameters_trip_the_guard_inside_the_step():
+    """jax.grad of replicated (P()) parameters inside the step is the gradient summed over the
+    workers; compressed_mean's guard sees that at trace time instead of compressing a dense sum."""
+    with pytest.raises(ValueError, match="is not device-varying"):
+        _least_squares(replicated_params=True)
+    # A plain optax optimizer applies the summed gradient: lr / P gives the mean again, and the
+    # replicated state passes the type check (every worker applied the same update).
+    _assert_matches_numpy(*_least_squares(replicated_params=True, tx=optax.sgd(0.1 / 4)))
+
+
 def test_too_many_devices_is_a_clear_error():
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
         make_mesh(jax.device_count() + 1)
@@ -150,3 +201,38 @@ def test_mpirun_trainer_matches_mesh(tmp_path):
     """The same optimizer under mpirun -n 4 (MPI communicator) matches a 4-device mesh run."""
     run_mpi(4, SCRIPTS / "train_mpi.py", str(tmp_path / "mpi.npz"))
     _compare(digits_job.run(4), tmp_path / "mpi.npz", exact=False)
+
+
+def test_simulate_loop_rounds_inputs_history_and_errors():
+    """The simulation loop: per-round outputs in order, entries every eval_every calls and at the end."""
+    from jaxcomm.comm import MeshAxis
+    from jaxcomm.train import simulate
+
+    comm = MeshAxis("w")
+
+    def step(total, t):  # 3 workers; each adds its index + t, then the workers' mean is shared
+        mine = jax.vmap(lambda s, i: comm.mean(s + i + t), axis_name="w")(total, jnp.arange(3.0))
+        return mine, {"t": t, "mean": mine[0]}
+
+    seen = []
+    total, res = simulate(step, jnp.zeros(3), 6, rounds_per_call=2, eval_every=2, on_eval=seen.append,
+                          summary=lambda calls, out: {"calls": calls, "last": float(out["mean"][-1])},
+                          eval_fn=lambda s: {"sum": jnp.sum(s)})
+    expected = np.cumsum(1.0 + np.arange(6))  # the mean of i + t over i = 0, 1, 2 is 1 + t
+    np.testing.assert_array_equal(res.outputs["t"], np.arange(6))
+    np.testing.assert_allclose(res.outputs["mean"], expected)
+    assert seen == res.history == [{"calls": 2, "last": expected[3], "sum": 3 * expected[3]},
+                                   {"calls": 3, "last": expected[5], "sum": 3 * expected[5]}]
+    np.testing.assert_allclose(total, np.full(3, expected[-1]))
+    assert res.wall_s >= res.first_call_s > 0
+
+    feed = iter([1.0, 2.0, 3.0])
+    _, res = simulate(lambda s, t, x: (s + x, s + x), jnp.zeros(()), 3, inputs=lambda c: next(feed))
+    np.testing.assert_array_equal(res.outputs, [1.0, 3.0, 6.0])
+    assert res.history == [{"round": 3}]
+    with pytest.raises(ValueError, match="rounds_per_call"):
+        simulate(step, jnp.zeros(3), 5, rounds_per_call=2)
+    with pytest.raises(TypeError, match="on_eval"):
+        simulate(step, jnp.zeros(3), 2, on_eval="print")
+    with pytest.raises(ValueError, match="num_rounds"):
+        simulate(step, jnp.zeros(3), 0)

@@ -359,7 +359,7 @@ def measure(tree: str, name: str, repeats: int, check_vma: bool, memory: str = "
         "wire_bits_per_worker": bits,
         "dense_bits_per_worker": dense_bits,
         "compression": dense_bits / bits,
-        "strategy": c.strategy + (" (compress_allreduce)" if c.compress_allreduce is not None else ""),
+        "strategy": c.strategy + (" (rounds)" if c.rounds is not None else ""),
         "memory": runner.memory.name,
         "params": c.params,
         "compile_s": runner.compile_s,

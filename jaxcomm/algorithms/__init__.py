@@ -11,6 +11,7 @@ from .dpsgd import (
     neighbor_exchange,
     per_worker,
     replicate,
+    simulate_decentralized,
 )
 from .eventgrad import (
     EventGrad,
@@ -25,7 +26,6 @@ from .eventgrad import (
 
 from .eager_sgd import (
     CLOCKS,
-    MODES,
     EagerSGDConfig,
     EagerSGDState,
     eager_sgd,
@@ -42,7 +42,6 @@ from .eager_sgd import (
 
 __all__ = [
     "CLOCKS",
-    "MODES",
     "EagerSGDConfig",
     "EagerSGDState",
     "eager_sgd",
@@ -71,6 +70,7 @@ __all__ = [
     "neighbor_exchange",
     "per_worker",
     "replicate",
+    "simulate_decentralized",
     "topk_count",
     "trigger",
 ]

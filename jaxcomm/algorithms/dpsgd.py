@@ -40,6 +40,7 @@ __all__ = [
     "replicate",
     "average_model",
     "consensus_distance",
+    "simulate_decentralized",
 ]
 
 PyTree = Any
@@ -218,3 +219,95 @@ def consensus_distance(stacked: PyTree) -> jax.Array:
     n = jax.tree.leaves(stacked)[0].shape[0]
     sq = [jnp.sum((x - jnp.mean(x, axis=0, keepdims=True)) ** 2) for x in jax.tree.leaves(stacked)]
     return sum(sq) / n
+
+
+# --------------------------------------------------------------------------- #
+# training with simulated workers (D-PSGD, EventGraD)
+# --------------------------------------------------------------------------- #
+def simulate_decentralized(
+    algorithm: DecentralizedAlgorithm,
+    loss_fn: Callable,
+    params: PyTree,
+    model_state: PyTree,
+    batches,
+    num_rounds: int,
+    *,
+    num_workers: int,
+    key,
+    key_offset: int = 0,
+    axis_name: str = "workers",
+    record: Optional[Callable[[PyTree, Any], Any]] = None,
+    eval_fn: Optional[Callable[[PyTree, PyTree], dict]] = None,
+    eval_every: int = 0,
+    on_eval: Optional[Callable[[dict], None]] = None,
+    progress: bool = False,
+    desc: str = "decentralized",
+) -> dict:
+    """Train ``P`` simulated workers with a decentralized algorithm (:func:`jaxcomm.train.simulate`).
+
+    Round ``t``: worker ``w`` evaluates ``loss_fn`` and its gradient at its own
+    parameters on its batch ``batches[t][w]`` with key ``split(fold_in(key, key_offset + t), P)[w]``,
+    then ``algorithm.step`` mixes with the neighbours and applies the update
+    (Eq. 2 / Eq. 5), every worker under ``jax.vmap(axis_name=axis_name)``.
+
+    Args:
+      algorithm: e.g. :func:`dpsgd` or :func:`~jaxcomm.algorithms.eventgrad`,
+        built with ``axis_name=axis_name`` (or the ambient communicator unset).
+      loss_fn: one worker's ``(params, model_state, batch, key) -> (loss, (model_state, metrics))``,
+        e.g. :func:`jaxcomm.train.classification_loss` of :func:`jaxcomm.train.split_model`.
+      params, model_state: the initial point, one worker's (every worker starts there).
+      batches: iterator of global batches, every leaf ``[P, b, ...]`` (e.g.
+        :class:`jaxcomm.data.WorkerBatches`); one is drawn per round.
+      num_rounds: iterations ``T >= 1``.
+      num_workers: ``P``.
+      key, key_offset: PRNG key (dropout) and the offset of the rounds' ``fold_in``.
+      record: optional ``(params, alg_state) -> pytree`` of the stacked (``[P, ...]``)
+        state after each round, traced inside the round; collected as ``records``.
+      eval_fn: optional ``(params, model_state) -> dict`` of floats on the stacked
+        state, run every ``eval_every`` rounds and at the end.
+      on_eval, progress, desc: see :func:`jaxcomm.train.simulate`.
+    Returns:
+      dict: ``params``, ``model_state``, ``state`` (stacked ``[P, ...]``), ``loss``
+      (``float32[T, P]``, each worker's loss before its step), ``metrics`` (the loss
+      function's, ``[T, P]`` each), ``records`` (``record``'s, leading axis ``T``, or
+      ``None``), ``history``, ``wall_s`` and ``first_call_s`` (see
+      :class:`jaxcomm.train.SimulationResult`).
+    """
+    from ..train import simulate
+
+    if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int; got {num_workers!r}")
+    if not hasattr(batches, "__next__"):
+        raise TypeError(f"batches must be an iterator of worker-stacked batches; got {type(batches).__name__}")
+    p = int(num_workers)
+    if isinstance(key_offset, bool) or not isinstance(key_offset, (int, np.integer)) or key_offset < 0:
+        raise ValueError(f"key_offset must be an int >= 0; got {key_offset!r}")
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def worker(prm, mstate, alg_state, batch, k):
+        (loss, (mstate, metrics)), grads = grad_fn(prm, mstate, batch, k)
+        prm, alg_state = algorithm.step(prm, grads, alg_state)
+        return prm, mstate, alg_state, loss, metrics
+
+    workers = jax.vmap(worker, axis_name=axis_name)
+
+    def round_fn(carry, t, batch):
+        prm, mstate, alg_state = carry
+        keys = jax.random.split(jax.random.fold_in(key, key_offset + t), p)
+        prm, mstate, alg_state, loss, metrics = workers(prm, mstate, alg_state, batch, keys)
+        out = {"loss": loss, "metrics": metrics, "records": None if record is None else record(prm, alg_state)}
+        return (prm, mstate, alg_state), out
+
+    stacked = jax.tree.map(jnp.asarray, replicate(params, p))
+    carry = (stacked, replicate(model_state, p), jax.vmap(algorithm.init)(stacked))
+    evaluate = None if eval_fn is None else (lambda c: eval_fn(c[0], c[1]))
+    (prm, mstate, alg_state), result = simulate(
+        round_fn, carry, num_rounds, inputs=lambda _: jax.tree.map(jnp.asarray, next(batches)),
+        eval_fn=evaluate, eval_every=eval_every, on_eval=on_eval, progress=progress, desc=desc,
+    )
+    out = result.outputs
+    return {
+        "params": prm, "model_state": mstate, "state": alg_state, "loss": out["loss"],
+        "metrics": out["metrics"], "records": out.get("records"), "history": result.history,
+        "wall_s": result.wall_s, "first_call_s": result.first_call_s,
+    }

@@ -62,11 +62,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ..comm._partial_mpi import PARTIAL_MODES
 from ..comm import resolve
 from ..imbalance import ImbalanceModel
 
 __all__ = [
-    "MODES",
     "CLOCKS",
     "EagerSGDConfig",
     "EagerSGDState",
@@ -83,7 +83,6 @@ __all__ = [
 ]
 
 PyTree = Any
-MODES = ("sync", "solo", "majority")
 CLOCKS = ("reset", "carry")
 
 
@@ -108,8 +107,8 @@ class EagerSGDConfig:
     max_lag: int = 8
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
+        if self.mode not in PARTIAL_MODES:
+            raise ValueError(f"mode must be one of {PARTIAL_MODES}; got {self.mode!r}")
         if not isinstance(self.imbalance, ImbalanceModel):
             raise TypeError(
                 f"imbalance must implement jaxcomm.imbalance.ImbalanceModel; got {type(self.imbalance).__name__}"
@@ -217,7 +216,7 @@ def round_trigger(arrive_ms: jax.Array, mode: str, initiator) -> jax.Array:
 
     Args:
       arrive_ms: ``float[P]``.
-      mode: one of :data:`MODES`.
+      mode: one of :data:`jaxcomm.comm.PARTIAL_MODES`.
       initiator: int32 scalar, the majority initiator (ignored otherwise).
     """
     if mode == "sync":
@@ -226,7 +225,7 @@ def round_trigger(arrive_ms: jax.Array, mode: str, initiator) -> jax.Array:
         return jnp.min(arrive_ms)
     if mode == "majority":
         return arrive_ms[initiator]
-    raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    raise ValueError(f"mode must be one of {PARTIAL_MODES}; got {mode!r}")
 
 
 def round_draws(config: EagerSGDConfig, key, step) -> tuple:
@@ -545,9 +544,8 @@ def simulate_training(
       per-step ``nap`` and ``clock_ms`` lists, ``overflows``, and ``model``
       (worker 0's trained module).
     """
-    from flax import nnx
-
     from ..comm import MeshAxis
+    from ..train import simulate, split_model
 
     config = EagerSGDConfig(mode, imbalance, clock, comm_ms, sync_every, max_lag)
     p = config.num_workers
@@ -567,73 +565,58 @@ def simulate_training(
         )
     key = _as_key(key)
     k_eager, k_data = jax.random.split(key)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    pure = split_model(model)
     comm = MeshAxis(axis_name)
 
     def pure_loss(prm, xb, yb):
-        return loss_fn(nnx.merge(graphdef, prm, rest), xb, yb)
+        return loss_fn(pure.module(prm), xb, yb)
 
     # Every worker applies the same result every round, so the workers' models are
     # identical: keep one copy and vmap only the gradients and the collective.
-    opt_state = optimizer.init(params)
+    params = pure.params
     w_eager = jax.vmap(lambda _: init_eager_state(params, config, k_eager))(jnp.arange(p))
     collective = jax.vmap(lambda g, st: partial_allreduce(g, st, config, comm), axis_name=axis_name)
     worker_grads = jax.vmap(jax.value_and_grad(pure_loss), in_axes=(None, 0, 0))
 
-    def epoch_fn(prm, opt_state, eager_states, epoch):
+    def round_fn(carry, t):
+        """Round ``t`` (epoch ``t // S``, step ``t % S`` of it): worker ``w`` reads its shard ``x[w::P]``
+        in the order of a permutation drawn from ``fold_in(k_data, epoch * P + w)``."""
+        prm, opt_state, eager_states = carry
+        epoch, s = t // steps_per_epoch, t % steps_per_epoch
         perms = jax.vmap(lambda w: jax.random.permutation(jax.random.fold_in(k_data, epoch * p + w), shard))(
             jnp.arange(p)
         )
+        local = jax.lax.dynamic_slice_in_dim(perms, s * batch_per_worker, batch_per_worker, axis=1)
+        idx = jnp.arange(p)[:, None] + p * local
+        losses, grads = worker_grads(prm, x[idx], y[idx])
+        means, eager_states = collective(grads, eager_states)
+        updates, opt_state = optimizer.update(jax.tree.map(lambda a: a[0], means), opt_state, prm)
+        prm = optax.apply_updates(prm, updates)
+        return (prm, opt_state, eager_states), (jnp.mean(losses), eager_states.nap[0], eager_states.clock_ms[0])
 
-        def step(carry, s):
-            prm, opt_state, eager_states = carry
-            local = jax.lax.dynamic_slice_in_dim(perms, s * batch_per_worker, batch_per_worker, axis=1)
-            idx = jnp.arange(p)[:, None] + p * local  # worker w holds x[w::P]
-            losses, grads = worker_grads(prm, x[idx], y[idx])
-            means, eager_states = collective(grads, eager_states)
-            updates, opt_state = optimizer.update(jax.tree.map(lambda a: a[0], means), opt_state, prm)
-            prm = optax.apply_updates(prm, updates)
-            return (prm, opt_state, eager_states), (jnp.mean(losses), eager_states.nap[0], eager_states.clock_ms[0])
+    def summary(epoch, out):
+        loss, nap, clk = (np.asarray(v) for v in out)
+        return {
+            "epoch": epoch,
+            "step": epoch * steps_per_epoch,
+            "sim_time_s": float(clk[-1]) / 1000.0,
+            "train_loss": float(np.mean(loss)),
+            "nap_mean": float(np.mean(nap)),
+        }
 
-        return jax.lax.scan(step, (prm, opt_state, eager_states), jnp.arange(steps_per_epoch))
-
-    if on_eval is not None and not callable(on_eval):
-        raise TypeError(f"on_eval must be callable or None; got {type(on_eval).__name__}")
-    from tqdm.auto import tqdm
-
-    run_epoch = jax.jit(epoch_fn)
-    history, naps, clocks = [], [], []
-    losses = []
-    bar = tqdm(range(epochs), desc=f"eager-SGD {mode}", unit="epoch", disable=not progress, leave=False)
-    for epoch in bar:
-        (params, opt_state, w_eager), (loss, nap, clk) = run_epoch(params, opt_state, w_eager, epoch)
-        loss, nap, clk = np.asarray(loss), np.asarray(nap), np.asarray(clk)
-        naps.extend(nap.tolist())
-        clocks.extend(clk.tolist())
-        losses.extend(loss.tolist())
-        if (epoch + 1) % eval_every == 0 or epoch + 1 == epochs:
-            entry = {
-                "epoch": epoch + 1,
-                "step": (epoch + 1) * steps_per_epoch,
-                "sim_time_s": float(clk[-1]) / 1000.0,
-                "train_loss": float(np.mean(loss)),
-                "nap_mean": float(np.mean(nap)),
-            }
-            if eval_fn is not None:
-                trained = nnx.merge(graphdef, params, rest)
-                entry.update({k: float(v) for k, v in eval_fn(trained).items()})
-            history.append(entry)
-            bar.set_postfix({k: round(v, 4) for k, v in entry.items() if k not in ("epoch", "step")})
-            if on_eval is not None:
-                on_eval(entry)
-    bar.close()
-    final = nnx.merge(graphdef, params, rest)
+    evaluate = None if eval_fn is None else (lambda carry: eval_fn(pure.module(carry[0])))
+    (params, _, w_eager), result = simulate(
+        round_fn, (params, optimizer.init(params), w_eager), epochs * steps_per_epoch,
+        rounds_per_call=steps_per_epoch, summary=summary, eval_fn=evaluate, eval_every=eval_every,
+        on_eval=on_eval, progress=progress, desc=f"eager-SGD {mode}", unit="epoch",
+    )
+    losses, naps, clocks = result.outputs
     return {
-        "history": history,
-        "nap": naps,
-        "clock_ms": clocks,
-        "loss": losses,
+        "history": result.history,
+        "nap": naps.tolist(),
+        "clock_ms": clocks.tolist(),
+        "loss": losses.tolist(),
         "overflows": int(np.asarray(w_eager.overflows).max()),
         "steps_per_epoch": steps_per_epoch,
-        "model": final,
+        "model": pure.module(params),
     }

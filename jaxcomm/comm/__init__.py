@@ -24,12 +24,14 @@ from ._protocol import (
     serves,
     use,
 )
+from ._local import Local
 from ._mesh import MeshAxis
 from ._mpi import MPIComm
 from ._launch import mpirun_env, mpirun_path
 from ._packing import all_gather_packed
 from ._rma import OneSidedEventGrad, RMAExchange
 from ._partial_mpi import (
+    PARTIAL_MODES,
     PartialAllreduce,
     PartialCollectiveError,
     PartialCollectiveTimeout,
@@ -47,10 +49,12 @@ __all__ = [
     "SUM",
     "all_gather_packed",
     "Communicator",
+    "Local",
     "MeshAxis",
     "MPIComm",
     "OneSidedEventGrad",
     "RMAExchange",
+    "PARTIAL_MODES",
     "PartialAllreduce",
     "PartialCollectiveError",
     "PartialCollectiveTimeout",

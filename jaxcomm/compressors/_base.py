@@ -45,7 +45,8 @@ __all__ = [
     "check_finite_scalar",
 ]
 
-STRATEGIES = ("allreduce", "allgather")
+COMPRESSOR_STRATEGIES = ("allreduce", "allgather")
+"""What a compressor's payloads allow: summed as they are, or gathered (the pipeline has more strategies)."""
 
 
 # --------------------------------------------------------------------------- #
@@ -263,8 +264,8 @@ class Compressor:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"name must be a non-empty string; got {self.name!r}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}; got {self.strategy!r}")
+        if self.strategy not in COMPRESSOR_STRATEGIES:
+            raise ValueError(f"strategy must be one of {COMPRESSOR_STRATEGIES}; got {self.strategy!r}")
         for field in ("compress_fn", "decompress_fn", "init_state"):
             if not callable(getattr(self, field)):
                 raise TypeError(f"{field} must be callable; got {type(getattr(self, field)).__name__}")

@@ -9,14 +9,23 @@ the step's explicit key and splits again, so the step stays a pure function.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
-__all__ = ["PureModel", "split_model", "classification_loss", "language_model_loss"]
+__all__ = [
+    "PureModel",
+    "split_model",
+    "classification_loss",
+    "language_model_loss",
+    "classification_eval",
+    "evaluate_classifier",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,17 +44,28 @@ class PureModel:
     model_state: Any
     rng_state: Any
 
+    def module(self, params, model_state=None, *, key=None, train: bool | None = None) -> nnx.Module:
+        """The NNX module holding ``params`` and ``model_state`` (default: the split-time state).
+
+        ``key`` reseeds every RNG stream (see :meth:`PureModel.apply`); ``train`` ``True`` /
+        ``False`` switches training / evaluation behaviour, ``None`` keeps the
+        mode the model was split in.
+        """
+        state = self.model_state if model_state is None else model_state
+        model = nnx.merge(self.graphdef, params, self._rng_state_for(key), state)
+        if train is True:
+            model.train()
+        elif train is False:
+            model.eval()
+        return model
+
     def apply(self, params, model_state, x, *, key=None, train: bool = False, **kwargs):
         """Run the model: returns ``(output, new_model_state)``.
 
         ``key`` reseeds every RNG stream (dropout) for this call; ``train`` selects
-        training behaviour (dropout on).
+        training behaviour (dropout on); ``kwargs`` go to the module's call.
         """
-        model = nnx.merge(self.graphdef, params, self._rng_state_for(key), model_state)
-        if train:
-            model.train()
-        else:
-            model.eval()
+        model = self.module(params, model_state, key=key, train=bool(train))
         out = model(x, **kwargs)
         _, _, _, new_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
         return out, new_state
@@ -114,3 +134,43 @@ def language_model_loss(model: PureModel) -> Callable:
         return loss, (new_state, {"perplexity": jnp.exp(loss)})
 
     return loss_fn
+
+
+def classification_eval(model: PureModel) -> Callable:
+    """The jitted evaluation batch ``(params, model_state, x, y) -> (loss_sum, correct_sum)``.
+
+    ``x``: inputs ``[B, ...]``; ``y``: int targets ``[B]`` (or ``[B, T]`` for a
+    language model, whose logits are ``[B, T, V]``). Sums (not means) of the
+    softmax cross-entropy (nats) and of the correct argmax predictions over every
+    target, evaluation mode (dropout off). Build it once per model and reuse it:
+    each call of this function compiles anew.
+    """
+
+    def batch_sums(params, model_state, x, y):
+        out, _ = model.apply(params, model_state, x, train=False)
+        loss = optax.softmax_cross_entropy_with_integer_labels(out, y)
+        return loss.sum(), (jnp.argmax(out, -1) == y).sum()
+
+    return jax.jit(batch_sums)
+
+
+def evaluate_classifier(eval_batch: Callable, params, model_state, x, y, batch_size: int = 1000) -> dict:
+    """Mean ``loss`` (nats per target), ``accuracy`` (fraction) and ``perplexity`` (``exp(loss)``) on ``(x, y)``.
+
+    Args:
+      eval_batch: from :func:`classification_eval`.
+      params, model_state: one model's (no worker axis).
+      x, y: host or device arrays with a common leading axis ``N``.
+      batch_size: examples per call (the last batch may be smaller).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+    total_loss, total_correct, count = 0.0, 0.0, 0
+    for i in range(0, len(x), batch_size):
+        xb, yb = jnp.asarray(x[i : i + batch_size]), jnp.asarray(y[i : i + batch_size])
+        loss, correct = eval_batch(params, model_state, xb, yb)
+        total_loss += float(loss)
+        total_correct += float(correct)
+        count += int(np.prod(yb.shape))
+    mean = total_loss / count
+    return {"loss": mean, "accuracy": total_correct / count, "perplexity": math.exp(min(mean, 700.0))}

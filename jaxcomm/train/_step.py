@@ -100,6 +100,7 @@ def make_train_step(
     mesh: Mesh | None = None,
     comm=None,
     donate: bool = True,
+    state_specs=None,
 ):
     """Build the jitted step ``(state, batch) -> (state, metrics)``.
 
@@ -113,6 +114,17 @@ def make_train_step(
       comm: instead of ``mesh``, a communicator (e.g. ``jaxcomm.comm.MPIComm()``)
         for one worker per process; state and batch have no worker axis.
       donate: donate the input state's buffers (the step updates in place).
+      state_specs: on a mesh, where each part of the state lives: a
+        :class:`TrainState` of ``PartitionSpec`` (a pytree prefix of the state;
+        default every field ``P(axis)``). ``P(axis)``: the leaves carry the leading
+        worker axis, one slice per worker (device-varying in the step). ``P()``:
+        one replicated copy without a worker axis (device-invariant in the step),
+        which must come out identical on every worker. The step runs with
+        ``check_vma=True``, so jax checks these types at trace time. Replicated
+        (``P()``) parameters go to ``jax.grad`` as they are, so their gradient
+        comes back summed over the axis; the communicating transforms refuse such
+        a gradient (``ValueError``, "is not device-varying"), plain optax
+        optimizers apply it (``sum``, not mean, of the workers' gradients).
 
     Returns:
       The jitted step. Metrics come back per worker (leading axis on a mesh):
@@ -141,15 +153,37 @@ def make_train_step(
     axis = mesh.axis_names[0]
     communicator = MeshAxis(axis)
 
+    specs = _state_specs(state_specs, axis)
+    per_worker = lambda spec: spec == P(axis)  # noqa: E731
+
+    def squeeze(tree, add: bool):
+        return jax.tree.map(
+            lambda spec, sub: jax.tree.map((lambda x: x[None]) if add else (lambda x: x[0]), sub)
+            if per_worker(spec) else sub,
+            specs, tree, is_leaf=lambda x: isinstance(x, P))
+
     def sharded(state, batch):
-        state, batch = jax.tree.map(lambda x: x[0], (state, batch))
+        state, batch = squeeze(state, add=False), jax.tree.map(lambda x: x[0], batch)
         with use(communicator):
             new, metrics = step(state, batch)
-        return jax.tree.map(lambda x: x[None], (new, metrics))
+        return squeeze(new, add=True), jax.tree.map(lambda x: x[None], metrics)
 
-    # check_vma=False: every leaf of the state carries the worker axis, so no value is
-    # replicated and the vma type system has nothing to protect here; turning it off lets
-    # compressors use lax.cond/scan with constant branches without pcast boilerplate.
-    f = jax.shard_map(sharded, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(axis), P(axis)),
-                      check_vma=False)
+    # check_vma=True: jax tracks which values vary over the axis, so a replicated (P())
+    # leaf that came out different on some worker is a trace-time error, and
+    # compressed_mean's guard sees a gradient jax.grad already summed over the axis.
+    f = jax.shard_map(sharded, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P(axis)),
+                      check_vma=True)
     return jax.jit(f, donate_argnums=donate_argnums)
+
+
+def _state_specs(state_specs, axis: str) -> TrainState:
+    """The step's :class:`TrainState` of specs (default all ``P(axis)``), each field ``P(axis)`` or ``P()``."""
+    if state_specs is None:
+        return TrainState(*(P(axis),) * len(TrainState._fields))
+    if not isinstance(state_specs, TrainState):
+        raise TypeError(f"state_specs must be a TrainState of PartitionSpecs; got {type(state_specs).__name__}")
+    for name, spec in zip(TrainState._fields, state_specs):
+        for leaf in jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, P)):
+            if leaf not in (P(axis), P()):
+                raise ValueError(f"state_specs.{name}: every spec must be P({axis!r}) or P(); got {leaf!r}")
+    return state_specs

@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._checkpoint import latest_step, restore_checkpoint, save_checkpoint
 from ._mesh import make_mesh
-from ._nnx import PureModel, classification_loss, language_model_loss, split_model
+from ._nnx import (PureModel, classification_eval, classification_loss, evaluate_classifier, language_model_loss,
+                   split_model)
 from ._step import TrainState, init_train_state, make_train_step
 
 __all__ = ["Trainer", "NonFiniteLossError", "to_workers"]
@@ -35,13 +36,14 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or Inf; training stopped and the last good checkpoint was kept."""
 
 
-def to_workers(tree, mesh) -> Any:
+def to_workers(tree, mesh, spec: P | None = None) -> Any:
     """Place host arrays with a leading worker axis onto ``mesh`` (split over its axis).
 
+    ``spec=P()`` instead places one replicated copy (no worker axis) on every device.
     Works on one process and under ``jax.distributed`` (each process supplies the
     rows of its own devices from the full host array).
     """
-    sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
+    sharding = NamedSharding(mesh, P(mesh.axis_names[0]) if spec is None else spec)
 
     def put(x):
         x = np.asarray(x) if not isinstance(x, jax.Array) else x
@@ -82,6 +84,14 @@ class Trainer:
       num_workers: mesh size (default: every device); ignored with ``comm``.
       comm: a communicator for one worker per process (e.g. ``MPIComm()``).
       seed: seeds the per-worker PRNG keys (dropout, stochastic compressors).
+      replicated_params: on a mesh, keep one replicated copy of the parameters
+        (spec ``P()``, no worker axis) instead of one per worker. ``jax.grad`` of
+        replicated parameters inside ``shard_map`` returns the gradient already
+        *summed* over the workers (a dense allreduce): right for a plain optax
+        optimizer (scale its learning rate by ``1 / num_workers`` for the mean),
+        refused by jaxcomm's communicating transforms (``ValueError``: "is not
+        device-varying"), whose compression it would bypass. Every worker must
+        then apply the same update; the step's type check (``check_vma``) enforces it.
     """
 
     model: nnx.Module
@@ -90,6 +100,7 @@ class Trainer:
     num_workers: Optional[int] = None
     comm: Any = None
     seed: int = 0
+    replicated_params: bool = False
 
     def __post_init__(self):
         self.pure: PureModel = split_model(self.model)
@@ -104,12 +115,17 @@ class Trainer:
         if self.comm is None:
             self.mesh = make_mesh(self.num_workers)
             self.num_workers = self.mesh.shape[self.mesh.axis_names[0]]
-            self.step_fn = make_train_step(self.loss_fn, self.tx, mesh=self.mesh)
+            axis = P(self.mesh.axis_names[0])
+            self.state_specs = TrainState(axis, P() if self.replicated_params else axis, axis, axis, axis)
+            self.step_fn = make_train_step(self.loss_fn, self.tx, mesh=self.mesh, state_specs=self.state_specs)
         else:
+            if self.replicated_params:
+                raise ValueError("replicated_params applies to a device mesh; with comm=... every process "
+                                 "holds its own copy already")
             self.mesh = None
             self.num_workers = int(self.comm.size)
             self.step_fn = make_train_step(self.loss_fn, self.tx, comm=self.comm)
-        self._eval_fn = jax.jit(self._eval_batch)
+        self._eval_fn = classification_eval(self.pure)
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> TrainState:
@@ -123,8 +139,11 @@ class Trainer:
         def one(key):
             return init_train_state(self.pure.params, self.pure.model_state, self.tx, key)
 
-        host = jax.vmap(one)(keys)
-        return to_workers(jax.tree.map(np.asarray, host), self.mesh)
+        host = jax.tree.map(np.asarray, jax.vmap(one)(keys))
+        if not self.replicated_params:
+            return to_workers(host, self.mesh)
+        params = to_workers(jax.tree.map(lambda x: x[0], host.params), self.mesh, P())
+        return to_workers(host._replace(params=None), self.mesh)._replace(params=params)
 
     def worker_batch(self, batch):
         """Device placement of one global batch ``(num_workers, per_worker, ...)``."""
@@ -137,17 +156,13 @@ class Trainer:
         """Worker 0's parameters (data-parallel replicas are identical), or the workers' mean."""
         if self.mesh is None:
             return state.params
+        if self.replicated_params:
+            return jax.tree.map(_to_host, state.params)
         if average:
             return jax.tree.map(lambda x: np.asarray(x).mean(0), state.params)
         return jax.tree.map(_first_worker, state.params)
 
     # ------------------------------------------------------------- evaluation
-    def _eval_batch(self, params, model_state, x, y):
-        out, _ = self.pure.apply(params, model_state, x, train=False)
-        loss = optax.softmax_cross_entropy_with_integer_labels(out, y)
-        correct = jnp.argmax(out, -1) == y
-        return loss.sum(), correct.sum()
-
     def evaluate(self, state: TrainState, x, y, batch_size: int = 1000, average: bool = False) -> dict:
         """Mean loss and accuracy of (worker 0's or the averaged) model on ``(x, y)``.
 
@@ -157,16 +172,9 @@ class Trainer:
         model_state = (
             state.model_state if self.mesh is None else jax.tree.map(_first_worker, state.model_state)
         )
-        total_loss, total_correct, count = 0.0, 0.0, 0
-        for i in range(0, len(x), batch_size):
-            xb, yb = jnp.asarray(x[i : i + batch_size]), jnp.asarray(y[i : i + batch_size])
-            loss, correct = self._eval_fn(params, model_state, xb, yb)
-            total_loss += float(loss)
-            total_correct += float(correct)
-            count += int(np.prod(yb.shape))
-        out = {"loss": total_loss / count, "accuracy": total_correct / count}
-        if self.task == "language_model":
-            out["perplexity"] = math.exp(out["loss"])
+        out = evaluate_classifier(self._eval_fn, params, model_state, x, y, batch_size)
+        if self.task != "language_model":
+            out.pop("perplexity")
         return out
 
     # ------------------------------------------------------------------- loop

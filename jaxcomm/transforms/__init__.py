@@ -19,13 +19,12 @@ from ._gradient_dropping import (
     num_kept,
     periodic_average,
 )
-from ._pipeline import FUSE_MAX_BYTES, STRATEGIES, CompressionState, Local, run_rounds
+from ._pipeline import FUSE_MAX_BYTES, STRATEGIES, CompressionState, run_rounds
 
 __all__ = [
     "CompressionState",
     "DoubleSqueezeState",
     "FUSE_MAX_BYTES",
-    "Local",
     "PeriodicAverageState",
     "STRATEGIES",
     "average_params",

@@ -47,8 +47,8 @@ from .._keys import step_keys
 from ..comm import resolve
 from ..compressors._base import Compressor
 from ._pipeline import (
+    LOCAL,
     CompressionState,
-    Local,
     Owner,
     check_compressor,
     check_memory,
@@ -63,8 +63,6 @@ from ._pipeline import (
 __all__ = ["DoubleSqueezeState", "doublesqueeze"]
 
 SERVER_MODES = ("replicated", "sharded")
-
-_LOCAL = Local()
 
 
 class DoubleSqueezeState(NamedTuple):
@@ -186,7 +184,7 @@ def doublesqueeze(
         )
         # Server half, recomputed identically on every worker: error feedback of the mean (nothing sent).
         sx, s_leaves, _, server_state, _ = compress_step(
-            _LOCAL, mean, state.server, compressor=server_c, memory=server_mem, strategy=server_c.strategy
+            LOCAL, mean, state.server, compressor=server_c, memory=server_mem, strategy=server_c.strategy
         )
         outs = [(m if server_mem.output_scale == 1.0 else m * server_mem.output_scale).astype(g.dtype)
                 for m, g in zip(sx.means, s_leaves)]

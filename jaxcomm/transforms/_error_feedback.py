@@ -11,11 +11,9 @@ import optax
 
 from .. import memory as memory_lib
 from ..compressors._base import Compressor
-from ._pipeline import CompressionState, Local, check_compressor, check_memory, compress_step, init_state
+from ._pipeline import LOCAL, CompressionState, check_compressor, check_memory, compress_step, init_state
 
 __all__ = ["error_feedback"]
-
-_LOCAL = Local()
 
 
 def error_feedback(compressor: Compressor, memory: memory_lib.Memory | None = None) -> optax.GradientTransformationExtraArgs:
@@ -62,7 +60,7 @@ def error_feedback(compressor: Compressor, memory: memory_lib.Memory | None = No
     def update_fn(updates, state: CompressionState, params=None, **extra_args):
         del params, extra_args
         ex, leaves, treedef, new_state, _ = compress_step(
-            _LOCAL, updates, state, compressor=compressor, memory=memory, strategy=strategy
+            LOCAL, updates, state, compressor=compressor, memory=memory, strategy=strategy
         )
         outs = [(m if scale == 1.0 else m * scale).astype(g.dtype) for m, g in zip(ex.means, leaves)]
         return treedef.unflatten(outs), new_state

@@ -2,8 +2,8 @@
 
 Aji & Heafield (2017) drop all but the largest gradients (Algorithm 1, with
 error feedback); "Combining global sparse gradients with local gradients"
-(ICLR 2019 submission, Algorithm 2) lets every node n combine the summed
-sparse global gradient G_t with its own dense local gradient L^n_t:
+(Aji, Heafield & Bogoychev, EMNLP-IJCNLP 2019, Algorithm 2) lets every node n
+combine the summed sparse global gradient G_t with its own dense local gradient L^n_t:
 
     E^n_t ← E^n_{t-1} + L^n_t
     threshold ← K-th largest of |E^n_t|;   mask ← |E^n_t| ≥ threshold
@@ -20,6 +20,12 @@ terms make the workers' parameters drift apart. From Deep Gradient Compression
 (Lin et al. 2018, Sec. 3.3) come two composable options: local gradient
 clipping before accumulation (threshold scaled by N^{-1/2}) and the
 exponential compression-ratio warm-up.
+
+Lines 3-8 are the transforms' pipeline (:mod:`._pipeline`) with the residual
+memory (``E ← E + L``, then ``E ← E − S``) and a top-k selection: the
+catalogue's exact top-k (sparse exchange), Algorithm 2's threshold rule sent
+dense (``mask = |E| ≥ K-th largest``, ties kept), or a fixed capacity of
+magnitude-ordered pairs after a warm-up. Only the combination ``C`` is written here.
 
 Usage (inside ``jax.shard_map`` over "data", or with ``axis_name`` bound by vmap)::
 
@@ -59,7 +65,8 @@ __all__ = [
     "num_kept",
 ]
 
-MODES = ("none", "sum", "partial", "error")
+COMBINATIONS = ("none", "sum", "partial", "error")
+"""Algorithm 2's ways of combining the global sparse gradient with the local one (``mode=``)."""
 SCOPES = ("global", "leaf")
 EXCHANGES = ("auto", "sparse", "dense")
 
@@ -232,8 +239,8 @@ def gradient_dropping(
         ``[0, 1)``, non-positive ``clip_norm``, ``exchange="sparse"`` with a
         schedule, or updates whose tree differs from the one ``init`` saw.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    if mode not in COMBINATIONS:
+        raise ValueError(f"mode must be one of {COMBINATIONS}; got {mode!r}")
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}; got {scope!r}")
     if exchange not in EXCHANGES:

@@ -24,7 +24,7 @@ Strategies (how the payloads become the sum ``Σ_i Q⁻¹(p_i)``):
   worker sends ``(n − 1)`` chunk payloads and one averaged chunk, about
   ``2 (n − 1) / n`` of its payload whatever ``n``.
 
-A one-worker communicator (:class:`Local`) turns the pipeline into plain error
+A one-worker communicator (:class:`jaxcomm.comm.Local`) turns the pipeline into plain error
 feedback: nothing is sent and ``Σ`` is the worker's own reconstruction.
 
 Wire accounting happens here and only here: ``state.wire_bits[j]`` is the exact
@@ -44,14 +44,13 @@ import numpy as np
 from .. import memory as memory_lib
 from .._keys import step_keys
 from .._vma import varying_axes
-from ..comm import all_gather_packed
+from ..comm import ALL_GATHER, BROADCAST, PERMUTE, SUM, Local, all_gather_packed, require
 from ..compressors._base import Compressor, check_float_input, wire_bits
 
 __all__ = [
     "STRATEGIES",
     "FUSE_MAX_BYTES",
     "CompressionState",
-    "Local",
     "run_rounds",
 ]
 
@@ -143,29 +142,18 @@ def check_stateless(compressor: Compressor, name: str, why: str) -> None:
         raise ValueError(f"{why} needs a single-round compressor; {name} {compressor.name!r} has rounds")
 
 
-_COLLECTIVE = {
-    "allreduce": "sum",
-    "allgather": "all_gather",
-    "broadcast": "broadcast",
-    "reduce_scatter": "permute",
+_NEEDS = {
+    "allreduce": (SUM,),
+    "allgather": (ALL_GATHER,),
+    "broadcast": (BROADCAST,),
+    "reduce_scatter": (PERMUTE, ALL_GATHER),
 }
+"""The collectives each strategy runs."""
 
 
 def check_served(comm, chosen: str, compressor: Compressor) -> None:
-    """``ValueError`` if ``comm`` cannot run strategy ``chosen`` for ``compressor``."""
-    served = getattr(comm, "strategies", None)
-    if served is not None and chosen not in tuple(served):
-        raise ValueError(
-            f"communicator {comm!r} serves strategies {tuple(served)} but compressor {compressor.name!r} "
-            f"needs {chosen!r}"
-        )
-    needed = [_COLLECTIVE[chosen]] + (["all_gather"] if chosen == "reduce_scatter" else [])
-    for name in needed:
-        if not callable(getattr(comm, name, None)):
-            raise ValueError(
-                f"communicator {comm!r} has no {name}() to serve strategy {chosen!r} "
-                f"for compressor {compressor.name!r}"
-            )
+    """``ValueError`` (from :func:`jaxcomm.comm.require`) if ``comm`` cannot run strategy ``chosen``."""
+    require(comm, *_NEEDS[chosen], for_what=f"strategy {chosen!r} for compressor {compressor.name!r}")
 
 
 def check_per_worker(comm, leaves) -> None:
@@ -433,15 +421,12 @@ def exchange(comm, phis: list, keys: list, states: list, compressors: list, stra
 
     payloads, new_states, bits, totals, messages = [], [], [], [], 0
     rounds = strategy == "allreduce" and any(c.rounds is not None for c in compressors)
-    for phi, key, state, c in zip(phis, keys, states, compressors):
+    for phi, key, state, c, a in zip(phis, keys, states, compressors, acc):
         if rounds and c.rounds is not None:
-            if n == 1:
-                payload, state, sent = run_rounds(c, phi, key, state, _LOCAL)
-            else:
-                payload, state, sent = run_rounds(c, phi, key, state, comm)
+            payload, state, sent = run_rounds(c, phi, key, state, comm if n > 1 else LOCAL)
             messages += len(sent) if n > 1 else 0
             bits.append(count_bits(sum(_array_bits(m) for m in sent)))
-            totals.append(c.decompress(payload).astype(jnp.promote_types(jnp.result_type(phi), jnp.float32)))
+            totals.append(c.decompress(payload).astype(a))
         else:
             payload, new_state = c.compress(phi, key if n == 1 else jax.random.fold_in(key, index), state)
             if strategy == "allreduce":
@@ -606,9 +591,9 @@ def compress_step(comm, updates, state: CompressionState, *, compressor, memory:
         leaves flattened into one tensor, one selection over the whole tree).
       owner_step: ``"reduce_scatter"`` only: ``leaf_keys -> Owner``.
     Returns:
-      ``(exchanged, leaves, treedef, new_state, phis)``: the exchange (per
-      tensor), the gradient leaves, their treedef, the new state (memory
-      updated) and the compensated tensors.
+      ``(exchanged, leaves, treedef, new_state, groups)``: the exchange (per
+      compressed tensor), the gradient leaves, their treedef, the new state
+      (memory updated) and the leaf indices of each compressed tensor.
     """
     leaves, treedef, mem_leaves = flatten_updates(updates, state, scope)
     if int(comm.size) > 1:
@@ -641,48 +626,5 @@ def compress_step(comm, updates, state: CompressionState, *, compressor, memory:
     return ex, leaves, treedef, new_state, groups
 
 
-# --------------------------------------------------------------------------- #
-# The one-worker communicator
-# --------------------------------------------------------------------------- #
-class Local:
-    """A communicator of one worker: every collective is the identity (stacked for ``all_gather``).
-
-    ``error_feedback`` and DoubleSqueeze's replicated server run the pipeline
-    on it: nothing is sent, and the sum over workers is this worker's own
-    reconstruction.
-    """
-
-    strategies = STRATEGIES
-
-    def __repr__(self):
-        return "Local()"
-
-    @property
-    def size(self) -> int:
-        return 1
-
-    def index(self):
-        return jnp.zeros((), jnp.int32)
-
-    def sum(self, tree):
-        return tree
-
-    def mean(self, tree):
-        return tree
-
-    def all_gather(self, tree):
-        return jax.tree.map(lambda a: jnp.asarray(a)[None], tree)
-
-    def broadcast(self, tree, root: int = 0):
-        if root != 0:
-            raise ValueError(f"root must be 0 for a one-worker communicator; got {root}")
-        return tree
-
-    def permute(self, tree, perm):
-        return tree if list(perm) == [(0, 0)] else jax.tree.map(jnp.zeros_like, tree)
-
-    def varying(self, tree):
-        return tree
-
-
-_LOCAL = Local()
+LOCAL = Local()
+"""The one-worker communicator the single-process transforms run the pipeline on."""

@@ -76,6 +76,21 @@ def main() -> None:
     want = np.float32(256.0 + n - 1).astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.full(2, want))
 
+    # sum of 16-bit floats: a 16-bit reduce-scatter + all-gather, summed in float32 and rounded
+    # once; odd lengths are padded to n chunks. 256 + 1 + ... + 1 survives float32 accumulation.
+    for k in ("bf16", "f16"):
+        x = np.concatenate([mine[k].reshape(-1), mine[k].reshape(-1)[:5]])  # 6 n + 5 entries
+        got = jax.jit(comm.sum)(jnp.asarray(x))
+        assert got.dtype == x.dtype, k
+        allx = [np.concatenate([e[k].reshape(-1), e[k].reshape(-1)[:5]]) for e in everyone]
+        want = np.sum([a.astype(np.float32) for a in allx], axis=0).astype(x.dtype).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want,
+                                   rtol=float(ml_dtypes.finfo(x.dtype).eps), err_msg=f"sum {k}")
+    big = np.full(7, 256.0 if r == 0 else 1.0, np.float32)
+    got = jax.jit(comm.sum)(jnp.asarray(big, jnp.bfloat16))
+    want = np.float32(256.0 + n - 1).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.full(7, want))
+
     # broadcast from every root: integers, bool, 16-bit floats and typed keys.
     tree = {"i32": mine["i32"], "bool": mine["bool"], "bf16": mine["bf16"], "key": my_keys}
     outs = jax.jit(lambda t: [comm.broadcast(t, root) for root in range(n)])(tree)

@@ -31,11 +31,14 @@ CASES = {
     # allgather of a stochastic compressor: per-worker keys fold_in(rank) must match fold_in(axis_index)
     "qsgd_allgather": lambda **where: compressed_mean(
         jc.compressors.qsgd(levels=4), memory=mem.residual(), **where),
-    # two allreduce rounds inside the compressor's compress_allreduce hook (P, then Q)
+    # two allreduce rounds yielded by the compressor's rounds (P, then Q)
     "powersgd_allreduce": lambda **where: compressed_mean(
         jc.compressors.powersgd(matrix_approximation_rank=1), memory=mem.residual(), **where),
     # DoubleSqueeze: worker and server error feedback around 1-bit scaled-sign payloads
     "doublesqueeze": lambda **where: doublesqueeze(jc.compressors.scaled_sign(), **where),
+    # reduce-scatter: 16-bit chunks to their owners, float32 sums, 16-bit averaged chunks gathered
+    "fp16_reduce_scatter": lambda **where: compressed_mean(
+        jc.compressors.fp16(), memory=mem.residual(), strategy="reduce_scatter", **where),
 }
 
 # Per-case tolerance of the MPI-vs-mesh comparison (default 1e-6: same float32

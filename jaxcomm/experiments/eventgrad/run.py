@@ -26,11 +26,9 @@ one of them is a config key (``--set KEY=VALUE``, repeated); the paper's MNIST p
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -73,20 +71,15 @@ def _load(dataset: str, train_examples: int, test_examples: int, seed: int):
 
 
 def _model(name: str, seed: int):
-    """``(apply, params)``: ``apply(params, x, key, train) -> logits`` pure; ``params`` one worker's."""
+    """The model as a :class:`jaxcomm.train.PureModel` (one worker's parameters in ``.params``)."""
     from flax import nnx
 
     from ... import models
+    from ...train import split_model
 
     rngs = nnx.Rngs(seed)
     model = models.EventGradCNN(rngs=rngs) if name == "eventgrad_cnn" else models.ResNet20(10, 1, rngs=rngs)
-    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
-
-    def apply(p, x, key, train):
-        m = nnx.merge(graphdef, p, *rest)
-        return m(x, deterministic=not train, rngs=key)
-
-    return apply, params
+    return split_model(model)
 
 
 def _tensor_names(params) -> list:
@@ -131,60 +124,16 @@ def _make_algorithm(name: str, topo, tx, cfg):
     raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {name!r}")
 
 
-def _evaluate(apply, params, test, batch: int = 500) -> tuple:
-    """(accuracy %, mean loss) of one model on ``test``."""
-    fn = _eval_fn(apply)
-    correct, loss = 0.0, 0.0
-    for s in range(0, test.num_examples, batch):
-        c, l = fn(params, jnp.asarray(test.images[s : s + batch]), jnp.asarray(test.labels[s : s + batch]))
-        correct += float(c)
-        loss += float(l)
-    return 100.0 * correct / test.num_examples, loss / test.num_examples
-
-
-_EVAL_CACHE: dict = {}
-_GRAD_CACHE: dict = {}
-
-
-def _eval_fn(apply):
-    if apply not in _EVAL_CACHE:
-
-        @jax.jit
-        def fn(p, x, y):
-            logits = apply(p, x, None, False)
-            return (
-                jnp.sum(jnp.argmax(logits, -1) == y),
-                jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, y)),
-            )
-
-        _EVAL_CACHE[apply] = fn
-    return _EVAL_CACHE[apply]
-
-
-def _grad_fn(apply):
-    """Per-worker loss and gradient at each worker's own parameters, vmapped over workers (one compile per n)."""
-    if apply not in _GRAD_CACHE:
-
-        def loss(p, x, y, key):
-            return optax.softmax_cross_entropy_with_integer_labels(apply(p, x, key, True), y).mean()
-
-        @jax.jit
-        def fn(P, x, y, key):
-            keys = jax.random.split(key, x.shape[0])
-            return jax.vmap(jax.value_and_grad(loss))(P, x, y, keys)
-
-        _GRAD_CACHE[apply] = fn
-    return _GRAD_CACHE[apply]
-
-
 def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: bool) -> dict:
     from ... import data, topology
-    from ...algorithms import average_model, replicate
+    from ...algorithms import average_model, simulate_decentralized
+    from ...train import classification_eval, evaluate_classifier
 
     spec = TASKS[task]
     pre = spec["prefix"]
     train, test = data_
-    apply, params0 = model_
+    pure = model_
+    params0 = pure.params
     batch = cfg[pre + "batch_per_worker"]
     lr, momentum = cfg[pre + "lr"], cfg[pre + "momentum"]
     topo = topology.make(cfg["topology"], n)
@@ -197,37 +146,45 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
     iterations = cfg[pre + "iterations"]
     if iterations <= 0:
         iterations = max(1, int(round(cfg["epochs"] * batches.steps_per_epoch)))
-    params = jax.tree.map(jnp.asarray, replicate(params0, n))
-    state = jax.vmap(alg.init)(params)
-    grad_fn = _grad_fn(apply)
-    step_fn = jax.jit(jax.vmap(alg.step, axis_name="w"))
     picks = _traced_tensors(params0, cfg["trace_tensors"]) if trace else []
-    rec: dict[str, list] = {"norm": [], "threshold": [], "fired": [], "last_sent_norm": []}
-    losses = []
-    t0 = time.perf_counter()
-    first_step_s: float | None = None
-    for t in range(iterations):
-        b = next(batches)
-        loss, grads = grad_fn(params, jnp.asarray(b.images), jnp.asarray(b.labels), jax.random.fold_in(key, 100 + t))
-        params, state = step_fn(params, grads, state)
-        losses.append(loss)
-        if picks:
-            for field, tree in (
-                ("norm", state.norm),
-                ("threshold", state.check_threshold),
-                ("fired", state.fired),
-                ("last_sent_norm", state.trigger.last_sent_norm),
-            ):
-                leaves = jax.tree.leaves(tree)
-                rec[field].append([leaves[i][0] for i in picks])
-        if t == 0:
-            jax.block_until_ready(params)
-            first_step_s = time.perf_counter() - t0
-    jax.block_until_ready(params)
-    wall = time.perf_counter() - t0
-    assert first_step_s is not None, "iterations must be >= 1"
-    acc, test_loss = _evaluate(apply, average_model(params), test)
-    train_loss = np.asarray(jax.device_get(losses)).mean(axis=1)
+
+    def record(params, state):  # worker 0's value of the traced tensors' trigger fields
+        fields = {
+            "norm": state.norm,
+            "threshold": state.check_threshold,
+            "fired": state.fired,
+            "last_sent_norm": state.trigger.last_sent_norm,
+        }
+        return {f: [jax.tree.leaves(tree)[i][0] for i in picks] for f, tree in fields.items()}
+
+    def loss(params, model_state, b, k):  # dropout keyed by the model's own ``rngs`` argument
+        logits, model_state = pure.apply(params, model_state, b.images, train=True, rngs=k)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b.labels).mean(), (model_state, {})
+
+    run = simulate_decentralized(
+        alg,
+        loss,
+        params0,
+        pure.model_state,
+        batches,
+        iterations,
+        num_workers=n,
+        key=key,
+        key_offset=100,
+        axis_name="w",
+        record=record if picks else None,
+    )
+    params, state, wall, first_step_s = run["params"], run["state"], run["wall_s"], run["first_call_s"]
+    ev = evaluate_classifier(
+        classification_eval(pure),
+        average_model(params),
+        jax.tree.map(lambda a: a[0], run["model_state"]),
+        test.images,
+        test.labels,
+        500,
+    )
+    acc, test_loss = 100.0 * ev["accuracy"], ev["loss"]
+    train_loss = np.asarray(run["loss"]).mean(axis=1)
     out = {
         "task": task,
         "algorithm": algorithm,
@@ -267,7 +224,8 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
         )
     if picks:
         names = _tensor_names(params0)
-        get = lambda f: np.asarray(jax.device_get(rec[f]), dtype=float).T.tolist()
+        rec = run["records"]
+        get = lambda f: np.stack([np.asarray(a, dtype=float) for a in rec[f]]).tolist()
         out["trace"] = {
             "tensors": [names[i] for i in picks],
             "sizes": [int(np.size(jax.tree.leaves(params0)[i])) for i in picks],
