@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import jaxcomm as jc
 from jaxcomm.compressors import _hybrid as H
-from jaxcomm.compressors import _sparsify as S
+from jaxcomm.compressors._kernels import select as S
 
 KEY = jax.random.PRNGKey(0)
 

@@ -53,7 +53,7 @@ from ._quantize import (
     terngrad,
 )
 from ._sign import MeanAbsSignPayload, OneBitPayload, SignPayload, SignumState, efsignsgd, onebit, signsgd, signum
-from ._sparsify import (
+from ._kernels.select import (
     CountSparsePayload,
     MaskSparsePayload,
     RandomKPayload,

@@ -17,7 +17,7 @@ import numpy as np
 
 from ._base import Compressor, Payload, check_positive_int, check_ratio, payload_dataclass, register, static_field
 from ._primitives import dequantize, index_dtype, pack, quantize, unpack
-from ._sparsify import (
+from ._kernels.select import (
     _magnitude_keys,
     _scatter,
     _scatter_count,

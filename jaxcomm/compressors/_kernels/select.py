@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._vma import vary_like
-from ._base import (
+from ..._vma import vary_like
+from .._base import (
     Compressor,
     Payload,
     check_finite_scalar,
@@ -53,7 +53,7 @@ from ._base import (
     register,
     static_field,
 )
-from ._primitives import desparsify, index_dtype, pack, packed_size, unpack
+from .._primitives import desparsify, index_dtype, pack, packed_size, unpack
 
 Array = jax.Array
 
