@@ -1,7 +1,7 @@
 """Counter-based random bits: one keyed hash generator for every stochastic compressor.
 
 :func:`uniform_bits` returns ``n`` uint32 words ``w_i = F(i; s0, s1)``,
-``i = 0..n-1``. The seed words ``(s0, s1) = jax.random.bits(key, (2,))`` are
+``i = 0..n-1``. The key words ``(s0, s1) = jax.random.bits(key, (2,))`` are
 the only threefry draw (every JAX key, raw ``uint32[2]`` or typed, gives its
 own stream), and ``F`` is built from one xorshift-multiply finalizer
 
@@ -11,7 +11,7 @@ own stream), and ``F`` is built from one xorshift-multiply finalizer
 schemes:
 
 * ``"murmur3"``: ``F = m(m(m(i XOR s0) + s1) XOR s0)``, ``m = xmx[0x85EBCA6B,
-  13, 0xC2B2AE35]`` (MurmurHash3's fmix32). For fixed seeds ``F`` is a
+  13, 0xC2B2AE35]`` (MurmurHash3's fmix32). For fixed key words ``F`` is a
   bijection of ``i``, so the ``n`` words are distinct. Used by the
   sparsifiers: random-k's positions, random sparsification's keep mask, the
   top-k and DGC threshold samples.
@@ -54,26 +54,26 @@ def lowbias32(h):
     return _xmx(h, 0x7FEB352D, 15, 0x846CA68B)
 
 
-def key_seeds(key) -> Array:
-    """Two uint32 seed words drawn from a PRNG key (threefry, two words only), shape ``(2,)``."""
+def key_words(key) -> Array:
+    """The two uint32 words that key the hash, drawn from a PRNG key (threefry, two words only), shape ``(2,)``."""
     if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
         return jax.random.bits(key, (2,), jnp.uint32)
     return jax.random.bits(jnp.asarray(key, jnp.uint32), (2,), jnp.uint32)
 
 
-def _murmur3(i, seeds):
-    return fmix32(fmix32(fmix32(i ^ seeds[0]) + seeds[1]) ^ seeds[0])
+def _murmur3(i, words):
+    return fmix32(fmix32(fmix32(i ^ words[0]) + words[1]) ^ words[0])
 
 
-def _lowbias32(i, seeds):
-    return lowbias32((i * jnp.uint32(0x9E3779B9) + seeds[0]) ^ seeds[1])
+def _lowbias32(i, words):
+    return lowbias32((i * jnp.uint32(0x9E3779B9) + words[0]) ^ words[1])
 
 
 _SCHEMES = {"murmur3": _murmur3, "lowbias32": _lowbias32}
 
 
 def uniform_bits(key, n: int, scheme: str) -> Array:
-    """``n`` pseudo-random uint32 words ``F(i; key_seeds(key))``, ``i = 0..n-1`` (module doc).
+    """``n`` pseudo-random uint32 words ``F(i; key_words(key))``, ``i = 0..n-1`` (module doc).
 
     Args:
       key: a JAX PRNG key.
@@ -84,7 +84,7 @@ def uniform_bits(key, n: int, scheme: str) -> Array:
     """
     if scheme not in _SCHEMES:
         raise ValueError(f"scheme must be one of {tuple(_SCHEMES)}; got {scheme!r}")
-    return _SCHEMES[scheme](jnp.arange(n, dtype=jnp.uint32), key_seeds(key))
+    return _SCHEMES[scheme](jnp.arange(n, dtype=jnp.uint32), key_words(key))
 
 
 def uniform_floats(key, n: int) -> Array:
