@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ._base import Compressor, Payload, check_finite_scalar, payload_dataclass, register, static_field
-from ._kernels.bitpack import pack, packed_size, unpack
+from ._kernels.bitpack import pack, packed_size, popcount, unpack
 from ._primitives import flat32, restore, size_of
 from ._quantize import jitted_compressor, nan_unless_finite
 
@@ -137,7 +137,7 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
         # fewer masked sums is faster). mu_0 uses sum(x) - sum_high: its
         # rounding error is ~eps * sum|x| instead of ~eps * sum_low |x|, which
         # matters only when the entries below tau carry a tiny part of the mass.
-        n_high = jnp.sum(jax.lax.population_count(bits), dtype=jnp.int32).astype(jnp.float32)
+        n_high = jnp.sum(popcount(bits)).astype(jnp.float32)
         n_low = jnp.float32(xf.size) - n_high
         s_high = jnp.sum(jnp.where(high, xf, 0.0))
         s_low = jnp.sum(xf) - s_high
