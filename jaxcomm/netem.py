@@ -48,31 +48,31 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 __all__ = [
     "HEADER_BYTES",
     "LOOPBACK_MTU",
+    "LaunchResult",
+    "LinkCounters",
+    "LinkSettings",
     "NetemError",
     "NetemUnavailable",
-    "LinkSettings",
-    "LinkCounters",
-    "LaunchResult",
-    "parse_rate",
-    "parse_time",
-    "parse_size",
-    "link_settings",
-    "qdisc_commands",
-    "missing_requirements",
-    "link_counters",
-    "link_bytes",
-    "parse_qdisc_stats",
-    "ring_allreduce_bytes",
     "all_gather_bytes",
-    "mpirun_netem_env",
     "launch",
+    "link_bytes",
+    "link_counters",
+    "link_settings",
+    "missing_requirements",
+    "mpirun_netem_env",
+    "parse_qdisc_stats",
+    "parse_rate",
+    "parse_size",
+    "parse_time",
+    "qdisc_commands",
+    "ring_allreduce_bytes",
 ]
 
 HEADER_BYTES = 66
@@ -82,7 +82,9 @@ HEADER_BYTES = 66
 LOOPBACK_MTU = 65536
 """The Linux loopback's default MTU in bytes (IPv4 packet size, Ethernet header excluded)."""
 
-_TBF_QUEUE_LATENCY = "400ms"  # tbf's bound on queueing time (its `latency`), not a delay
+_TBF_QUEUE_LATENCY = (
+    "400ms"  # tbf's bound on queueing time (its `latency`), not a delay
+)
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21
 _CLONE_NEWNET = 0x40000000
@@ -104,7 +106,15 @@ _RATE_UNITS = {
     "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
 }  # fmt: skip
 _TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
-_SIZE_UNITS = {"b": 1, "": 1, "kb": 1024, "k": 1024, "mb": 1024**2, "m": 1024**2, "gb": 1024**3}
+_SIZE_UNITS = {
+    "b": 1,
+    "": 1,
+    "kb": 1024,
+    "k": 1024,
+    "mb": 1024**2,
+    "m": 1024**2,
+    "gb": 1024**3,
+}
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
 
 
@@ -129,7 +139,9 @@ def parse_rate(text: str, option: str = "--bandwidth") -> float | None:
         )
     rate = float(m.group(1)) * _RATE_UNITS[m.group(2)]
     if rate < 8:  # tc's smallest rate is 1 byte/s
-        raise NetemError(f"{option}: the rate must be at least 8bit (1 byte per second); got {text!r}")
+        raise NetemError(
+            f"{option}: the rate must be at least 8bit (1 byte per second); got {text!r}"
+        )
     return rate
 
 
@@ -164,8 +176,10 @@ def parse_size(text: str, option: str = "--burst") -> int:
     s = str(text).strip().lower()
     m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", s)
     if not m or m.group(2) not in _SIZE_UNITS:
-        raise NetemError(f"{option}: cannot read {text!r} as a size; write a number of bytes or kb/mb, e.g. 256kb")
-    return int(round(float(m.group(1)) * _SIZE_UNITS[m.group(2)]))
+        raise NetemError(
+            f"{option}: cannot read {text!r} as a size; write a number of bytes or kb/mb, e.g. 256kb"
+        )
+    return round(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
 
 
 @dataclass(frozen=True)
@@ -214,13 +228,23 @@ def link_settings(
     else:
         bw = float(bandwidth)
         if not bw >= 8:
-            raise NetemError(f"--bandwidth: must be at least 8 bits per second; got {bandwidth!r}")
-    lat = parse_time(latency, "--latency") if isinstance(latency, str) else float(latency)
+            raise NetemError(
+                f"--bandwidth: must be at least 8 bits per second; got {bandwidth!r}"
+            )
+    lat = (
+        parse_time(latency, "--latency") if isinstance(latency, str) else float(latency)
+    )
     if not 0.0 <= lat <= 10.0:
         raise NetemError(f"--latency: must be in [0, 10] seconds; got {latency!r}")
     b = parse_size(burst, "--burst") if isinstance(burst, str) else int(burst)
-    if isinstance(mtu, bool) or not isinstance(mtu, int) or not 68 <= mtu <= LOOPBACK_MTU:
-        raise NetemError(f"--mtu: must be an integer from 68 to {LOOPBACK_MTU} bytes; got {mtu!r}")
+    if (
+        isinstance(mtu, bool)
+        or not isinstance(mtu, int)
+        or not 68 <= mtu <= LOOPBACK_MTU
+    ):
+        raise NetemError(
+            f"--mtu: must be an integer from 68 to {LOOPBACK_MTU} bytes; got {mtu!r}"
+        )
     if bw is not None and b < mtu + 14:
         raise NetemError(
             f"--burst: the token bucket must hold one packet of mtu + 14 = {mtu + 14} bytes; got {b} bytes ({burst!r})"
@@ -239,13 +263,56 @@ def qdisc_commands(settings: LinkSettings, dev: str = "lo") -> list[list[str]]:
         ]  # fmt: skip
     if settings.latency_s > 0:
         delay = f"{settings.latency_s * 1e6:.3f}us"
-        cmds.append(["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", delay, "limit", "100000"])
+        cmds.append(
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "handle",
+                "1:",
+                "netem",
+                "delay",
+                delay,
+                "limit",
+                "100000",
+            ]
+        )
         if settings.bandwidth_bps is not None:
-            cmds.append(["tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
+            cmds.append(
+                [
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "parent",
+                    "1:1",
+                    "handle",
+                    "10:",
+                    *tbf,
+                ]
+            )
     elif settings.bandwidth_bps is not None:
         cmds.append(["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
     else:
-        cmds.append(["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "pfifo", "limit", "100000"])
+        cmds.append(
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "handle",
+                "1:",
+                "pfifo",
+                "limit",
+                "100000",
+            ]
+        )
     return cmds
 
 
@@ -281,17 +348,25 @@ def missing_requirements(
     """
     missing = []
     if not platform.startswith("linux"):
-        return [f"Linux (network namespaces and tc are Linux features; this is {platform})"]
+        return [
+            f"Linux (network namespaces and tc are Linux features; this is {platform})"
+        ]
     caps = _effective_capabilities() if capabilities is None else int(capabilities)
     for bit, name, why in (
         (_CAP_SYS_ADMIN, "CAP_SYS_ADMIN", "to create a network namespace"),
-        (_CAP_NET_ADMIN, "CAP_NET_ADMIN", "to configure the namespace's loopback and qdisc"),
+        (
+            _CAP_NET_ADMIN,
+            "CAP_NET_ADMIN",
+            "to configure the namespace's loopback and qdisc",
+        ),
     ):
         if not caps >> bit & 1:
             missing.append(f"root or {name} ({why})")
     for tool in ("ip", "tc"):
         if which(tool) is None:
-            missing.append(f"the '{tool}' command of iproute2 on PATH (apt-get install iproute2)")
+            missing.append(
+                f"the '{tool}' command of iproute2 on PATH (apt-get install iproute2)"
+            )
     return missing
 
 
@@ -315,7 +390,12 @@ class LinkCounters:
     kind: str
 
     def __sub__(self, other: LinkCounters) -> LinkCounters:
-        return LinkCounters(self.bytes - other.bytes, self.packets - other.packets, self.drops - other.drops, self.kind)
+        return LinkCounters(
+            self.bytes - other.bytes,
+            self.packets - other.packets,
+            self.drops - other.drops,
+            self.kind,
+        )
 
 
 _TEXT_QDISC = re.compile(r"^qdisc\s+(\S+)\s+\S+\s+(.*)$")
@@ -332,7 +412,12 @@ def parse_qdisc_stats(output: str) -> LinkCounters:
     if text.startswith("["):
         for q in json.loads(text):
             if q.get("root"):
-                return LinkCounters(int(q.get("bytes", 0)), int(q.get("packets", 0)), int(q.get("drops", 0)), q["kind"])
+                return LinkCounters(
+                    int(q.get("bytes", 0)),
+                    int(q.get("packets", 0)),
+                    int(q.get("drops", 0)),
+                    q["kind"],
+                )
         raise ValueError(f"no root qdisc in tc's JSON output: {text[:200]!r}")
     kind = None
     for line in text.splitlines():
@@ -342,7 +427,9 @@ def parse_qdisc_stats(output: str) -> LinkCounters:
             continue
         sent = _TEXT_SENT.search(line)
         if sent and kind is not None:
-            return LinkCounters(int(sent.group(1)), int(sent.group(2)), int(sent.group(3)), kind)
+            return LinkCounters(
+                int(sent.group(1)), int(sent.group(2)), int(sent.group(3)), kind
+            )
     raise ValueError(f"no root qdisc statistics in tc's output: {text[:200]!r}")
 
 
@@ -358,10 +445,17 @@ def link_counters(dev: str = "lo") -> LinkCounters:
     """
     tc = shutil.which("tc")
     if tc is None:
-        raise NetemUnavailable("link_counters needs the 'tc' command of iproute2 on PATH")
+        raise NetemUnavailable(
+            "link_counters needs the 'tc' command of iproute2 on PATH"
+        )
     last = None
-    for args in ([tc, "-s", "-j", "qdisc", "show", "dev", dev], [tc, "-s", "qdisc", "show", "dev", dev]):
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    for args in (
+        [tc, "-s", "-j", "qdisc", "show", "dev", dev],
+        [tc, "-s", "qdisc", "show", "dev", dev],
+    ):
+        proc = subprocess.run(
+            args, capture_output=True, text=True, timeout=30, check=False
+        )
         if proc.returncode == 0 and proc.stdout.strip():
             try:
                 return parse_qdisc_stats(proc.stdout)
@@ -485,7 +579,9 @@ def _pids_in_netns(inode: int) -> list[int]:
     return pids
 
 
-def _end_namespace(proc: subprocess.Popen, inode: int | None, grace_s: float = 5.0) -> None:
+def _end_namespace(
+    proc: subprocess.Popen, inode: int | None, grace_s: float = 5.0
+) -> None:
     """End every process of the job: its process group (SIGTERM, then SIGKILL), then any process
     still in its private namespace (SIGKILL). Only processes of the namespace we made are touched."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -562,7 +658,9 @@ def launch(
         the qdisc (e.g. no ``sch_netem`` for ``latency``); nothing of the job has run.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise NetemError(f"-n: the number of processes must be an integer >= 1; got {n!r}")
+        raise NetemError(
+            f"-n: the number of processes must be an integer >= 1; got {n!r}"
+        )
     command = [str(c) for c in command]
     if not command:
         raise NetemError("command: give the program to run (e.g. python script.py)")
@@ -580,19 +678,43 @@ def launch(
 
     mpirun = mpirun_path()
     if mpirun is None:
-        raise NetemUnavailable("mpirun not found: install the project's 'mpi' extra (pip install -e .[mpi])")
+        raise NetemUnavailable(
+            "mpirun not found: install the project's 'mpi' extra (pip install -e .[mpi])"
+        )
     job_env = mpirun_netem_env(base=env)
-    mpi_cmd = [mpirun, "-n", str(n), "--oversubscribe", *map(str, mpirun_args), *command]
+    mpi_cmd = [
+        mpirun,
+        "-n",
+        str(n),
+        "--oversubscribe",
+        *map(str, mpirun_args),
+        *command,
+    ]
 
     with tempfile.TemporaryDirectory(prefix="jaxcomm-netem-") as tmp:
         spec = Path(tmp) / "spec.json"
         out = Path(tmp) / "result.json"
-        spec.write_text(json.dumps({"setup": qdisc_commands(settings), "command": mpi_cmd, "result": str(out)}))
-        inner = [sys.executable, "-P", str(Path(__file__).resolve()), "--inner", str(spec)]
+        spec.write_text(
+            json.dumps(
+                {
+                    "setup": qdisc_commands(settings),
+                    "command": mpi_cmd,
+                    "result": str(out),
+                }
+            )
+        )
+        inner = [
+            sys.executable,
+            "-P",
+            str(Path(__file__).resolve()),
+            "--inner",
+            str(spec),
+        ]
         stdio = subprocess.PIPE if capture_output else None
         proc = subprocess.Popen(
             inner, env=job_env, cwd=cwd, stdout=stdio, stderr=stdio, text=True,
-            start_new_session=True, preexec_fn=_enter_private_netns,
+            # the unshare must happen in the child between fork and exec; the launcher starts no threads
+            start_new_session=True, preexec_fn=_enter_private_netns,  # noqa: PLW1509
         )  # fmt: skip
         inode = _netns_inode(proc.pid)
         timed_out = False
@@ -602,7 +724,9 @@ def launch(
             timed_out = True
             _end_namespace(proc, inode)
             stdout, stderr = proc.communicate()
-        except BaseException:  # KeyboardInterrupt and anything else: no process outlives us
+        except (
+            BaseException
+        ):  # KeyboardInterrupt and anything else: no process outlives us
             _end_namespace(proc, inode)
             raise
         finally:
@@ -612,7 +736,9 @@ def launch(
             _end_namespace(proc, inode)
         data = json.loads(out.read_text()) if out.exists() else {}
     if "setup_error" in data:
-        raise NetemUnavailable(f"setting up the emulated link failed: {data['setup_error']}")
+        raise NetemUnavailable(
+            f"setting up the emulated link failed: {data['setup_error']}"
+        )
     after = data.get("after") or {"bytes": 0, "packets": 0, "drops": 0, "kind": ""}
     before = data.get("before") or {"bytes": 0, "packets": 0, "drops": 0}
     result = LaunchResult(
@@ -630,7 +756,9 @@ def launch(
     if report is not None:
         Path(report).write_text(json.dumps(result.to_json(), indent=2) + "\n")
     if capture_output:
-        return result, subprocess.CompletedProcess(inner, proc.returncode, stdout, stderr)
+        return result, subprocess.CompletedProcess(
+            inner, proc.returncode, stdout, stderr
+        )
     return result
 
 
@@ -639,12 +767,18 @@ def _inner(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     result_path = Path(spec["result"])
     for cmd in spec["setup"]:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=60, check=False
+        )
         if proc.returncode != 0:
             hint = ""
             if "netem" in cmd and "unknown" in proc.stderr.lower():
                 hint = " (--latency needs the kernel's sch_netem module, which this kernel lacks)"
-            result_path.write_text(json.dumps({"setup_error": f"{' '.join(cmd)}: {proc.stderr.strip()}{hint}"}))
+            result_path.write_text(
+                json.dumps(
+                    {"setup_error": f"{' '.join(cmd)}: {proc.stderr.strip()}{hint}"}
+                )
+            )
             return 3
     before = asdict(link_counters())
     # The launcher ends the job with SIGTERM to the process group: this process then outlives
@@ -652,7 +786,7 @@ def _inner(spec_path: str) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
     t0 = time.perf_counter()
-    job = subprocess.Popen(spec["command"], preexec_fn=_die_with_parent)
+    job = subprocess.Popen(spec["command"], preexec_fn=_die_with_parent)  # noqa: PLW1509 (single-threaded)
     try:
         rc = job.wait()
     finally:
@@ -661,7 +795,9 @@ def _inner(spec_path: str) -> int:
             job.wait()
     wall = time.perf_counter() - t0
     after = asdict(link_counters())
-    result_path.write_text(json.dumps({"before": before, "after": after, "returncode": rc, "wall_s": wall}))
+    result_path.write_text(
+        json.dumps({"before": before, "after": after, "returncode": rc, "wall_s": wall})
+    )
     return rc
 
 

@@ -55,7 +55,14 @@ RING = {  # Open MPI's tuned collectives: ring all-reduce (4) and ring all-gathe
 # --------------------------------------------------------------------------- #
 @pytest.mark.parametrize(
     "text, bits_per_s",
-    [("200mbit", 2e8), ("1gbit", 1e9), ("100Mbit", 1e8), ("1.5kbit", 1500.0), ("10mbps", 8e7), ("unlimited", None)],
+    [
+        ("200mbit", 2e8),
+        ("1gbit", 1e9),
+        ("100Mbit", 1e8),
+        ("1.5kbit", 1500.0),
+        ("10mbps", 8e7),
+        ("unlimited", None),
+    ],
 )
 def test_parse_rate(text, bits_per_s):
     assert netem.parse_rate(text) == bits_per_s
@@ -83,9 +90,13 @@ def test_parse_time_and_size():
 
 def test_link_settings_checks_each_option():
     s = netem.link_settings("200mbit", "0.1ms", "256kb", 1500)
-    assert s == netem.LinkSettings(bandwidth_bps=2e8, latency_s=pytest.approx(1e-4), burst_bytes=262144, mtu=1500)
+    assert s == netem.LinkSettings(
+        bandwidth_bps=2e8, latency_s=pytest.approx(1e-4), burst_bytes=262144, mtu=1500
+    )
     with pytest.raises(netem.NetemError, match="--burst.*65550"):
-        netem.link_settings("1gbit", burst="32kb")  # tbf cannot pass a 64 KiB loopback packet
+        netem.link_settings(
+            "1gbit", burst="32kb"
+        )  # tbf cannot pass a 64 KiB loopback packet
     with pytest.raises(netem.NetemError, match="--mtu"):
         netem.link_settings(mtu=100000)
     with pytest.raises(netem.NetemError, match="-n"):
@@ -102,9 +113,34 @@ def test_qdisc_commands():
         ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", *tbf],
     ]
     both = netem.qdisc_commands(netem.link_settings("200mbit", "0.1ms"))
-    assert both[1][:9] == ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem"]
-    assert both[2] == ["tc", "qdisc", "add", "dev", "lo", "parent", "1:1", "handle", "10:", *tbf]
-    assert netem.qdisc_commands(netem.link_settings())[1][-3:] == ["pfifo", "limit", "100000"]
+    assert both[1][:9] == [
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        "lo",
+        "root",
+        "handle",
+        "1:",
+        "netem",
+    ]
+    assert both[2] == [
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        "lo",
+        "parent",
+        "1:1",
+        "handle",
+        "10:",
+        *tbf,
+    ]
+    assert netem.qdisc_commands(netem.link_settings())[1][-3:] == [
+        "pfifo",
+        "limit",
+        "100000",
+    ]
 
 
 def test_parse_qdisc_stats_json_and_text():
@@ -117,7 +153,9 @@ def test_parse_qdisc_stats_json_and_text():
         "qdisc tbf 10: parent 1:1 rate 200Mbit burst 256Kb lat 400ms\n"
         " Sent 99 bytes 1 pkt (dropped 0, overlimits 0 requeues 0)\n"
     )
-    assert netem.parse_qdisc_stats(text) == netem.LinkCounters(12605906, 326, 0, "netem")
+    assert netem.parse_qdisc_stats(text) == netem.LinkCounters(
+        12605906, 326, 0, "netem"
+    )
     with pytest.raises(ValueError, match="no root qdisc"):
         netem.parse_qdisc_stats("[]")
 
@@ -136,23 +174,34 @@ def test_missing_requirements_names_what_is_needed():
     for need in ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "'ip'", "'tc'"):
         assert need in text
     everything = (1 << 12) | (1 << 21)
-    assert netem.missing_requirements(capabilities=everything, which=lambda tool: f"/usr/sbin/{tool}") == []
-    assert netem.missing_requirements(capabilities=everything, which=lambda t: None if t == "tc" else t) == [
-        "the 'tc' command of iproute2 on PATH (apt-get install iproute2)"
-    ]
+    assert (
+        netem.missing_requirements(
+            capabilities=everything, which=lambda tool: f"/usr/sbin/{tool}"
+        )
+        == []
+    )
+    assert netem.missing_requirements(
+        capabilities=everything, which=lambda t: None if t == "tc" else t
+    ) == ["the 'tc' command of iproute2 on PATH (apt-get install iproute2)"]
     assert "Linux" in netem.missing_requirements(platform="darwin")[0]
 
 
 def test_unprivileged_launch_fails_before_starting(tmp_path):
     marker = tmp_path / "ran"
-    unprivileged = lambda: netem.missing_requirements(capabilities=0)  # noqa: E731
+    unprivileged = lambda: netem.missing_requirements(capabilities=0)
     with pytest.raises(netem.NetemUnavailable, match="CAP_NET_ADMIN.*Run as root"):
-        netem.launch(2, [sys.executable, "-c", f"open({str(marker)!r}, 'w')"], check_requirements=unprivileged)
+        netem.launch(
+            2,
+            [sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+            check_requirements=unprivileged,
+        )
     assert not marker.exists()
 
 
 def test_cli_reports_missing_privileges(monkeypatch, capsys):
-    monkeypatch.setattr(netem, "missing_requirements", lambda: ["root or CAP_NET_ADMIN (to configure)"])
+    monkeypatch.setattr(
+        netem, "missing_requirements", lambda: ["root or CAP_NET_ADMIN (to configure)"]
+    )
     assert cli.main(["launch", "-n", "2", "--bandwidth", "100mbit", "--", "true"]) == 2
     assert "CAP_NET_ADMIN" in capsys.readouterr().err
     assert cli.main(["launch", "-n", "2", "--bandwidth", "100", "--", "true"]) == 2
@@ -175,9 +224,13 @@ def _can_make_namespaces() -> str | None:
         else:
             proc = subprocess.run(
                 ["sh", "-c", "ip link set lo up && tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 400ms"],
-                preexec_fn=netem._enter_private_netns, capture_output=True, text=True, timeout=30,
+                preexec_fn=netem._enter_private_netns, capture_output=True, text=True, timeout=30, check=False,
             )  # fmt: skip
-            _CAN = "" if proc.returncode == 0 else f"cannot shape a private loopback here: {proc.stderr.strip()}"
+            _CAN = (
+                ""
+                if proc.returncode == 0
+                else f"cannot shape a private loopback here: {proc.stderr.strip()}"
+            )
     return _CAN or None
 
 
@@ -195,20 +248,46 @@ def _protocol_bound(messages: int, size: int) -> int:
 def _run_collective(tmp_path, n, op, payload, via_cli=False):
     out = tmp_path / "window.json"
     cmd = [sys.executable, str(SCRIPT), op, str(payload), str(out)]
-    env = {**os.environ, **RING, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        **RING,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     if via_cli:
         report = tmp_path / "report.json"
         old = dict(os.environ)
         os.environ.update(env)
         try:
-            rc = cli.main(["launch", "-n", str(n), "--bandwidth", "400mbit", "--timeout", "120", "--report", str(report), "--", *cmd])
+            rc = cli.main(
+                [
+                    "launch",
+                    "-n",
+                    str(n),
+                    "--bandwidth",
+                    "400mbit",
+                    "--timeout",
+                    "120",
+                    "--report",
+                    str(report),
+                    "--",
+                    *cmd,
+                ]
+            )
         finally:
             os.environ.clear()
             os.environ.update(old)
         assert rc == 0
         total = json.loads(report.read_text())
     else:
-        res, proc = netem.launch(n, cmd, bandwidth="400mbit", env=env, timeout=120, capture_output=True, cwd=ROOT)
+        res, proc = netem.launch(
+            n,
+            cmd,
+            bandwidth="400mbit",
+            env=env,
+            timeout=120,
+            capture_output=True,
+            cwd=ROOT,
+        )
         assert res.returncode == 0, proc.stderr[-3000:]
         total = res.to_json()
     return json.loads(out.read_text()), total
@@ -217,12 +296,21 @@ def _run_collective(tmp_path, n, op, payload, via_cli=False):
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "n, op, payload",
-    [(2, "sum", 1 << 20), (4, "sum", 4 << 20), (4, "all_gather", 1 << 20), (2, "all_gather", 4 << 20)],
+    [
+        (2, "sum", 1 << 20),
+        (4, "sum", 4 << 20),
+        (4, "all_gather", 1 << 20),
+        (2, "all_gather", 4 << 20),
+    ],
 )
 def test_collective_bytes_match_formula(namespaces, tmp_path, n, op, payload):
-    via_cli = op == "all_gather" and n == 4  # one case through `jaxcomm launch --report`
+    via_cli = (
+        op == "all_gather" and n == 4
+    )  # one case through `jaxcomm launch --report`
     w, total = _run_collective(tmp_path, n, op, payload, via_cli=via_cli)
-    assert w["n"] == n and w["payload_bytes"] == payload and w["window"]["qdisc"] == "tbf"
+    assert (
+        w["n"] == n and w["payload_bytes"] == payload and w["window"]["qdisc"] == "tbf"
+    )
     win, bar = w["window"], w["barriers"]
     assert win["drops"] == 0 and bar["drops"] == 0
     if op == "sum":
@@ -232,24 +320,34 @@ def test_collective_bytes_match_formula(namespaces, tmp_path, n, op, payload):
         formula = netem.all_gather_bytes(n, payload)
         bound = _protocol_bound(n * (n - 1), payload)
     hdr = netem.HEADER_BYTES
-    payload_sent = (win["bytes"] - hdr * win["packets"]) - (bar["bytes"] - hdr * bar["packets"])
+    payload_sent = (win["bytes"] - hdr * win["packets"]) - (
+        bar["bytes"] - hdr * bar["packets"]
+    )
     assert formula <= payload_sent <= formula + bound, (payload_sent, formula, bound, w)
     # The job's total: the measured op and its warm-up call each sent at least the formula.
-    assert total["bytes"] >= 2 * formula and total["drops"] == 0 and total["returncode"] == 0
+    assert (
+        total["bytes"] >= 2 * formula
+        and total["drops"] == 0
+        and total["returncode"] == 0
+    )
     assert total["settings"]["bandwidth_bps"] == 4e8 and total["qdisc"] == "tbf"
 
 
 @pytest.mark.mpi
 def test_job_without_communication_sends_nothing(namespaces):
     # Open MPI's TCP connections are made on first use; its runtime talks over local sockets.
-    res = netem.launch(2, [sys.executable, "-c", "pass"], bandwidth="100mbit", timeout=60)
+    res = netem.launch(
+        2, [sys.executable, "-c", "pass"], bandwidth="100mbit", timeout=60
+    )
     assert (res.returncode, res.bytes, res.packets, res.qdisc) == (0, 0, 0, "tbf")
 
 
 @pytest.mark.mpi
 def test_timeout_ends_every_process(namespaces):
     marker = f"netem-{uuid.uuid4().hex}"
-    res = netem.launch(2, [sys.executable, "-c", "import time; time.sleep(120)", marker], timeout=3)
+    res = netem.launch(
+        2, [sys.executable, "-c", "import time; time.sleep(120)", marker], timeout=3
+    )
     assert res.timed_out and res.returncode == -9
     alive = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

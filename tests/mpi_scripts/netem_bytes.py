@@ -36,9 +36,14 @@ def main() -> None:
     step = jax.jit(fn)
     y = step(x).block_until_ready()  # compile, connect
     if op == "sum":
-        np.testing.assert_array_equal(np.asarray(y), np.full(x.shape, n * (n + 1) / 2, np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(y), np.full(x.shape, n * (n + 1) / 2, np.float32)
+        )
     elif op == "all_gather":
-        np.testing.assert_array_equal(np.asarray(y), np.repeat(np.arange(1, n + 1, dtype=np.float32)[:, None], x.size, 1))
+        np.testing.assert_array_equal(
+            np.asarray(y),
+            np.repeat(np.arange(1, n + 1, dtype=np.float32)[:, None], x.size, 1),
+        )
 
     def window(run):
         world.Barrier()
@@ -52,7 +57,15 @@ def main() -> None:
     base = window(lambda: None)
     meas = window(lambda: step(x).block_until_ready())
     if r == 0:
-        rows = {k: {"bytes": c.bytes, "packets": c.packets, "drops": c.drops, "qdisc": c.kind} for k, c in (("barriers", base), ("window", meas))}
+        rows = {
+            k: {
+                "bytes": c.bytes,
+                "packets": c.packets,
+                "drops": c.drops,
+                "qdisc": c.kind,
+            }
+            for k, c in (("barriers", base), ("window", meas))
+        }
         rows.update(n=n, payload_bytes=x.size * 4, collective=op)
         with open(out, "w") as f:
             json.dump(rows, f)
