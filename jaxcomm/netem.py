@@ -716,24 +716,31 @@ def launch(
             # the unshare must happen in the child between fork and exec; the launcher starts no threads
             start_new_session=True, preexec_fn=_enter_private_netns,  # noqa: PLW1509
         )  # fmt: skip
-        inode = _netns_inode(proc.pid)
+        # Hold the namespace open while we may sweep it, so that its inode number (how the
+        # sweep recognises its processes) cannot be reused by another namespace meanwhile.
+        try:
+            ns_fd = os.open(f"/proc/{proc.pid}/ns/net", os.O_RDONLY)
+            inode = os.fstat(ns_fd).st_ino
+        except OSError:
+            ns_fd, inode = None, None
         timed_out = False
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _end_namespace(proc, inode)
-            stdout, stderr = proc.communicate()
-        except (
-            BaseException
-        ):  # KeyboardInterrupt and anything else: no process outlives us
-            _end_namespace(proc, inode)
-            raise
+            try:
+                stdout, stderr = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _end_namespace(proc, inode)
+                stdout, stderr = proc.communicate()
+            except BaseException:  # KeyboardInterrupt and anything else: no process outlives us
+                _end_namespace(proc, inode)
+                raise
+            if proc.poll() is None or (inode is not None and _pids_in_netns(inode)):
+                _end_namespace(proc, inode)
         finally:
             if proc.poll() is None:
                 _end_namespace(proc, inode)
-        if inode is not None and _pids_in_netns(inode):
-            _end_namespace(proc, inode)
+            if ns_fd is not None:
+                os.close(ns_fd)
         data = json.loads(out.read_text()) if out.exists() else {}
     if "setup_error" in data:
         raise NetemUnavailable(
