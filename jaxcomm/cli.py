@@ -5,10 +5,15 @@
     jaxcomm list                                  # experiments and compressors
     jaxcomm run EXPERIMENT [--smoke] [--devices N] [--set key=value ...] [--out DIR]
     jaxcomm demo [--devices N]                    # every compressor on a real model's gradients
+    jaxcomm launch -n N [--bandwidth 200mbit] [--latency 0.1ms] [--report FILE] -- CMD ARGS...
 
 ``--devices N`` simulates N CPU devices (it sets ``XLA_FLAGS`` before jax is
 imported). Each run writes ``results.json`` and PNG plots into ``--out``
 (default ``runs/EXPERIMENT``) and prints a summary table.
+
+``launch`` runs ``mpirun -n N CMD ARGS...`` on an emulated network (a private
+network namespace whose loopback is throttled; :mod:`jaxcomm.netem`) and prints
+the bytes the kernel sent through it; it needs root.
 """
 
 from __future__ import annotations
@@ -104,6 +109,43 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_launch(args) -> int:
+    from . import netem
+
+    command = list(args.cmd)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("error: launch: give the command after --, e.g. jaxcomm launch -n 2 -- python train.py", file=sys.stderr)
+        return 2
+    try:
+        result = netem.launch(
+            args.n,
+            command,
+            bandwidth=args.bandwidth,
+            latency=args.latency,
+            burst=args.burst,
+            mtu=args.mtu,
+            timeout=args.timeout,
+            report=args.report,
+        )
+    except (netem.NetemError, netem.NetemUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    s = result.settings
+    rate = "unlimited" if s["bandwidth_bps"] is None else f"{s['bandwidth_bps'] / 1e6:g} Mbit/s"
+    print(
+        f"jaxcomm launch: {result.n} processes, link {rate}, latency {s['latency_s'] * 1e3:g} ms, "
+        f"qdisc {result.qdisc}: {result.bytes} bytes in {result.packets} packets "
+        f"({result.drops} dropped), {result.wall_s:.2f} s"
+        + (" (timed out)" if result.timed_out else ""),
+        file=sys.stderr,
+    )
+    if args.report:
+        print(f"report: {args.report}", file=sys.stderr)
+    return result.returncode if result.returncode >= 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxcomm`` command (also ``python -m jaxcomm``)."""
     parser = argparse.ArgumentParser(prog="jaxcomm", description=__doc__.split("\n")[0])
@@ -120,6 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     p_demo = sub.add_parser("demo", help="compress a real model's gradients with every compressor")
     p_demo.add_argument("--devices", type=int, default=None)
     p_demo.set_defaults(func=_cmd_demo)
+    p_launch = sub.add_parser(
+        "launch",
+        help="run an MPI job on an emulated network (root) and count its bytes",
+        description="Run mpirun -n N CMD in a private network namespace whose loopback is throttled "
+        "(Open MPI over TCP only), and report the bytes the kernel sent through it.",
+    )
+    p_launch.add_argument("-n", type=int, required=True, help="number of MPI processes")
+    p_launch.add_argument("--bandwidth", default="unlimited", help="shared link rate: 200mbit, 1gbit, ... or unlimited")
+    p_launch.add_argument("--latency", default="0", help="delay added per packet: 0.1ms, 50us, ... (needs sch_netem)")
+    p_launch.add_argument("--burst", default="256kb", help="token bucket size (default 256kb)")
+    p_launch.add_argument("--mtu", type=int, default=65536, help="loopback MTU in bytes (default 65536; 1500: Ethernet)")
+    p_launch.add_argument("--timeout", type=float, default=None, help="seconds; then every process of the job is killed")
+    p_launch.add_argument("--report", default=None, metavar="FILE", help="write bytes, packets, seconds, settings as JSON")
+    p_launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    p_launch.set_defaults(func=_cmd_launch)
     args = parser.parse_args(argv)
     return args.func(args)
 

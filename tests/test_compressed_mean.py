@@ -25,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxcomm as jc
 from jaxcomm import memory as mem
-from jaxcomm.compressors import Compressor, Payload, payload_dataclass, static_field
+from jaxcomm.compressors import Compressor
+from jaxcomm.compressors.payloads import Payload, payload_dataclass, static_field
 from jaxcomm.comm import MeshAxis
 from jaxcomm.transforms import compressed_mean, error_feedback
 

@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 import jaxcomm as jc
 from jaxcomm import memory as mem
-from jaxcomm.compressors import Compressor, Payload, payload_dataclass, static_field
+from jaxcomm.compressors import Compressor
+from jaxcomm.compressors.payloads import Payload, payload_dataclass, static_field
 from jaxcomm.transforms import error_feedback
 
 

@@ -133,7 +133,7 @@ def test_small_and_1d_arrays_are_sent_uncompressed():
         assert L.powersgd_plan(shape, 2, 2.0) is None
         np.testing.assert_allclose(np.asarray(allreduce(x)[0]), np.asarray(x.sum(0)), rtol=1e-6)
         p, _ = c.compress(x[0], KEY)
-        assert isinstance(p, jc.compressors.DensePayload)
+        assert isinstance(p, jc.compressors.payloads.DensePayload)
         np.testing.assert_array_equal(np.asarray(c.decompress(p)), np.asarray(x[0]))
     assert L.powersgd_plan((), 2, 2.0) is None and L.powersgd_plan((4, 4), 2, 2.0) is None
     assert L.powersgd_plan((40, 30), 2, 2.0) == (40, 30, 2)

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxcomm as jc
-from jaxcomm.compressors import _quantize as Q
+from jaxcomm.compressors import _eightbit as E8
+from jaxcomm.compressors._kernels import bitpack, random_bits
 
 Z = 6.0
 QUANTIZERS = {
@@ -150,8 +151,8 @@ def test_pack_codes_roundtrip(n, widths):
 
     @jax.jit
     def roundtrips(codes):  # every width in one compilation
-        fields = [Q.pack_codes(codes[w - 1], w) for w in widths]
-        return [Q.unpack_codes(f, w, n) for f, w in zip(fields, widths)], fields
+        fields = [bitpack.pack_codes(codes[w - 1], w) for w in widths]
+        return [bitpack.unpack_codes(f, w, n) for f, w in zip(fields, widths)], fields
 
     rng = np.random.default_rng(n)
     codes = np.zeros((32, n), np.uint32)
@@ -160,7 +161,7 @@ def test_pack_codes_roundtrip(n, widths):
     backs, fields = roundtrips(jnp.asarray(codes))
     for w, back, f in zip(widths, backs, fields):
         np.testing.assert_array_equal(np.asarray(back).astype(np.uint32), codes[w - 1])
-        assert leaf_bits(f) == Q.packed_code_bits(n, w) == field_bits(n, w)
+        assert leaf_bits(f) == bitpack.packed_code_bits(n, w) == field_bits(n, w)
 
 
 # --------------------------------------------------------------------------- #
@@ -220,9 +221,9 @@ def test_signum_state_matches_numpy_loop():
 # 8-bit dynamic tree quantization
 # --------------------------------------------------------------------------- #
 def test_eightbit_codebook_structure():
-    mags = Q._eightbit_magnitudes()
+    mags = E8._eightbit_magnitudes()
     assert mags[0] == 0 and np.all(np.diff(mags) > 0) and mags[-1] < 1
-    book = Q.eightbit_codebook()
+    book = E8.eightbit_codebook()
     assert book.shape == (256,) and book.dtype == np.float32
     np.testing.assert_array_equal(book[128:], -book[:128])
     # 1 sign bit, e leading zeros (base-10 exponent), then 6 - e fraction bits.
@@ -239,7 +240,7 @@ def test_eightbit_nearest_code_and_error_bound(shape, seed):
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-8, 0, shape)).astype(np.float32)
     y, p, _ = roundtrip("eightbit", x)
-    mags = Q._eightbit_magnitudes()
+    mags = E8._eightbit_magnitudes()
     scale = np.abs(x).max()
     assert float(p.scale) == scale
     u = np.abs(x.ravel().astype(np.float64)) / scale if scale > 0 else np.zeros(x.size)
@@ -343,7 +344,7 @@ def test_qsgd_decode_equals_dequantize(levels):
     """decompress == jc.compressors.dequantize(|c - s|, c < s, norm, s) (NaN where the norm is not
     finite), bit for bit, for every code c and for norms 0, subnormal, small, ordinary, huge, inf, NaN."""
     c = jc.compressors.qsgd(levels=levels)
-    width = Q._code_width(2 * levels + 1)
+    width = bitpack.code_width(2 * levels + 1)
     codes = jnp.arange(2 * levels + 1, dtype=jnp.int32)
 
     @jax.jit
@@ -352,7 +353,7 @@ def test_qsgd_decode_equals_dequantize(levels):
         return jnp.where(jnp.isfinite(norm), y, jnp.nan)
 
     for norm in (0.0, 1e-38, 1e-30, 3.5, 3e38, np.inf, np.nan):
-        p = Q.QSGDPayload(codes=Q.pack_codes(codes, width), norm=jnp.float32(norm), levels=levels,
+        p = jc.compressors.payloads.QSGDPayload(codes=bitpack.pack_codes(codes, width), norm=jnp.float32(norm), levels=levels,
                           shape=(codes.size,), dtype=jnp.float32)
         got, want = np.asarray(c.decompress(p)), np.asarray(reference(jnp.float32(norm)))
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=str(norm))
@@ -377,13 +378,13 @@ def test_stochastic_rounding_grid_and_mean():
 
 def test_hash_uniform_bits_statistics():
     n = 1 << 16
-    u = np.asarray(Q._uniform(jax.random.PRNGKey(0), n), np.float64)
+    u = np.asarray(random_bits.uniform_floats(jax.random.PRNGKey(0), n), np.float64)
     # Mean and variance of U[0,1): 1/2 (sd 1/sqrt(12n)) and 1/12 (sd sqrt(1/180n)).
     assert abs(u.mean() - 0.5) <= Z / np.sqrt(12 * n)
     assert abs(u.var() - 1 / 12) <= Z * np.sqrt(1 / (180 * n))
     # Lag-1 correlation within a stream and correlation across keys: sd 1/sqrt(n).
     assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) <= Z / np.sqrt(n)
-    v = np.asarray(Q._uniform(jax.random.PRNGKey(1), n), np.float64)
+    v = np.asarray(random_bits.uniform_floats(jax.random.PRNGKey(1), n), np.float64)
     assert abs(np.corrcoef(u, v)[0, 1]) <= Z / np.sqrt(n)
     # Counts in 16 equal bins: chi-square with 15 dof, mean 15, sd sqrt(30).
     counts = np.bincount((u * 16).astype(int), minlength=16)
@@ -429,7 +430,7 @@ def test_sketchml_matches_numpy_sketch(shape, seed, buckets):
     before = (np.cumsum(counts) - counts).astype(np.float32)
     cell_bucket = np.minimum(np.floor(before * np.float32(buckets / d)), buckets - 1).astype(np.int64)
     bucket = cell_bucket[cell]
-    codes = np.asarray(Q.unpack_codes(p.codes, math.ceil(math.log2(buckets)), d))
+    codes = np.asarray(bitpack.unpack_codes(p.codes, math.ceil(math.log2(buckets)), d))
     np.testing.assert_array_equal(codes, bucket)
     order = np.argsort(xf, kind="stable")
     assert np.all(np.diff(bucket[order]) >= 0)  # buckets are consecutive value ranges

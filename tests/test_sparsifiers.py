@@ -18,7 +18,12 @@ from hypothesis import strategies as st
 
 import jaxcomm as jc
 from jaxcomm.compressors import _hybrid as H
-from jaxcomm.compressors import _sparsify as S
+from jaxcomm.compressors import _random_sparsification as RS
+from jaxcomm.compressors import _randomk as RK
+from jaxcomm.compressors import _sparse as SP
+from jaxcomm.compressors import _threshold as TH
+from jaxcomm.compressors import payloads
+from jaxcomm.compressors._kernels import select as S
 
 KEY = jax.random.PRNGKey(0)
 
@@ -71,7 +76,7 @@ def test_compact_matches_nonzero(n, cap, density):
 # One compiled selection per margin, with a traced k <= kmax = 80 (d = 8192 takes the sampled path).
 _D, _KMAX = 8192, 80
 _select = jax.jit(lambda x, kt, margin=5.0: S.top_indices(x, _KMAX, KEY, k=kt, margin=margin,
-                                                          keys_of=S._magnitude_keys), static_argnames=("margin",))
+                                                          keys_of=S.magnitude_keys), static_argnames=("margin",))
 
 
 def test_top_indices_every_path_is_exact():
@@ -106,7 +111,7 @@ _TOPK_RT = {r: roundtrip_fn(jc.compressors.topk(ratio=r)) for r in (0.01, 0.1, 0
        seed=st.integers(0, 2**16))
 def test_topk_matches_numpy(d, ratio, seed):
     x = np.random.RandomState(seed).randn(d).astype(np.float32)
-    k = S.num_selected(ratio, d)
+    k = SP.num_selected(ratio, d)
     y = np.asarray(_TOPK_RT[ratio](jnp.asarray(x), KEY))
     kept = np.flatnonzero(y)
     # exact set (ties to the lowest index) and the kept values are the inputs
@@ -137,7 +142,7 @@ def test_topk_nan_counts_as_largest():
     c = jc.compressors.topk(ratio=0.1)
     y = np.asarray(roundtrip_fn(c)(jnp.asarray(x), KEY))
     assert np.isnan(y[3, 4]) and y[20, 1] == np.inf  # NaN and Inf are kept (NaN ranks above Inf)
-    k = S.num_selected(0.1, x.size)
+    k = SP.num_selected(0.1, x.size)
     assert set(np.flatnonzero(np.isnan(y) | (y != 0)).tolist()) == set(np_topk(x, k).tolist())
 
 
@@ -147,8 +152,8 @@ def test_topk_payload_and_wire_bits():
         c = jc.compressors.topk(ratio=ratio)
         x = jax.random.normal(KEY, shape).astype(dtype)
         p = compress_fn(c)(x, KEY)
-        k = S.num_selected(ratio, x.size)
-        assert p.values.dtype == dtype and p.indices.dtype == S.index_dtype(x.size)
+        k = SP.num_selected(ratio, x.size)
+        assert p.values.dtype == dtype and p.indices.dtype == jc.compressors.index_dtype(x.size)
         assert jc.wire_bits(p) == k * (jnp.dtype(dtype).itemsize * 8 + ib)
 
 
@@ -157,7 +162,7 @@ def test_topk_payload_and_wire_bits():
 # --------------------------------------------------------------------------- #
 def test_randomk_indices_distinct_uniform():
     d, k, n = 64, 8, 4000
-    f = jax.jit(jax.vmap(lambda key: S.randomk_indices(key, d, k)))
+    f = jax.jit(jax.vmap(lambda key: RK.randomk_indices(key, d, k)))
     idx = np.asarray(f(jax.random.split(KEY, n)))
     assert all(len(set(row.tolist())) == k for row in idx[:200])
     counts = np.bincount(idx.ravel(), minlength=d)
@@ -243,7 +248,7 @@ def test_threshold_large_sparse_buffer():
 def np_dgc(x, ratio, sample_ratio, sample_idx, upper=1.3, lower=0.8, iters=10):
     flat = np.asarray(x, np.float32).ravel()
     imp = np.where(np.isnan(flat), np.inf, np.abs(flat)).astype(np.float32)
-    plan = S.dgc_plan(flat.size, ratio, sample_ratio)
+    plan = TH.dgc_plan(flat.size, ratio, sample_ratio)
     k = plan.num_selects
     samples = imp[sample_idx]
     thr = np.sort(samples)[::-1][plan.top_k_samples - 1]
@@ -270,7 +275,7 @@ def np_dgc(x, ratio, sample_ratio, sample_idx, upper=1.3, lower=0.8, iters=10):
 def test_dgc_matches_numpy_transcription(d, ratio, sample_ratio):
     c = jc.compressors.dgc(ratio=ratio, sample_ratio=sample_ratio)
     f = compress_fn(c)
-    plan = S.dgc_plan(d, ratio, sample_ratio)
+    plan = TH.dgc_plan(d, ratio, sample_ratio)
     branches = set()
     for seed in range(6):
         rs = np.random.RandomState(seed)
@@ -279,14 +284,14 @@ def test_dgc_matches_numpy_transcription(d, ratio, sample_ratio):
             x[: d // 2] = 3.0  # half the entries tie at a large value: more than 1.3 k selected, resample
         key = jax.random.PRNGKey(seed)
         p = f(jnp.asarray(x), key)
-        sample_idx = np.asarray(S.dgc_sample_indices(key, d, plan.num_samples))
+        sample_idx = np.asarray(TH.dgc_sample_indices(key, d, plan.num_samples))
         ref, branch = np_dgc(x, ratio, sample_ratio, sample_idx)
         branches.add(branch)
         n = int(p.count)
         assert n == len(ref) <= plan.num_selects
         assert set(np.asarray(p.indices)[:n].tolist()) == set(ref.tolist())
         np.testing.assert_array_equal(np.asarray(p.values)[:n], x[np.asarray(p.indices)[:n]])
-        assert int(jc.wire_bits(p)) == n * (32 + 8 * np.dtype(S.index_dtype(d)).itemsize) + 32
+        assert int(jc.wire_bits(p)) == n * (32 + 8 * np.dtype(jc.compressors.index_dtype(d)).itemsize) + 32
     if d > plan.num_samples:
         assert {"resample"} <= branches and len(branches) >= 2
 
@@ -321,7 +326,7 @@ def test_adaptive_matches_numpy(d, ratio, seed):
     ref, counts = np_adaptive(x, ratio)
     assert np.asarray(p.counts).tolist() == counts
     np.testing.assert_allclose(np.asarray(_ADAPTIVE_DEC(p)), ref, rtol=1e-5, atol=1e-6)
-    ib = 8 * np.dtype(S.index_dtype(d)).itemsize
+    ib = 8 * np.dtype(jc.compressors.index_dtype(d)).itemsize
     assert int(jc.wire_bits(p)) == sum(counts) * ib + 128
 
 
@@ -338,16 +343,16 @@ def test_adaptive_ignores_nan_and_zero():
 # --------------------------------------------------------------------------- #
 @pytest.mark.parametrize("p,d,encoding", [(0.5, 64, "mask"), (0.01, 20_000, "indices")])
 def test_random_sparsification_unbiased_and_encoding(p, d, encoding):
-    assert S.random_sparsification_plan(p, d, jnp.float32)[0] == encoding
+    assert RS.random_sparsification_plan(p, d, jnp.float32)[0] == encoding
     c = jc.compressors.random_sparsification(p=p)
     x = jax.random.normal(jax.random.PRNGKey(7), (d,))
     payload = compress_fn(c)(x, KEY)
-    assert isinstance(payload, S.MaskSparsePayload if encoding == "mask" else S.CountSparsePayload)
+    assert isinstance(payload, payloads.MaskSparsePayload if encoding == "mask" else payloads.CountSparsePayload)
     y = np.asarray(c.decompress(payload))
     kept = np.flatnonzero(y)
-    p_exact = S._keep_threshold(p)[1]
+    p_exact = RS._keep_threshold(p)[1]
     np.testing.assert_allclose(y[kept], np.asarray(x)[kept] / p_exact, rtol=1e-6)
-    vb, ib = 32, 8 * np.dtype(S.index_dtype(d)).itemsize
+    vb, ib = 32, 8 * np.dtype(jc.compressors.index_dtype(d)).itemsize
     expect = 8 * math.ceil(d / 8) + len(kept) * vb if encoding == "mask" else len(kept) * (vb + ib) + 32
     assert int(jc.wire_bits(payload)) == expect
     if encoding == "indices":

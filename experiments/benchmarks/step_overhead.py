@@ -53,7 +53,7 @@ uncompressed step on the VGG16-shaped tree.
 default sweep; likewise ``qsgd_floor``, see :func:`qsgd_floor`) measures a
 lower bound for top-k: the same pipeline as
 ``topk`` -- ``k = 1%`` values in float32 and int32 indices per tensor, the
-same all-gather, :func:`~jaxcomm.compressors._sparsify.sum_scatter` of the
+same all-gather, :func:`~jaxcomm.compressors._kernels.scatter.sum_scatter` of the
 ``n k`` received entries, the in-place error ``phi - sent`` -- but with the
 selection replaced by fixed, evenly spaced positions that cost nothing to
 find. Any exact top-k with error feedback does at least this work, so its
@@ -188,13 +188,13 @@ def topk_floor(ratio: float = 0.01):
     """Top-k's pipeline without the selection: ``k = max(1, round(ratio d))`` fixed positions
     ``0, s, 2s, ...`` (``s = d // k``) per tensor, otherwise exactly :func:`jaxcomm.compressors.topk`.
 
-    Same :class:`~jaxcomm.compressors.SparsePayload` (``k`` values in the input dtype and
+    Same :class:`~jaxcomm.compressors.payloads.SparsePayload` (``k`` values in the input dtype and
     :func:`~jaxcomm.compressors.index_dtype` indices, so the same wire bits), same
     ``decompress_sum`` (one scatter-add of all ``n k`` entries) and ``compression_error``
     (``x - decompress(payload)`` in place) hooks. Not a compressor anyone should train
     with (it ignores the gradient's magnitudes): the benchmark's lower bound for top-k.
     """
-    from jaxcomm.compressors import _sparsify as sp
+    from jaxcomm.compressors import _sparse as sp
 
     def compress(x, key, state):
         d = int(np.size(x))
@@ -213,15 +213,15 @@ def qsgd_floor(levels: int = 64):
     """QSGD's payload, communication and decoder with the cheapest encoder that reads ``x``:
     code ``s + sign(x_i)`` (levels 0 and 1), norm 1 -- no norm pass, no random numbers.
 
-    Same :class:`~jaxcomm.compressors.QSGDPayload` (``ceil(log2(2s+1))``-bit codes and a
+    Same :class:`~jaxcomm.compressors.payloads.QSGDPayload` (``ceil(log2(2s+1))``-bit codes and a
     float32 norm, so the same wire bits) and the same ``decompress`` as
     :func:`jaxcomm.compressors.qsgd`, which ``compressed_mean`` runs on all ``n`` gathered
     payloads. The benchmark's lower bound for QSGD under the all-gather strategy.
     """
-    from jaxcomm.compressors import _quantize as qz
+    from jaxcomm.compressors import _stochastic as qz
 
     q = jc.compressors.qsgd(levels=levels)
-    width = qz._code_width(2 * levels + 1)
+    width = qz.code_width(2 * levels + 1)
 
     def compress(x, key, state):
         code = (levels + jnp.sign(jnp.ravel(x))).astype(jnp.int32)

@@ -2,6 +2,7 @@
 
 Each factory returns a :class:`Compressor`: an optax gradient transformation
 (local lossy round trip) that also exposes ``compress``/``decompress`` per array.
+Payload types (what is sent) are in :mod:`jaxcomm.compressors.payloads`.
 
 >>> import jax, jax.numpy as jnp, jaxcomm as jc
 >>> c = jc.compressors.topk(ratio=0.25)
@@ -10,74 +11,34 @@ Each factory returns a :class:`Compressor`: an optax gradient transformation
 [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 6.0, 7.0]
 """
 
-from ._base import (
-    Compressor,
-    CompressorState,
-    DensePayload,
-    Payload,
-    make,
-    names,
-    payload_dataclass,
-    register,
-    static_field,
-    wire_bits,
-)
-from ._primitives import (
-    dequantize,
-    desparsify,
-    index_dtype,
-    pack,
-    packed_size,
-    quantize,
-    sparsify,
-    unpack,
-)
+from . import payloads
+from ._base import Compressor, CompressorState, make, names, register, wire_bits
 from ._basic import bf16, fp16, none
-from ._scaled_sign import ScaledSignPayload, scaled_sign
-from ._quantize import (
-    ClippedPayload,
-    EightBitPayload,
-    GridPayload,
-    InceptionnPayload,
-    NaturalPayload,
-    QSGDPayload,
-    SketchPayload,
-    TernaryPayload,
-    clipping,
-    eightbit,
-    inceptionn,
-    natural,
-    qsgd,
-    sketchml,
-    stochastic_rounding,
-    terngrad,
-)
-from ._sign import MeanAbsSignPayload, OneBitPayload, SignPayload, SignumState, efsignsgd, onebit, signsgd, signum
-from ._sparsify import (
-    CountSparsePayload,
-    MaskSparsePayload,
-    RandomKPayload,
-    SparsePayload,
-    dgc,
-    random_sparsification,
-    randomk,
-    threshold,
-    topk,
-)
-from ._hybrid import AdaptivePayload, QSparsePayload, adaptive, qsparse
-from ._lowrank import PowerSGDPayload, PowerSGDState, powersgd
+from ._clipping import clipping
+from ._eightbit import eightbit
+from ._hybrid import adaptive, qsparse
+from ._inceptionn import inceptionn
+from ._lowrank import powersgd
+from ._primitives import dequantize, desparsify, index_dtype, pack, packed_size, quantize, sparsify, unpack
+from ._random_sparsification import random_sparsification
+from ._randomk import randomk
+from ._scaled_sign import scaled_sign
+from ._sign import efsignsgd, onebit, signsgd, signum
+from ._sketchml import sketchml
+from ._stochastic import natural, qsgd, stochastic_rounding, terngrad
+from ._threshold import dgc, threshold
+from ._topk import topk
 
 __all__ = [
+    # the contract and the registry
     "Compressor",
     "CompressorState",
-    "DensePayload",
-    "Payload",
-    "payload_dataclass",
-    "static_field",
     "make",
     "names",
     "register",
     "wire_bits",
+    "payloads",
+    # GRACE's helper operators, for writing a compressor
     "pack",
     "unpack",
     "packed_size",
@@ -86,11 +47,11 @@ __all__ = [
     "desparsify",
     "quantize",
     "dequantize",
+    # factories
     "none",
     "fp16",
     "bf16",
     "scaled_sign",
-    "ScaledSignPayload",
     "eightbit",
     "onebit",
     "signsgd",
@@ -103,18 +64,6 @@ __all__ = [
     "sketchml",
     "clipping",
     "stochastic_rounding",
-    "EightBitPayload",
-    "OneBitPayload",
-    "SignPayload",
-    "MeanAbsSignPayload",
-    "SignumState",
-    "QSGDPayload",
-    "NaturalPayload",
-    "TernaryPayload",
-    "InceptionnPayload",
-    "SketchPayload",
-    "ClippedPayload",
-    "GridPayload",
     "randomk",
     "topk",
     "threshold",
@@ -123,12 +72,4 @@ __all__ = [
     "adaptive",
     "qsparse",
     "powersgd",
-    "SparsePayload",
-    "RandomKPayload",
-    "CountSparsePayload",
-    "MaskSparsePayload",
-    "AdaptivePayload",
-    "QSparsePayload",
-    "PowerSGDPayload",
-    "PowerSGDState",
 ]

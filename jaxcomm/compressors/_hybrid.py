@@ -16,17 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._base import Compressor, Payload, check_positive_int, check_ratio, payload_dataclass, register, static_field
-from ._primitives import dequantize, index_dtype, pack, quantize, unpack
-from ._sparsify import (
-    _magnitude_keys,
-    _scatter,
-    _scatter_count,
-    num_selected,
-    subtract_sparse,
-    sum_scatter,
-    top_indices,
-    topk_indices,
-)
+from ._kernels.bitpack import pack, unpack
+from ._kernels.scatter import scatter, scatter_count, subtract_sparse, sum_scatter
+from ._kernels.select import magnitude_keys, top_indices
+from ._primitives import dequantize, index_dtype, quantize
+from ._sparse import num_selected
+from ._topk import topk_indices
 
 Array = jax.Array
 
@@ -125,7 +120,7 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
         sides = []
         for i, (sign, k) in enumerate(((1.0, k_pos), (-1.0, k_neg))):
             def keys_of(v, sign=sign):  # magnitude keys of this sign's entries, -1 elsewhere
-                return jnp.where(sign * v > 0, _magnitude_keys(v), -1)
+                return jnp.where(sign * v > 0, magnitude_keys(v), -1)
 
             idx, _ = top_indices(xf, kcap, jax.random.fold_in(key, i), k=k, keys_of=keys_of)
             vals = jnp.where(slots < k, xf[idx], 0.0)
@@ -147,7 +142,7 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
         j = jnp.arange(cap, dtype=jnp.int32)
         c0, c1 = p.counts[0], p.counts[1]
         vals = jnp.where(j < c0, p.means[0], jnp.where(j < c0 + c1, p.means[1], 0.0))
-        return _scatter_count(vals, p.indices, c0 + c1, p.shape, p.dtype)
+        return scatter_count(vals, p.indices, c0 + c1, p.shape, p.dtype)
 
     return Compressor.create(
         name="adaptive", compress=compress, decompress=decompress, unbiased=False,
@@ -238,7 +233,7 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
         return dequantize(level, sign, p.norm, p.num_levels, jnp.float32)
 
     def decompress(p: QSparsePayload):
-        return _scatter(values(p), p.indices, p.shape, p.dtype)
+        return scatter(values(p), p.indices, p.shape, p.dtype)
 
     def decompress_sum(g: QSparsePayload, dtype):
         return sum_scatter(jax.vmap(values)(g), g.indices, g.shape, dtype, value_dtype=g.dtype)

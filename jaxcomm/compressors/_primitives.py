@@ -3,7 +3,9 @@
 pack/unpack (bit packing of small integer codes), sparsify/desparsify (gather
 and scatter of selected entries), quantize/dequantize (QSGD-style stochastic
 uniform quantisation of magnitudes, GRACE Sec. III-A and Alistarh et al. 2017,
-Eq. (1) of QSGD), and the index encoding used by sparsifiers.
+Eq. (1) of QSGD), and the index encoding used by sparsifiers; plus the small array helpers every
+compressor shares (:func:`flat32`, :func:`restore`, :func:`size_of`, :func:`bits_of`).
+:func:`pack`/:func:`unpack` are defined in :mod:`._kernels.bitpack`.
 """
 
 from __future__ import annotations
@@ -12,57 +14,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = [
-    "pack",
-    "unpack",
-    "packed_size",
-    "index_dtype",
-    "sparsify",
-    "desparsify",
-    "quantize",
-    "dequantize",
-]
-
-_WIDTHS = (1, 2, 4, 8)
+from ._kernels.bitpack import pack, packed_size, unpack  # noqa: F401  (GRACE's pack/unpack live with the other packers)
 
 
-def packed_size(n: int, bits: int) -> int:
-    """Bytes needed to pack ``n`` codes of ``bits`` bits each: ceil(n*bits/8)."""
-    return -(-n * bits // 8)
+def flat32(x):
+    """``x`` as a float32 vector ``(x.size,)`` (the compute dtype of every compressor)."""
+    return jnp.ravel(x).astype(jnp.float32)
 
 
-def pack(codes: jax.Array, bits: int) -> jax.Array:
-    """Pack unsigned integer codes of ``bits`` bits (1, 2, 4 or 8) into bytes.
-
-    Code ``i`` occupies bits ``[(i % m)*bits, (i % m + 1)*bits)`` of byte
-    ``i // m`` with ``m = 8 // bits`` (little-endian within a byte).
-
-    Args:
-      codes: any shape, integer or bool, values in ``[0, 2**bits)``; flattened.
-      bits: code width.
-    Returns:
-      uint8 array of shape ``(ceil(codes.size * bits / 8),)``.
-    """
-    if bits not in _WIDTHS:
-        raise ValueError(f"bits must be one of {_WIDTHS}; got {bits}")
-    flat = jnp.ravel(codes).astype(jnp.uint8)
-    m = 8 // bits
-    n = flat.shape[0]
-    pad = (-n) % m
-    flat = jnp.pad(flat, (0, pad)).reshape(-1, m)
-    shifts = (jnp.arange(m, dtype=jnp.uint8) * bits).astype(jnp.uint8)
-    return jnp.sum(jnp.left_shift(flat, shifts), axis=1, dtype=jnp.uint32).astype(jnp.uint8)
+def restore(flat, shape, dtype):
+    """A flat vector back to ``shape`` and ``dtype``."""
+    return flat.reshape(shape).astype(dtype)
 
 
-def unpack(packed: jax.Array, bits: int, n: int) -> jax.Array:
-    """Inverse of :func:`pack`: the first ``n`` codes as ``uint8`` of shape ``(n,)``."""
-    if bits not in _WIDTHS:
-        raise ValueError(f"bits must be one of {_WIDTHS}; got {bits}")
-    m = 8 // bits
-    shifts = (jnp.arange(m, dtype=jnp.uint8) * bits).astype(jnp.uint8)
-    mask = jnp.uint8((1 << bits) - 1)
-    codes = jnp.bitwise_and(jnp.right_shift(packed[:, None], shifts[None, :]), mask)
-    return codes.reshape(-1)[:n]
+def size_of(shape) -> int:
+    """Number of entries of a tensor of ``shape`` (int64 product)."""
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def bits_of(dtype) -> int:
+    """Width of ``dtype`` in bits."""
+    return jnp.dtype(dtype).itemsize * 8
 
 
 def index_dtype(size: int):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._base import Compressor, Payload, check_positive_int, payload_dataclass, register, static_field
-from ._primitives import pack, unpack
+from ._kernels.bitpack import pack, unpack
 
 __all__ = ["scaled_sign", "ScaledSignPayload"]
 
@@ -105,7 +105,6 @@ def scaled_sign(*, seed: int = 0) -> Compressor:
     def compress(x, key, state):
         del key
         xf = jnp.ravel(x).astype(jnp.float32)
-        d = xf.shape[0]
         scale = _rms(xf)
         payload = ScaledSignPayload(
             bits=pack(xf < 0, 1), scale=scale, shape=tuple(x.shape), dtype=x.dtype

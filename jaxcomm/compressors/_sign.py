@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from ._base import Compressor, Payload, check_finite_scalar, payload_dataclass, register, static_field
-from ._primitives import pack, packed_size, unpack
-from ._quantize import _flat32, _nan_unless_finite, _restore, _size
+from ._kernels.bitpack import pack, packed_size, popcount, unpack
+from ._primitives import flat32, restore, size_of
+from ._quantize import jitted_compressor, nan_unless_finite
 
 __all__ = [
     "onebit",
@@ -45,7 +46,7 @@ Array = jax.Array
 
 def _signs(bits, shape):
     """Packed bits -> float32 +-1 vector (bit 1 -> -1)."""
-    return 1.0 - 2.0 * unpack(bits, 1, _size(shape)).astype(jnp.float32)
+    return 1.0 - 2.0 * unpack(bits, 1, size_of(shape)).astype(jnp.float32)
 
 
 @payload_dataclass
@@ -64,7 +65,7 @@ class SignPayload(Payload):
 
     def wire_bits(self) -> int:
         """``8 ceil(d/8)``."""
-        return 8 * packed_size(_size(self.shape), 1)
+        return 8 * packed_size(size_of(self.shape), 1)
 
 
 @payload_dataclass
@@ -84,7 +85,7 @@ class MeanAbsSignPayload(Payload):
 
     def wire_bits(self) -> int:
         """``8 ceil(d/8) + 32``."""
-        return 8 * packed_size(_size(self.shape), 1) + 32
+        return 8 * packed_size(size_of(self.shape), 1) + 32
 
 
 @payload_dataclass
@@ -106,7 +107,7 @@ class OneBitPayload(Payload):
 
     def wire_bits(self) -> int:
         """``8 ceil(d/8) + 64``."""
-        return 8 * packed_size(_size(self.shape), 1) + 64
+        return 8 * packed_size(size_of(self.shape), 1) + 64
 
 
 @register("onebit")
@@ -128,7 +129,7 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
 
     def compress(x, key, state):
         del key
-        xf = _flat32(x)
+        xf = flat32(x)
         high = xf >= threshold
         bits = pack(high, 1)
         # One masked array, two fast reductions and a popcount of the packed
@@ -136,7 +137,7 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
         # fewer masked sums is faster). mu_0 uses sum(x) - sum_high: its
         # rounding error is ~eps * sum|x| instead of ~eps * sum_low |x|, which
         # matters only when the entries below tau carry a tiny part of the mass.
-        n_high = jnp.sum(jax.lax.population_count(bits), dtype=jnp.int32).astype(jnp.float32)
+        n_high = jnp.sum(popcount(bits)).astype(jnp.float32)
         n_low = jnp.float32(xf.size) - n_high
         s_high = jnp.sum(jnp.where(high, xf, 0.0))
         s_low = jnp.sum(xf) - s_high
@@ -150,15 +151,12 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
         return payload, state
 
     def decompress(p: OneBitPayload):
-        high = unpack(p.bits, 1, _size(p.shape)) == 1
+        high = unpack(p.bits, 1, size_of(p.shape)) == 1
         y = jnp.where(high, p.mean_high, p.mean_low)
         y = jnp.where(jnp.isfinite(p.mean_low) & jnp.isfinite(p.mean_high), y, jnp.nan)
-        return _restore(y, p.shape, p.dtype)
+        return restore(y, p.shape, p.dtype)
 
-    return Compressor.create(
-        name="onebit", compress=jax.jit(compress), decompress=jax.jit(decompress), unbiased=False,
-        strategy="allgather", seed=seed, params=dict(threshold=threshold),
-    )
+    return jitted_compressor("onebit", compress, decompress, unbiased=False, seed=seed, params=dict(threshold=threshold))
 
 
 @register("signsgd")
@@ -173,15 +171,12 @@ def signsgd(*, seed: int = 0) -> Compressor:
 
     def compress(x, key, state):
         del key
-        return SignPayload(signs=pack(_flat32(x) < 0, 1), shape=x.shape, dtype=x.dtype), state
+        return SignPayload(signs=pack(flat32(x) < 0, 1), shape=x.shape, dtype=x.dtype), state
 
     def decompress(p: SignPayload):
-        return _restore(_signs(p.signs, p.shape), p.shape, p.dtype)
+        return restore(_signs(p.signs, p.shape), p.shape, p.dtype)
 
-    return Compressor.create(
-        name="signsgd", compress=jax.jit(compress), decompress=jax.jit(decompress), unbiased=False,
-        strategy="allgather", seed=seed, params={},
-    )
+    return jitted_compressor("signsgd", compress, decompress, unbiased=False, seed=seed, params={})
 
 
 class SignumState(NamedTuple):
@@ -222,12 +217,9 @@ def signum(*, momentum: float = 0.9, seed: int = 0) -> Compressor:
         return SignPayload(signs=pack(jnp.ravel(m) < 0, 1), shape=x.shape, dtype=x.dtype), SignumState(m)
 
     def decompress(p: SignPayload):
-        return _restore(_signs(p.signs, p.shape), p.shape, p.dtype)
+        return restore(_signs(p.signs, p.shape), p.shape, p.dtype)
 
-    return Compressor.create(
-        name="signum", compress=jax.jit(compress), decompress=jax.jit(decompress), unbiased=False,
-        strategy="allgather", init_state=init_state, seed=seed, params=dict(momentum=beta),
-    )
+    return jitted_compressor("signum", compress, decompress, unbiased=False, seed=seed, params=dict(momentum=beta), init_state=init_state)
 
 
 @register("efsignsgd")
@@ -244,15 +236,12 @@ def efsignsgd(*, seed: int = 0) -> Compressor:
 
     def compress(x, key, state):
         del key
-        xf = _flat32(x)
+        xf = flat32(x)
         scale = jnp.sum(jnp.abs(xf)) / max(xf.size, 1)
         return MeanAbsSignPayload(signs=pack(xf < 0, 1), scale=scale, shape=x.shape, dtype=x.dtype), state
 
     def decompress(p: MeanAbsSignPayload):
         y = _signs(p.signs, p.shape) * p.scale
-        return _restore(_nan_unless_finite(y, p.scale), p.shape, p.dtype)
+        return restore(nan_unless_finite(y, p.scale), p.shape, p.dtype)
 
-    return Compressor.create(
-        name="efsignsgd", compress=jax.jit(compress), decompress=jax.jit(decompress), unbiased=False,
-        strategy="allgather", seed=seed, params={},
-    )
+    return jitted_compressor("efsignsgd", compress, decompress, unbiased=False, seed=seed, params={})

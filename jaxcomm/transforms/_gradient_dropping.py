@@ -50,9 +50,9 @@ import optax
 from .. import memory as memory_lib
 from .._vma import cast_varying, varying_axes
 from ..comm import resolve
-from ..compressors._base import Compressor, DensePayload, check_finite_scalar, check_positive_int
-from ..compressors._primitives import index_dtype
-from ..compressors._sparsify import SparsePayload, topk
+from ..compressors import index_dtype, topk
+from ..compressors._base import Compressor, check_finite_scalar, check_positive_int
+from ..compressors.payloads import DensePayload, SparsePayload
 from ._pipeline import CompressionState, compress_step, count_bits, group_vector, groups_of, init_state, ungroup
 
 __all__ = [

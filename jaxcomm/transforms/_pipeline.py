@@ -377,7 +377,7 @@ def _sum_decompressed(compressor: Compressor, gathered, n: int, acc_dtype):
 def _data_fields(payload) -> list[str]:
     if not dataclasses.is_dataclass(payload):
         raise TypeError(
-            f"strategy='allreduce' needs a dataclass payload (jaxcomm.compressors.payload_dataclass); "
+            f"strategy='allreduce' needs a dataclass payload (jaxcomm.compressors.payloads.payload_dataclass); "
             f"got {type(payload).__name__}"
         )
     return [f.name for f in dataclasses.fields(payload) if not f.metadata.get("static", False)]

@@ -1,0 +1,401 @@
+"""Selection and compaction kernels: exact top-k on int32 order keys, positions of set bits.
+
+Every selection is done on *int32 order keys*; for magnitudes the key is the
+float32 bit pattern of ``|x|`` (sign bit cleared, :func:`magnitude_keys`),
+whose integer order is the float order on ``[0, +Inf]`` and puts NaN above
++Inf. Masks are bit-packed into 32-bit words (:func:`~.bitpack.pack_bits`) so
+that compaction ("the positions of the first ``cap`` true entries, in index
+order", :func:`compact`) costs one pass over the array plus work proportional
+to ``d / 32`` and ``cap``, instead of a prefix sum over ``d`` (which XLA:CPU
+lowers to an associative scan); vectors of at most ``SMALL = 2048`` entries use
+a stable sort instead (cheaper to compile). :func:`top_indices` is the exact
+top-k used by top-k, DGC, random-k and the adaptive threshold;
+:func:`class_ranks` compacts several classes at once (INCEPTIONN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..._vma import vary_like
+from .bitpack import pack_bits, popcount
+from .random_bits import uniform_indices
+
+Array = jax.Array
+
+
+_NAN_KEY = 0x7FC00000
+
+
+def magnitude_keys(x) -> Array:
+    """int32 order keys of ``|x|`` (elementwise, compared in float32; same shape as ``x``).
+
+    ``key_i = bitcast_int32(float32(x_i)) & 0x7fffffff``: non-negative, and for
+    non-negative floats the integer order is the float order, so ``key_i >=
+    key_j`` iff ``|x_i| >= |x_j|``. Every NaN maps to one key above +Inf
+    (``0x7fc00000``), so NaN entries count as the largest magnitudes and tie
+    with each other. ``-0.0`` and ``+0.0`` are equal.
+    """
+    xf = jnp.asarray(x).astype(jnp.float32)
+    bits = lax.bitcast_convert_type(xf, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    return jnp.where(jnp.isnan(xf), jnp.int32(_NAN_KEY), bits)
+
+
+_SHIFTS = np.arange(32, dtype=np.uint32)
+
+
+SMALL = 2048
+"""Vectors up to this length use a stable sort for selection and compaction (cheap to compile)."""
+
+
+def _select_bit(words, r) -> Array:
+    """Position (0..31) of the ``r``-th (0-based) set bit of each word (5-step binary search)."""
+    b = jnp.zeros(jnp.shape(r), jnp.int32)
+    for width in (16, 8, 4, 2, 1):
+        low = popcount((words >> b.astype(jnp.uint32)) & jnp.uint32((1 << width) - 1))
+        go = r >= low
+        b = jnp.where(go, b + width, b)
+        r = jnp.where(go, r - low, r)
+    return b
+
+
+def _cumsum_i32(a) -> Array:
+    """Inclusive prefix sum of an int32 vector, as a sequential ``lax.scan``.
+
+    XLA:CPU lowers ``jnp.cumsum`` to an associative scan (log-depth strided
+    passes and a large program); a scalar scan compiles to one tight loop, which
+    runs and compiles faster (measurements: ``docs/benchmarks.md``).
+    """
+    a = a.astype(jnp.int32)
+    # The carry starts as a zero of a's own type, so inside shard_map it is device-varying
+    # like the body's output (lax.scan requires equal carry types).
+    init = jnp.zeros_like(a[0]) if a.shape[0] else jnp.int32(0)
+    return lax.scan(lambda c, v: (c + v, c + v), init, a)[1]
+
+
+def _compact_by_slot(words, incl, pc, cap: int):
+    """Slot ``j`` finds its word (histogram of the word prefix counts, prefix-summed over ``cap``) and bit."""
+    nwords = words.shape[0]
+    j = jnp.arange(cap, dtype=jnp.int32)
+    hist = jnp.zeros((cap,), jnp.int32).at[incl].add(1, mode="drop")
+    w = jnp.minimum(_cumsum_i32(hist), nwords - 1)
+    r = j - (incl[w] - pc[w])
+    return w * 32 + _select_bit(words[w], r)
+
+
+def _compact_by_bit(words, incl, pc, cap: int):
+    """Every set bit computes its slot (word prefix + popcount of the lower bits) and is scattered there."""
+    nwords = words.shape[0]
+    excl = incl - pc
+    shifts = jnp.asarray(_SHIFTS)
+    below = words[:, None] & ((jnp.uint32(1) << shifts) - jnp.uint32(1))[None, :]
+    slot = excl[:, None] + popcount(below)
+    is_set = ((words[:, None] >> shifts[None, :]) & jnp.uint32(1)) == 1
+    slot = jnp.where(is_set, slot, cap).reshape(-1)
+    src = jnp.arange(nwords * 32, dtype=jnp.int32)
+    return jnp.zeros((cap,), jnp.int32).at[slot].set(src, mode="drop")
+
+
+def compact_words(words, cap: int):
+    """Positions of the first ``cap`` set bits of ``words``, in increasing order.
+
+    Returns ``(pos, total)``: ``pos`` int32 ``(cap,)`` (slots past the number of
+    set bits hold 0) and ``total`` the number of set bits (int32 scalar, may
+    exceed ``cap``). Work is one pass over the words plus, for
+    ``cap <= nbits / 16``, work proportional to ``cap`` (each output slot finds
+    its word and bit); a larger ``cap`` uses the same slot-wise method into a
+    ``nbits / 16`` buffer when the set bits fit there (``lax.cond``), else
+    scatters every set bit to its slot (work proportional to ``nbits``).
+    """
+    nbits = words.shape[0] * 32
+    pc = popcount(words)
+    incl = _cumsum_i32(pc)
+    total = incl[-1]
+    small = nbits // 16
+    if cap <= small:
+        pos = _compact_by_slot(words, incl, pc, cap)
+    elif small < 1024:
+        pos = _compact_by_bit(words, incl, pc, cap)
+    else:
+        pos = lax.cond(
+            total <= small,
+            lambda: jnp.pad(_compact_by_slot(words, incl, pc, small), (0, cap - small)),
+            lambda: _compact_by_bit(words, incl, pc, cap),
+        )
+    pos = jnp.where(jnp.arange(cap, dtype=jnp.int32) < total, pos, 0)
+    return pos, total
+
+
+def compact(mask, cap: int):
+    """``(positions of the first cap true entries of a bool vector, number of true entries)``.
+
+    Equivalent to ``(jnp.nonzero(mask, size=cap, fill_value=0)[0], mask.sum())``
+    but a few memory passes instead of two prefix sums over ``mask``.
+    """
+    n = mask.shape[0]
+    if cap == 0 or n == 0:
+        return jnp.zeros((cap,), jnp.int32), jnp.sum(mask, dtype=jnp.int32)
+    if n <= SMALL:  # small vectors: one stable sort (cheaper to compile than the packed machinery)
+        total = jnp.sum(mask, dtype=jnp.int32)
+        order = lax.sort((~mask, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)[1]
+        pos = order[:cap] if cap <= n else jnp.pad(order, (0, cap - n))
+        return jnp.where(jnp.arange(cap, dtype=jnp.int32) < total, pos, 0), total
+    return compact_words(pack_bits(mask, 1, jnp.uint32), cap)
+
+
+def _nth_set(words, n) -> Array:
+    """Position of the ``n``-th (0-based, traced scalar) set bit; -1 when ``n < 0``."""
+    pc = popcount(words)
+    incl = _cumsum_i32(pc)
+    w = jnp.minimum(jnp.searchsorted(incl, n, side="right"), words.shape[0] - 1).astype(jnp.int32)
+    r = n - (incl[w] - pc[w])
+    return jnp.where(n >= 0, w * 32 + _select_bit(words[w], r), -1)
+
+
+_SAMPLE_MAX = 65536
+
+
+_MARGIN = 5.0
+
+
+PATH_SAMPLED, PATH_TIES, PATH_FULL = 0, 1, 2
+"""Which branch :func:`top_indices` took (returned for tests and diagnostics)."""
+
+
+def _radix_kth(keys, k) -> Array:
+    """Largest ``t >= 0`` with ``#(keys >= t) >= k`` (the k-th largest key), bit by bit from bit 30.
+
+    31 counting passes over ``keys`` in a ``fori_loop`` (one compiled body).
+    """
+
+    def body(i, t):
+        trial = t | jnp.left_shift(jnp.int32(1), 30 - i)
+        return jnp.where(jnp.sum(keys >= trial, dtype=jnp.int32) >= k, trial, t)
+
+    # Inside shard_map the carry must be device-varying over the axes of keys and k, like the body's output.
+    return lax.fori_loop(0, 31, body, vary_like(jnp.int32(0), keys, k))
+
+
+def _exact_top(ck, cand_idx, k, kmax: int) -> Array:
+    """Exact top-``k`` of a candidate buffer: returns ``cand_idx`` of the winners, ``(kmax,)``.
+
+    ``ck`` are the candidates' keys (``-1`` = empty slot), at least ``k`` of them
+    non-negative. Selected: every key above the k-th largest ``t``, then the
+    first ``k - #(> t)`` keys equal to ``t`` in buffer order (lowest index first).
+    Slots ``>= k`` hold index 0.
+    """
+    m = ck.shape[0]
+    t = _radix_kth(ck, k)
+    gt = ck > t
+    need = k - jnp.sum(gt, dtype=jnp.int32)
+    tie = ck == t
+    last = _nth_set(pack_bits(tie, 1, jnp.uint32), need - 1)
+    sel = gt | (tie & (jnp.arange(m, dtype=jnp.int32) <= last))
+    pos, _ = compact(sel, kmax)
+    out = cand_idx[pos]
+    return jnp.where(jnp.arange(kmax, dtype=jnp.int32) < k, out, 0)
+
+
+def _upper_excess(mean, var, z):
+    """Bernstein deviation ``t`` with ``P(X - E X >= t) <= exp(-z^2 / 2)`` for a Binomial ``X`` (``z >= 0``).
+
+    Bernstein: ``P(X - mean >= t) <= exp(-t^2 / (2 (var + t/3)))``; solving
+    ``t^2 = z^2 (var + t/3)`` gives ``t = (z^2/3 + sqrt(z^4/9 + 4 z^2 var)) / 2``.
+    A negative ``z`` (tests forcing the fallback) gives ``z sqrt(var)``. Works on
+    Python floats and traced arrays.
+    """
+    if isinstance(z, (int, float)) and z < 0:
+        return z * (var ** 0.5)
+    return (z * z / 3.0 + (z ** 4 / 9.0 + 4.0 * z * z * var) ** 0.5) / 2.0
+
+
+def _sample_plan(d: int, kmax: int, margin: float):
+    """Static sampling plan: sample size ``s``, largest sample rank ``jmax``, capacity ``C``.
+
+    With ``s`` uniform samples (with replacement), the threshold ``lo`` is the
+    ``j``-th largest sampled key, ``j = s q + t + 1`` with ``q = k / d`` and
+    ``t`` Bernstein's deviation for ``z = margin`` (:func:`_upper_excess`). Then
+    ``lo`` exceeds the k-th largest key only if at least ``j`` samples land among
+    the ``k - 1`` largest keys: probability ``<= exp(-z^2/2)`` (``z = 5``:
+    ``3.7e-6``) for every input. Conversely ``#(keys >= lo) > C`` needs fewer than
+    ``j`` samples among the ``C`` largest, which for ``mu = s C / d`` with
+    ``mu - z sqrt(mu) = j`` has probability ``<= exp(-z^2/2)`` (Chernoff's lower
+    tail), ties at ``lo`` aside (the tie branch handles them). Either miss only
+    costs time: the exact fallback runs.
+    """
+    # Sample size: the sample costs ~s, the candidates beyond k ~ z sqrt(k d / s);
+    # d / 160 (at most 65536) balances the two on CPU.
+    s = min(_SAMPLE_MAX, max(1024, d // 160), d // 16)
+    if s < 64:
+        return None
+    q = kmax / d
+    j = int(math.ceil(s * q + _upper_excess(s * q, s * q * (1.0 - q), margin))) + 1
+    j = max(1, min(s, j))
+    z = _MARGIN  # the capacity always uses the default margin (a test's margin only moves the bracket)
+    mu = ((z + math.sqrt(z * z + 4.0 * j)) / 2.0) ** 2
+    cap = int(math.ceil(d * mu / s)) + 1
+    if 2 * cap >= d:
+        return None
+    return s, j, max(cap, kmax)
+
+
+def _sorted_top(keys, kk, kmax: int) -> Array:
+    """Small arrays: a stable sort of ``-keys`` (ties keep index order), first ``kmax`` positions."""
+    d = keys.shape[0]
+    order = lax.sort((-keys, jnp.arange(d, dtype=jnp.int32)), num_keys=1, is_stable=True)[1]
+    out = order[:kmax] if kmax <= d else jnp.pad(order, (0, kmax - d))
+    return jnp.where(jnp.arange(kmax, dtype=jnp.int32) < kk, out, 0)
+
+
+def _identity(v):
+    return v
+
+
+def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: float = _MARGIN):
+    """Exact positions of the ``k`` largest keys ``keys_of(values)`` (ties: lowest index first).
+
+    Args:
+      values: ``(d,)`` array; ``keys_of(values)`` are the int32 order keys.
+      kmax: static capacity of the result (``k`` if ``k`` is static).
+      key: PRNG key for the threshold sample (the result does not depend on it).
+      k: traced int32 count ``<= kmax`` (default ``kmax``).
+      keys_of: *elementwise* map from values to int32 keys (identity for int32
+        keys; :func:`magnitude_keys` for top-k by magnitude). Keys ``< 0`` are
+        never selected (requires ``k <= #(keys >= 0)``). Being elementwise, it is
+        fused into the passes that read it instead of materialising the keys.
+      margin: the ``z`` of :func:`_sample_plan` (tests pass a negative value to
+        force the exact fallback).
+    Returns:
+      ``(indices, path)``: int32 ``(kmax,)`` (slots ``>= k`` hold 0) and the
+      branch taken (``PATH_SAMPLED``, ``PATH_TIES`` or ``PATH_FULL``).
+
+    Algorithm (``d > 2048``): the threshold ``lo`` comes from a uniform sample
+    (:func:`_sample_plan`); if the candidates ``key >= lo`` number between ``k``
+    and the capacity ``C`` they are compacted and the exact top-``k`` is found
+    among them (radix select of the k-th largest key, then compaction of the
+    winners); if there are too many because of ties at ``lo`` (e.g. a gradient
+    that is mostly exact zeros), the strict candidates ``> lo`` plus the first
+    ``C`` ties are used; otherwise the same exact routine runs on the whole
+    array. The sample, the candidate pass and the compaction of the first
+    ``C`` candidates always run; the selection among them and the two
+    fallbacks are ``lax.cond`` branches, so only one runs (outside ``vmap``,
+    which turns them into selects). Small arrays use a stable sort. Every
+    branch returns the same set.
+    """
+    d = values.shape[0]
+    kk = jnp.int32(kmax) if k is None else jnp.asarray(k, jnp.int32)
+    if kmax == 0 or d == 0:
+        return jnp.zeros((kmax,), jnp.int32), jnp.int32(PATH_FULL)
+    if k is None and kmax >= d:
+        return jnp.arange(d, dtype=jnp.int32), jnp.int32(PATH_FULL)
+    if d <= SMALL:
+        return _sorted_top(keys_of(values), kk, kmax), jnp.int32(PATH_FULL)
+
+    def full():
+        return _exact_top(keys_of(values), jnp.arange(d, dtype=jnp.int32), kk, kmax)
+
+    plan = _sample_plan(d, kmax, margin)
+    if plan is None:
+        return full(), jnp.int32(PATH_FULL)
+    s, jmax, cap = plan
+    sample = keys_of(values[uniform_indices(key, s, d)])
+    # Order-preserving map of the sampled keys to exactly representable floats
+    # (drop 8 low bits), so that lax.top_k's float path (a partial sort on CPU)
+    # applies. The j-th largest is taken as a masked min over *all* jmax values:
+    # slicing one element out of top_k makes XLA rewrite it into a full sort of
+    # the sample (~30x slower), and an optimization_barrier around top_k crashes
+    # XLA's TopkDecomposer inside shard_map.
+    vals = lax.top_k((sample >> 8).astype(jnp.float32), jmax)[0]
+    if k is None:
+        j = jmax
+    else:
+        q = kk.astype(jnp.float32) / d
+        jt = jnp.ceil(s * q + _upper_excess(s * q, s * q * (1.0 - q), margin)).astype(jnp.int32) + 1
+        j = jnp.clip(jt, 1, jmax)
+    jth = jnp.min(jnp.where(jnp.arange(jmax) < j, vals, jnp.inf))
+    lo = jnp.maximum(jth.astype(jnp.int32) << 8, 0)
+    words = pack_bits(keys_of(values) >= lo, 1, jnp.uint32)
+    count = jnp.sum(popcount(words))
+    # The common case runs outside any lax.cond: compacting the first C candidates and the
+    # exact selection among them cost a few small passes, while the same work inside a
+    # conditional branch measured twice as slow on XLA:CPU (11.4 ms against 5.1 ms for a
+    # 2.4 M-entry tensor). Only the rare fallbacks are branches.
+    slots = jnp.arange(cap, dtype=jnp.int32)
+    pos, _ = compact_words(words, cap)
+    ck = jnp.where(slots < count, keys_of(values[pos]), -1)
+    # A zero of the input's own type: constants built from it are device-varying inside
+    # shard_map like the branches computed from ``values``, so the lax.cond branches agree.
+    zero = jnp.zeros_like(count)
+
+    def sampled():
+        return _exact_top(ck, pos, kk, kmax), jnp.int32(PATH_SAMPLED) + zero
+
+    def ties():
+        # One compaction of [keys > lo, keys == lo]: all n_gt <= C strict candidates, then the
+        # first 2C - n_gt ties (>= C >= k), both in index order.
+        allkeys = keys_of(values)
+        tpos, _ = compact(jnp.concatenate([allkeys > lo, allkeys == lo]), 2 * cap)
+        tpos = jnp.where(tpos >= d, tpos - d, tpos)
+        valid = jnp.arange(2 * cap, dtype=jnp.int32) < count
+        tk = jnp.where(valid, keys_of(values[tpos]), -1)
+        return _exact_top(tk, tpos, kk, kmax), jnp.int32(PATH_TIES) + zero
+
+    def exact():
+        return full() + zero, jnp.int32(PATH_FULL) + zero
+
+    def not_sampled():
+        n_gt = jnp.sum(keys_of(values) > lo, dtype=jnp.int32)
+        return lax.cond((count >= kk) & (n_gt <= cap), ties, exact)
+
+    idx, path = lax.cond((count >= kk) & (count <= cap), sampled, not_sampled)
+    return idx, path
+
+
+def materialize(a):
+    """``a`` itself, computed once into a buffer before its consumers run.
+
+    XLA:CPU lowers a prefix sum to a tree of small reduce-windows and fuses the
+    final combine into every consumer, so a table built from a prefix sum and
+    then looked up per entry is re-combined (several lookups) per entry. An
+    identity scatter is never fused into its consumers; ``optimization_barrier``
+    is stripped before fusion and does not help.
+    """
+    flat = jnp.ravel(a)
+    idx = jnp.arange(flat.shape[0])
+    out = jnp.zeros_like(flat).at[idx].set(flat, unique_indices=True, indices_are_sorted=True)
+    return out.reshape(a.shape)
+
+
+_RANK_BLOCK = 512  # < 2^10, so three in-block counters fit in one int32
+
+
+def class_ranks(tags):
+    """Rank of each entry among the earlier entries of its own class (tags 1, 2, 3).
+
+    ``rank_i = #{j < i : tag_j = tag_i}`` (int32, shape of ``tags``); 0 for
+    entries of tag 0. One prefix sum serves the three
+    classes: within blocks of 512 entries the three counters are packed into
+    10-bit fields of one int32 (one prefix sum instead of three; an XLA:CPU
+    prefix sum costs several elementwise passes, ``docs/benchmarks.md``); block
+    offsets are prefix sums over the ``d / 512`` block totals.
+    """
+    d = tags.shape[0]
+    block = min(_RANK_BLOCK, max(d, 1))
+    rows = -(-d // block)
+    t = jnp.pad(tags.astype(jnp.int32), (0, rows * block - d)).reshape(rows, block)
+    shift = 10 * jnp.maximum(t - 1, 0)
+    unit = jnp.where(t == 0, 0, jnp.left_shift(1, shift))
+    inclusive = jnp.cumsum(unit, axis=1)
+    within = jnp.right_shift(inclusive - unit, shift) & 1023
+    totals = inclusive[:, -1]
+    offsets = []
+    for c in range(3):
+        row_total = (totals >> (10 * c)) & 1023
+        offsets.append(materialize(jnp.cumsum(row_total) - row_total)[:, None])  # else redone per entry
+    offset = jnp.where(t == 1, offsets[0], jnp.where(t == 2, offsets[1], offsets[2]))
+    return jnp.where(t == 0, 0, within + offset).reshape(-1)[:d]

@@ -1,0 +1,116 @@
+"""Random-k sparsification (Stich et al. 2018): ``k`` positions drawn from a key shared by every worker."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._base import Compressor, Payload, check_ratio, payload_dataclass, register, static_field
+from ._kernels.random_bits import uniform_bits
+from ._kernels.scatter import scatter
+from ._kernels.select import top_indices
+from ._sparse import num_selected
+
+Array = jax.Array
+
+
+@payload_dataclass
+class RandomKPayload(Payload):
+    """Random-k payload: ``k`` values; positions are regenerated from ``key``.
+
+    Attributes:
+      values: ``(k,)`` the entries at the sampled positions, input dtype.
+      key: the raw ``uint32[2]`` PRNG key that drew the positions.
+      shape, dtype: original shape and dtype (static).
+      scale: ``d / k`` if unbiased else ``1`` (static), applied on decompression.
+
+    ``summable = ("values",)``: with a key shared by every worker the positions
+    agree and the values add up. Wire bits (``Payload.wire_bits``): ``k *
+    bits(dtype) + 64``; the 64 bits of the key are an upper bound: when the key
+    is shared (``compressed_mean``'s allreduce) nobody sends it, and the
+    transforms count only the summed ``values``.
+    """
+
+    values: Array
+    key: Array
+    shape: tuple = static_field()
+    dtype: Any = static_field()
+    scale: float = static_field()
+    summable: ClassVar[tuple[str, ...]] = ("values",)
+
+
+def _raw_key(key):
+    if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return jnp.asarray(key, jnp.uint32)
+
+
+def randomk_indices(key, d: int, k: int) -> Array:
+    """The ``k`` positions random-k draws from ``key`` for a ``d``-element tensor (int32, index order).
+
+    A uniformly random ``k``-subset, drawn as the positions of the ``k`` largest
+    of ``d`` distinct pseudo-random words ``h(i)`` (:func:`~._kernels.random_bits.uniform_bits`, scheme ``"murmur3"``,
+    31 high bits compared; ties, of probability ``~d / 2**31`` per draw, go to
+    the lower index). Deterministic in ``key``: every worker holding the same
+    key draws the same positions.
+    """
+    if k >= d:
+        return jnp.arange(d, dtype=jnp.int32)
+    idx, _ = top_indices(uniform_bits(key, d, "murmur3"), k, jax.random.fold_in(_raw_key(key), 1),
+                         keys_of=lambda h: (h >> 1).astype(jnp.int32))
+    return idx
+
+
+@register("randomk")
+def randomk(*, ratio: float, unbiased: bool = False, seed: int = 0) -> Compressor:
+    """Random-k sparsification (GRACE Table I; Stich et al. 2018).
+
+    Sends ``k = max(1, round(ratio * d))`` entries at uniformly random positions
+    without replacement (rounded half up). ``Q(x) = s * x (.) b`` with ``b`` the
+    random mask and ``s = d / k`` if ``unbiased`` (then ``E[Q(x)] = x``, since
+    each position is drawn with probability ``k / d``) else ``s = 1`` (biased,
+    the form used with error feedback).
+
+    Positions come from the key (:func:`randomk_indices`) and are *not* sent:
+    the payload is the ``k`` values plus the key, and the receiver regenerates
+    the positions. With a key shared by all workers (``compressed_mean`` passes
+    the shared key to allreduce compressors) the payloads sum: strategy
+    ``"allreduce"``, summable field ``values``.
+
+    Wire bits: ``k * bits(dtype) + 64`` (the key counted although a shared key
+    is never sent; the transforms count only the values). NaN/Inf are ordinary
+    values: sent as they are when drawn.
+
+    Args:
+      ratio: fraction of entries sent, in (0, 1].
+      unbiased: scale by ``d / k`` so that ``E[Q(x)] = x``.
+      seed: seed of the optax transformation's key.
+    Raises:
+      ValueError/TypeError: ``ratio`` outside (0, 1], ``unbiased`` not a bool.
+    """
+    ratio = check_ratio(ratio, "ratio")
+    if not isinstance(unbiased, (bool, np.bool_)):
+        raise TypeError(f"unbiased must be a bool; got {unbiased!r}")
+    unbiased = bool(unbiased)
+
+    def compress(x, key, state):
+        d = int(np.size(x))
+        k = num_selected(ratio, d)
+        raw = _raw_key(key)
+        idx = randomk_indices(raw, d, k)
+        vals = jnp.ravel(x)[idx]
+        scale = (d / k) if (unbiased and k > 0) else 1.0
+        return RandomKPayload(values=vals, key=raw, shape=tuple(np.shape(x)), dtype=x.dtype, scale=scale), state
+
+    def decompress(p: RandomKPayload):
+        d = int(np.prod(p.shape, dtype=np.int64))
+        idx = randomk_indices(p.key, d, p.values.shape[0])
+        return scatter(p.values, idx, p.shape, p.dtype, p.scale)
+
+    return Compressor.create(
+        name="randomk", compress=compress, decompress=decompress, unbiased=unbiased,
+        strategy="allreduce", seed=seed, params=dict(ratio=ratio, unbiased=unbiased),
+    )

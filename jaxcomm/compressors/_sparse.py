@@ -1,0 +1,189 @@
+"""Sparse payloads and the sparsifiers' overview: random-k, top-k, Threshold-v, DGC, random sparsification.
+
+GRACE Sec. III-B (Table I, "Sparsification"): a sparsifier selects a subset of
+the ``d`` entries of a gradient ``g`` (a bitmask ``b``) and sends the selected
+values and their positions; the receiver scatters them into zeros.
+
+* ``randomk``: ``k`` uniformly random positions (Stich et al. 2018); with a key
+  shared by every worker the positions agree, so only the values are sent and
+  the payloads can be summed (strategy ``allreduce``).
+* ``topk``: the ``k`` largest magnitudes (Aji & Heafield 2017), exact, with a
+  sampling-based selection that is a small multiple of a memory pass on CPU.
+* ``threshold``: Threshold-v, every ``|g_i| >= v`` (Dutta et al. 2020).
+* ``dgc``: Deep Gradient Compression's sampled threshold (Lin et al. 2018),
+  transcribed from the authors' code (``dgc/compression.py``).
+* ``random_sparsification``: keep ``g_i / p`` with probability ``p``
+  (DoubleSqueeze, Tang et al. 2019; Wangni et al. 2018 with uniform ``p``).
+
+Count-based methods (threshold, dgc, random sparsification) return a
+fixed-capacity buffer plus a count, so shapes stay static under ``jit``; their
+``wire_bits`` is a traced ``int32`` computed from the count.
+
+Modules: :mod:`._topk`, :mod:`._randomk`, :mod:`._threshold` (Threshold-v and
+DGC) and :mod:`._random_sparsification`; the selection and compaction they
+share is :mod:`._kernels.select`, the decoding :mod:`._kernels.scatter`.
+This module holds the sparse payload formats and their codecs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._base import Payload, payload_dataclass, static_field
+from ._kernels.bitpack import bytes_to_words, popcount, unpack
+from ._kernels.scatter import scatter, scatter_count, scatters_whole_buffer, subtract_sparse, sum_scatter
+from ._kernels.select import SMALL, compact, compact_words
+from ._primitives import bits_of, index_dtype
+
+Array = jax.Array
+
+
+def num_selected(ratio: float, d: int) -> int:
+    """``k = max(1, round(ratio * d))`` rounded half up, capped at ``d`` (0 if ``d == 0``)."""
+    if d == 0:
+        return 0
+    return int(min(d, max(1, math.floor(ratio * d + 0.5))))
+
+
+@payload_dataclass
+class SparsePayload(Payload):
+    """Fixed-size sparse payload: ``k`` values and their flat indices (top-k).
+
+    Attributes:
+      values: ``(k,)`` the selected entries in the input dtype (lossless).
+      indices: ``(k,)`` flat positions, :func:`index_dtype` of ``d`` (uint8/uint16/int32).
+      shape, dtype: the original tensor's shape and dtype (static, not sent).
+
+    Wire bits: ``k * (bits(dtype) + bits(index dtype))``.
+    """
+
+    values: Array
+    indices: Array
+    shape: tuple = static_field()
+    dtype: Any = static_field()
+
+
+@payload_dataclass
+class CountSparsePayload(Payload):
+    """Variable-size sparse payload in a fixed-capacity buffer (threshold, DGC, ...).
+
+    Attributes:
+      values: ``(cap,)`` selected entries (input dtype); slots ``>= count`` are 0.
+      indices: ``(cap,)`` flat positions (:func:`index_dtype`); slots ``>= count`` are 0.
+      count: int32 scalar, number of valid slots (``<= cap``).
+      shape, dtype: original shape and dtype (static).
+      scale: multiplier applied on decompression (static; ``1/p`` for random sparsification).
+
+    Wire bits: ``count * (bits(dtype) + bits(index dtype)) + 32`` (the count
+    itself is sent); a traced int32.
+    """
+
+    values: Array
+    indices: Array
+    count: Array
+    shape: tuple = static_field()
+    dtype: Any = static_field()
+    scale: float = static_field(default=1.0)
+
+    def wire_bits(self):
+        per = bits_of(self.values.dtype) + bits_of(self.indices.dtype)
+        return self.count.astype(jnp.int32) * per + 32
+
+
+@payload_dataclass
+class MaskSparsePayload(Payload):
+    """Variable-size sparse payload with a bitmask of positions (random sparsification, dense p).
+
+    Attributes:
+      mask: uint8 ``(ceil(d/8),)``, bit ``i % 8`` of byte ``i // 8`` set iff entry
+        ``i`` is sent (the :func:`pack` layout).
+      values: ``(cap,)`` the sent entries in index order (input dtype); slots
+        past the number of set bits are 0.
+      shape, dtype, scale: as :class:`CountSparsePayload`.
+
+    Wire bits: ``8 * ceil(d/8) + min(popcount(mask), cap) * bits(dtype)`` (the
+    count is implied by the mask and not sent); a traced int32.
+    """
+
+    mask: Array
+    values: Array
+    shape: tuple = static_field()
+    dtype: Any = static_field()
+    scale: float = static_field(default=1.0)
+
+    def wire_bits(self):
+        count = jnp.minimum(jnp.sum(popcount(self.mask.astype(jnp.uint32))), self.values.shape[0])
+        return self.mask.shape[0] * 8 + count * bits_of(self.values.dtype)
+
+
+def _decompress_sparse(p: SparsePayload):
+    return scatter(p.values, p.indices, p.shape, p.dtype)
+
+
+def _decompress_count(p: CountSparsePayload):
+    return scatter_count(p.values, p.indices, p.count, p.shape, p.dtype, p.scale)
+
+
+def _decompress_sum_sparse(g: SparsePayload, dtype):
+    """``decompress_sum`` of stacked :class:`SparsePayload` (top-k): one scatter."""
+    return sum_scatter(g.values, g.indices, g.shape, dtype, value_dtype=g.dtype)
+
+
+def _decompress_sum_count(g: CountSparsePayload, dtype):
+    """``decompress_sum`` of stacked :class:`CountSparsePayload`.
+
+    One scatter of all ``n cap`` slots (unused slots hold 0 at index 0) when
+    the buffers are small (``cap <= d / 16``); for large buffers each payload
+    is decompressed on its own, so that :func:`scatter_count` can skip the
+    unused tail of each.
+    """
+    n, cap = g.values.shape
+    if scatters_whole_buffer(cap, int(np.prod(g.shape, dtype=np.int64))):
+        return sum_scatter(g.values, g.indices, g.shape, dtype, g.scale, value_dtype=g.dtype)
+    total = jnp.zeros(g.shape, dtype)
+    for i in range(n):
+        total = total + _decompress_count(jax.tree.map(lambda a: a[i], g)).astype(dtype)
+    return total
+
+
+def _error_sparse(x, p: SparsePayload):
+    """``compression_error`` of :class:`SparsePayload` (top-k): one scatter into ``x``."""
+    return subtract_sparse(x, p.values, p.indices)
+
+
+def _error_count(x, p: CountSparsePayload):
+    """``compression_error`` of :class:`CountSparsePayload`: one scatter into ``x`` when the
+    buffer is small (``cap <= d / 16``), else ``x − decompress(p)`` (which skips unused slots)."""
+    if scatters_whole_buffer(p.values.shape[0], int(np.size(x))):
+        return subtract_sparse(x, p.values, p.indices, p.scale)
+    return x - _decompress_count(p).astype(x.dtype)
+
+
+def _decompress_mask(p: MaskSparsePayload):
+    d = int(np.prod(p.shape, dtype=np.int64))
+    cap = p.values.shape[0]
+    if d == 0 or cap == 0:
+        return jnp.zeros(p.shape, p.dtype)
+    if d <= SMALL:
+        pos, total = compact(unpack(p.mask, 1, d).astype(bool), cap)
+    else:
+        pos, total = compact_words(bytes_to_words(p.mask), cap)
+    vals = jnp.where(jnp.arange(cap) < total, p.values.astype(jnp.float32), 0.0)
+    return scatter_count(vals, pos, total, p.shape, p.dtype, p.scale)
+
+
+def _sparse_payload(x, idx, k_valid=None):
+    """Gather ``x.ravel()[idx]`` into a :class:`SparsePayload` / :class:`CountSparsePayload`."""
+    d = int(np.size(x))
+    flat = jnp.ravel(x)
+    vals = flat[idx]
+    if k_valid is not None:
+        valid = jnp.arange(idx.shape[0]) < k_valid
+        vals = jnp.where(valid, vals, jnp.zeros_like(vals))
+        idx = jnp.where(valid, idx, 0)
+    return vals, idx.astype(index_dtype(max(d, 1)))

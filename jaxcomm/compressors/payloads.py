@@ -1,0 +1,70 @@
+"""Payload types: what each compressor sends, one namespace.
+
+A payload is a pytree whose array leaves are exactly the wire format and
+whose static fields (shape, dtype, counts known at trace time) are not sent;
+``jaxcomm.compressors.wire_bits(payload)`` counts its bits. Write a new one
+with :func:`payload_dataclass` and :func:`static_field` on a subclass of
+:class:`Payload`:
+
+>>> import jax, jax.numpy as jnp, jaxcomm as jc
+>>> from jaxcomm.compressors.payloads import Payload, payload_dataclass, static_field
+>>> @payload_dataclass
+... class Halves(Payload):
+...     values: jax.Array              # sent: 4 float16 entries, 64 bits
+...     shape: tuple = static_field()  # not sent
+>>> jc.compressors.wire_bits(Halves(values=jnp.zeros(4, jnp.float16), shape=(4,)))
+64
+
+Built-in payloads, by compressor: ``DensePayload`` (none, fp16, bf16),
+``ScaledSignPayload`` (scaled_sign), ``SignPayload`` (signsgd, signum),
+``MeanAbsSignPayload`` (efsignsgd), ``OneBitPayload`` (onebit),
+``EightBitPayload``, ``QSGDPayload``, ``NaturalPayload``, ``TernaryPayload``
+(terngrad), ``InceptionnPayload``, ``SketchPayload`` (sketchml),
+``ClippedPayload`` (clipping), ``GridPayload`` (stochastic_rounding),
+``SparsePayload`` (topk), ``RandomKPayload`` (randomk),
+``CountSparsePayload`` (threshold, dgc, random_sparsification),
+``MaskSparsePayload`` (random_sparsification), ``AdaptivePayload``,
+``QSparsePayload``, ``PowerSGDPayload``. Per-array compressor states:
+``SignumState``, ``PowerSGDState``.
+"""
+
+from ._base import DensePayload, Payload, payload_dataclass, static_field
+from ._clipping import ClippedPayload
+from ._eightbit import EightBitPayload
+from ._hybrid import AdaptivePayload, QSparsePayload
+from ._inceptionn import InceptionnPayload
+from ._lowrank import PowerSGDPayload, PowerSGDState
+from ._randomk import RandomKPayload
+from ._scaled_sign import ScaledSignPayload
+from ._sign import MeanAbsSignPayload, OneBitPayload, SignPayload, SignumState
+from ._sketchml import SketchPayload
+from ._sparse import CountSparsePayload, MaskSparsePayload, SparsePayload
+from ._stochastic import GridPayload, NaturalPayload, QSGDPayload, TernaryPayload
+
+__all__ = [
+    "Payload",
+    "DensePayload",
+    "payload_dataclass",
+    "static_field",
+    "ScaledSignPayload",
+    "SignPayload",
+    "MeanAbsSignPayload",
+    "OneBitPayload",
+    "EightBitPayload",
+    "QSGDPayload",
+    "NaturalPayload",
+    "TernaryPayload",
+    "InceptionnPayload",
+    "SketchPayload",
+    "ClippedPayload",
+    "GridPayload",
+    "SparsePayload",
+    "RandomKPayload",
+    "CountSparsePayload",
+    "MaskSparsePayload",
+    "AdaptivePayload",
+    "QSparsePayload",
+    "PowerSGDPayload",
+    "SignumState",
+    "PowerSGDState",
+]

@@ -1,0 +1,814 @@
+"""Network emulation: MPI jobs on a throttled private link, and the bytes the kernel sent.
+
+:func:`launch` runs ``mpirun -n N CMD...`` inside a private network namespace
+(``unshare(CLONE_NEWNET)``) whose only interface is its own loopback ``lo``.
+Open MPI is restricted to its TCP transport (``OMPI_MCA_btl=self,tcp``: no
+shared memory), so every byte one rank sends another crosses ``lo`` once, as
+a TCP/IPv4 packet, through the root queueing discipline (qdisc) installed on
+``lo``:
+
+==========================  ==================================================
+settings                    root qdisc on ``lo``
+==========================  ==================================================
+bandwidth and latency unset ``pfifo`` (counts, never delays)
+bandwidth ``R``             ``tbf rate R burst B latency 400ms`` (token bucket)
+latency ``L``               ``netem delay L`` (needs the kernel's ``sch_netem``)
+both                        ``netem delay L`` with a ``tbf`` child
+==========================  ==================================================
+
+All ranks share that one qdisc: the emulated network is a **shared link** of
+``R`` bit/s in total (not ``R`` per rank). A packet waits ``L`` once, so a TCP
+round trip (data, then its ACK) takes at least ``2 L``.
+
+The qdisc's counters are the kernel's count of what was sent:
+:func:`link_counters` (``tc -s -j qdisc show dev lo``) can be read from inside
+an MPI rank, and :func:`launch` reports the job's total. A payload of ``P``
+bytes sent from one rank to another costs ``P`` bytes of TCP payload plus, per
+IPv4 packet, ``14 + 20 + 32 = 66`` bytes of Ethernet, IPv4 and TCP headers
+(with the timestamp option) -- :data:`HEADER_BYTES` -- plus Open MPI's own
+fragment headers and the receivers' ACK packets (66 bytes each).
+
+The namespace exists only as long as the processes in it: :func:`launch`
+ends every one of them on every exit path (normal exit, timeout, ``Ctrl-C``).
+Only the namespace's own loopback is ever configured or used.
+
+Needs: root, or the ``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN`` capabilities, and
+the ``tc`` and ``ip`` tools of iproute2 (:func:`missing_requirements`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "HEADER_BYTES",
+    "LOOPBACK_MTU",
+    "LaunchResult",
+    "LinkCounters",
+    "LinkSettings",
+    "NetemError",
+    "NetemUnavailable",
+    "all_gather_bytes",
+    "launch",
+    "link_bytes",
+    "link_counters",
+    "link_settings",
+    "missing_requirements",
+    "mpirun_netem_env",
+    "parse_qdisc_stats",
+    "parse_rate",
+    "parse_size",
+    "parse_time",
+    "qdisc_commands",
+    "ring_allreduce_bytes",
+]
+
+HEADER_BYTES = 66
+"""Bytes of headers per TCP/IPv4 packet on a loopback qdisc: Ethernet 14 + IPv4 20 + TCP 32
+(20 plus the 12-byte timestamp option that Linux enables by default)."""
+
+LOOPBACK_MTU = 65536
+"""The Linux loopback's default MTU in bytes (IPv4 packet size, Ethernet header excluded)."""
+
+_TBF_QUEUE_LATENCY = (
+    "400ms"  # tbf's bound on queueing time (its `latency`), not a delay
+)
+_CAP_NET_ADMIN = 12
+_CAP_SYS_ADMIN = 21
+_CLONE_NEWNET = 0x40000000
+
+
+class NetemError(ValueError):
+    """An invalid emulation setting; the message names the option."""
+
+
+class NetemUnavailable(RuntimeError):
+    """This machine or process cannot create the emulated network; the message says what is needed."""
+
+
+# --------------------------------------------------------------------------- #
+# Settings
+# --------------------------------------------------------------------------- #
+_RATE_UNITS = {
+    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
+}  # fmt: skip
+_TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
+_SIZE_UNITS = {
+    "b": 1,
+    "": 1,
+    "kb": 1024,
+    "k": 1024,
+    "mb": 1024**2,
+    "m": 1024**2,
+    "gb": 1024**3,
+}
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
+
+
+def parse_rate(text: str, option: str = "--bandwidth") -> float | None:
+    """A rate in ``tc`` syntax, in **bits per second**; ``None`` for ``unlimited``.
+
+    Units (case-insensitive): ``bit kbit mbit gbit tbit`` (powers of 1000 bits per
+    second) and ``bps kbps mbps gbps tbps`` (bytes per second, times 8), as tc reads
+    them. ``"200mbit"`` -> ``2e8``; ``"1gbit"`` -> ``1e9``; ``"unlimited"`` -> ``None``.
+
+    Raises:
+      NetemError: naming ``option``, for anything else or a rate that is not positive.
+    """
+    s = str(text).strip().lower()
+    if s in ("unlimited", "none", "inf"):
+        return None
+    m = re.fullmatch(_NUMBER + r"\s*([a-z]+)", s)
+    if not m or m.group(2) not in _RATE_UNITS:
+        raise NetemError(
+            f"{option}: cannot read {text!r} as a rate; write a number and a unit "
+            f"({', '.join(_RATE_UNITS)}), e.g. 200mbit or 1gbit, or 'unlimited'"
+        )
+    rate = float(m.group(1)) * _RATE_UNITS[m.group(2)]
+    if rate < 8:  # tc's smallest rate is 1 byte/s
+        raise NetemError(
+            f"{option}: the rate must be at least 8bit (1 byte per second); got {text!r}"
+        )
+    return rate
+
+
+def parse_time(text: str, option: str = "--latency") -> float:
+    """A duration in ``tc`` syntax, in **seconds**: ``"0.1ms"`` -> ``1e-4``; ``"0"`` -> ``0.0``.
+
+    Units: ``s ms us`` (also ``sec msec usec``). A bare number must be ``0``.
+
+    Raises:
+      NetemError: naming ``option``, for anything else, a negative time or one over 10 s.
+    """
+    s = str(text).strip().lower()
+    if s in ("0", "0.0", "none"):
+        return 0.0
+    m = re.fullmatch(_NUMBER + r"\s*([a-z]+)", s)
+    if not m or m.group(2) not in _TIME_UNITS:
+        raise NetemError(
+            f"{option}: cannot read {text!r} as a time; write a number and a unit (s, ms, us), e.g. 0.1ms, or 0"
+        )
+    seconds = float(m.group(1)) * _TIME_UNITS[m.group(2)]
+    if seconds > 10.0:
+        raise NetemError(f"{option}: at most 10s per packet; got {text!r}")
+    return seconds
+
+
+def parse_size(text: str, option: str = "--burst") -> int:
+    """A size in ``tc`` syntax, in **bytes**: ``"256kb"`` -> ``262144`` (``kb`` = 1024 bytes, ``mb`` = 1024²).
+
+    Raises:
+      NetemError: naming ``option``, for anything that is not a non-negative size.
+    """
+    s = str(text).strip().lower()
+    m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", s)
+    if not m or m.group(2) not in _SIZE_UNITS:
+        raise NetemError(
+            f"{option}: cannot read {text!r} as a size; write a number of bytes or kb/mb, e.g. 256kb"
+        )
+    return round(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """The emulated link, in base units.
+
+    Attributes:
+      bandwidth_bps: the shared link's rate in bits per second (``None``: unlimited).
+      latency_s: delay added to every packet, in seconds (``0``: none).
+      burst_bytes: the token bucket's size in bytes (how much may go at line speed
+        after an idle spell); used only with a bandwidth.
+      mtu: the loopback's MTU in bytes (IPv4 packet size); 65536 is Linux's default,
+        1500 emulates Ethernet framing.
+    """
+
+    bandwidth_bps: float | None = None
+    latency_s: float = 0.0
+    burst_bytes: int = 256 * 1024
+    mtu: int = LOOPBACK_MTU
+
+    def describe(self) -> dict:
+        """The settings as JSON-ready numbers (units in the key names)."""
+        return asdict(self)
+
+
+def link_settings(
+    bandwidth: str | float | None = "unlimited",
+    latency: str | float = "0",
+    burst: str | int = "256kb",
+    mtu: int = LOOPBACK_MTU,
+) -> LinkSettings:
+    """Parse and check the launcher's options (strings in tc syntax, or numbers in base units).
+
+    Args:
+      bandwidth: ``"200mbit"``, ``"1gbit"``, ``"unlimited"``, or bits per second.
+      latency: ``"0.1ms"`` or seconds.
+      burst: ``"256kb"`` or bytes; it must hold one full packet, ``mtu + 14`` bytes
+        (tbf cannot send a packet larger than its bucket).
+      mtu: 68 to 65536 bytes.
+
+    Raises:
+      NetemError: naming the option (``--bandwidth``, ``--latency``, ``--burst``, ``--mtu``).
+    """
+    if bandwidth is None or isinstance(bandwidth, str):
+        bw = None if bandwidth is None else parse_rate(bandwidth, "--bandwidth")
+    else:
+        bw = float(bandwidth)
+        if not bw >= 8:
+            raise NetemError(
+                f"--bandwidth: must be at least 8 bits per second; got {bandwidth!r}"
+            )
+    lat = (
+        parse_time(latency, "--latency") if isinstance(latency, str) else float(latency)
+    )
+    if not 0.0 <= lat <= 10.0:
+        raise NetemError(f"--latency: must be in [0, 10] seconds; got {latency!r}")
+    b = parse_size(burst, "--burst") if isinstance(burst, str) else int(burst)
+    if (
+        isinstance(mtu, bool)
+        or not isinstance(mtu, int)
+        or not 68 <= mtu <= LOOPBACK_MTU
+    ):
+        raise NetemError(
+            f"--mtu: must be an integer from 68 to {LOOPBACK_MTU} bytes; got {mtu!r}"
+        )
+    if bw is not None and b < mtu + 14:
+        raise NetemError(
+            f"--burst: the token bucket must hold one packet of mtu + 14 = {mtu + 14} bytes; got {b} bytes ({burst!r})"
+        )
+    return LinkSettings(bandwidth_bps=bw, latency_s=lat, burst_bytes=b, mtu=mtu)
+
+
+def qdisc_commands(settings: LinkSettings, dev: str = "lo") -> list[list[str]]:
+    """The ``ip``/``tc`` commands that set up ``dev`` in the namespace (see the module's table)."""
+    cmds = [["ip", "link", "set", "dev", dev, "mtu", str(settings.mtu), "up"]]
+    tbf = []
+    if settings.bandwidth_bps is not None:
+        tbf = [
+            "tbf", "rate", f"{settings.bandwidth_bps:.0f}bit", "burst", str(settings.burst_bytes),
+            "latency", _TBF_QUEUE_LATENCY,
+        ]  # fmt: skip
+    if settings.latency_s > 0:
+        delay = f"{settings.latency_s * 1e6:.3f}us"
+        cmds.append(
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "handle",
+                "1:",
+                "netem",
+                "delay",
+                delay,
+                "limit",
+                "100000",
+            ]
+        )
+        if settings.bandwidth_bps is not None:
+            cmds.append(
+                [
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "parent",
+                    "1:1",
+                    "handle",
+                    "10:",
+                    *tbf,
+                ]
+            )
+    elif settings.bandwidth_bps is not None:
+        cmds.append(["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+    else:
+        cmds.append(
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "handle",
+                "1:",
+                "pfifo",
+                "limit",
+                "100000",
+            ]
+        )
+    return cmds
+
+
+# --------------------------------------------------------------------------- #
+# Requirements
+# --------------------------------------------------------------------------- #
+def _effective_capabilities() -> int:
+    """This process's effective capability mask (``CapEff`` in /proc/self/status); 0 if unreadable."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def missing_requirements(
+    capabilities: int | None = None,
+    which: Callable[[str], str | None] = shutil.which,
+    platform: str = sys.platform,
+) -> list[str]:
+    """What this process lacks to run :func:`launch`; ``[]`` when nothing.
+
+    Args:
+      capabilities: the effective capability mask to check (default: this process's,
+        from /proc/self/status). Creating a network namespace needs ``CAP_SYS_ADMIN``
+        and configuring its qdisc needs ``CAP_NET_ADMIN``; root has both.
+      which: how to look a tool up on ``PATH`` (``ip`` and ``tc`` are needed).
+      platform: ``sys.platform``; network namespaces are Linux's.
+    Returns:
+      one sentence per missing thing.
+    """
+    missing = []
+    if not platform.startswith("linux"):
+        return [
+            f"Linux (network namespaces and tc are Linux features; this is {platform})"
+        ]
+    caps = _effective_capabilities() if capabilities is None else int(capabilities)
+    for bit, name, why in (
+        (_CAP_SYS_ADMIN, "CAP_SYS_ADMIN", "to create a network namespace"),
+        (
+            _CAP_NET_ADMIN,
+            "CAP_NET_ADMIN",
+            "to configure the namespace's loopback and qdisc",
+        ),
+    ):
+        if not caps >> bit & 1:
+            missing.append(f"root or {name} ({why})")
+    for tool in ("ip", "tc"):
+        if which(tool) is None:
+            missing.append(
+                f"the '{tool}' command of iproute2 on PATH (apt-get install iproute2)"
+            )
+    return missing
+
+
+# --------------------------------------------------------------------------- #
+# Counters
+# --------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class LinkCounters:
+    """A root qdisc's counters: what the kernel sent through the link since the qdisc was made.
+
+    Attributes:
+      bytes: bytes sent (whole packets, Ethernet header included).
+      packets: packets sent (a TCP segmentation-offload packet counts once).
+      drops: packets dropped (a drop is retransmitted, so nonzero means bytes include resends).
+      kind: the qdisc (``tbf``, ``netem``, ``pfifo``; ``noqueue`` when none counts).
+    """
+
+    bytes: int
+    packets: int
+    drops: int
+    kind: str
+
+    def __sub__(self, other: LinkCounters) -> LinkCounters:
+        return LinkCounters(
+            self.bytes - other.bytes,
+            self.packets - other.packets,
+            self.drops - other.drops,
+            self.kind,
+        )
+
+
+_TEXT_QDISC = re.compile(r"^qdisc\s+(\S+)\s+\S+\s+(.*)$")
+_TEXT_SENT = re.compile(r"Sent\s+(\d+)\s+bytes\s+(\d+)\s+pkt\s+\(dropped\s+(\d+)")
+
+
+def parse_qdisc_stats(output: str) -> LinkCounters:
+    """The root qdisc's counters from ``tc -s -j qdisc show`` (JSON) or ``tc -s qdisc show`` (text).
+
+    Raises:
+      ValueError: if ``output`` has no root qdisc with statistics.
+    """
+    text = output.strip()
+    if text.startswith("["):
+        for q in json.loads(text):
+            if q.get("root"):
+                return LinkCounters(
+                    int(q.get("bytes", 0)),
+                    int(q.get("packets", 0)),
+                    int(q.get("drops", 0)),
+                    q["kind"],
+                )
+        raise ValueError(f"no root qdisc in tc's JSON output: {text[:200]!r}")
+    kind = None
+    for line in text.splitlines():
+        head = _TEXT_QDISC.match(line.strip())
+        if head:
+            kind = head.group(1) if " root " in f" {head.group(2)} " else None
+            continue
+        sent = _TEXT_SENT.search(line)
+        if sent and kind is not None:
+            return LinkCounters(
+                int(sent.group(1)), int(sent.group(2)), int(sent.group(3)), kind
+            )
+    raise ValueError(f"no root qdisc statistics in tc's output: {text[:200]!r}")
+
+
+def link_counters(dev: str = "lo") -> LinkCounters:
+    """The counters of ``dev``'s root qdisc in **this process's** network namespace.
+
+    Inside a :func:`launch` job, ``dev="lo"`` is the emulated link, and any rank may
+    call this (rank 0 around a step, between barriers, gives the step's bytes).
+    Runs ``tc -s -j qdisc show dev DEV`` (text output if tc has no JSON).
+
+    Raises:
+      NetemUnavailable: if ``tc`` is missing or fails.
+    """
+    tc = shutil.which("tc")
+    if tc is None:
+        raise NetemUnavailable(
+            "link_counters needs the 'tc' command of iproute2 on PATH"
+        )
+    last = None
+    for args in (
+        [tc, "-s", "-j", "qdisc", "show", "dev", dev],
+        [tc, "-s", "qdisc", "show", "dev", dev],
+    ):
+        proc = subprocess.run(
+            args, capture_output=True, text=True, timeout=30, check=False
+        )
+        if proc.returncode == 0 and proc.stdout.strip():
+            try:
+                return parse_qdisc_stats(proc.stdout)
+            except ValueError as e:
+                last = str(e)
+        else:
+            last = proc.stderr.strip()
+    raise NetemUnavailable(f"could not read the qdisc counters of {dev!r}: {last}")
+
+
+def link_bytes(dev: str = "lo") -> int:
+    """Bytes sent through ``dev``'s root qdisc so far (:func:`link_counters` ``.bytes``)."""
+    return link_counters(dev).bytes
+
+
+def ring_allreduce_bytes(n: int, payload_bytes: int) -> int:
+    """Payload bytes a ring all-reduce of ``P`` bytes per worker sends, summed over ``n`` workers.
+
+    Reduce-scatter then all-gather, each ``n - 1`` steps of one ``P / n`` chunk per worker:
+    ``n * 2 (n - 1) P / n = 2 (n - 1) P``.
+    """
+    return 2 * (n - 1) * payload_bytes
+
+
+def all_gather_bytes(n: int, payload_bytes: int) -> int:
+    """Payload bytes an all-gather of ``P`` bytes per worker sends, summed over workers: ``n (n - 1) P``.
+
+    Every worker must receive the ``n - 1`` other blocks, whatever the algorithm (ring,
+    recursive doubling, Bruck), and each received byte crossed the link once.
+    """
+    return n * (n - 1) * payload_bytes
+
+
+# --------------------------------------------------------------------------- #
+# Launcher
+# --------------------------------------------------------------------------- #
+@dataclass
+class LaunchResult:
+    """What :func:`launch` measured.
+
+    Attributes:
+      returncode: the job's exit status (``mpirun``'s); ``-9`` after a timeout.
+      bytes: bytes the kernel sent through the link during the job (the root qdisc's counter).
+      packets: packets sent through the link.
+      drops: packets the qdisc dropped (then retransmitted: included in ``bytes``).
+      wall_s: seconds from before ``mpirun`` started to after it ended.
+      timed_out: whether the job was killed at ``timeout``.
+      settings: the :class:`LinkSettings` as a dict.
+      command: the ``mpirun`` command line run in the namespace.
+      qdisc: the root qdisc's kind.
+    """
+
+    returncode: int
+    bytes: int
+    packets: int
+    drops: int
+    wall_s: float
+    timed_out: bool
+    settings: dict
+    command: list[str]
+    qdisc: str = ""
+    n: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The result as a JSON-ready dict (the ``--report`` file)."""
+        return asdict(self)
+
+
+def mpirun_netem_env(base: dict | None = None, single_thread: bool = True) -> dict:
+    """:func:`jaxcomm.comm.mpirun_env` with Open MPI on TCP only, over ``lo``.
+
+    ``OMPI_MCA_btl=self,tcp`` (no shared memory, so bytes between ranks cross the
+    link) and ``OMPI_MCA_btl_tcp_if_include=lo`` (Open MPI skips loopback by default).
+    Values already in ``base`` for other ``OMPI_MCA_*`` keys (a collective algorithm,
+    say) are kept.
+    """
+    from .comm._launch import mpirun_env
+
+    env = mpirun_env(single_thread=single_thread, base=base)
+    env["OMPI_MCA_btl"] = "self,tcp"
+    env["OMPI_MCA_btl_tcp_if_include"] = "lo"
+    env.pop("OMPI_MCA_btl_tcp_if_exclude", None)
+    env["OMPI_MCA_oob_tcp_if_include"] = "lo"
+    env["PRTE_MCA_oob_tcp_if_include"] = "lo"
+    return env
+
+
+def _enter_private_netns() -> None:
+    """In the child, before exec: a new network namespace, and death with the launcher."""
+    if hasattr(os, "unshare"):
+        os.unshare(_CLONE_NEWNET)
+    else:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(_CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _netns_inode(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def _pids_in_netns(inode: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _netns_inode(int(entry)) == inode:
+            pids.append(int(entry))
+    return pids
+
+
+def _end_namespace(
+    proc: subprocess.Popen, inode: int | None, grace_s: float = 5.0
+) -> None:
+    """End every process of the job: its process group (SIGTERM, then SIGKILL), then any process
+    still in its private namespace (SIGKILL). Only processes of the namespace we made are touched."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        try:
+            proc.wait(timeout=grace_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    if inode is not None and inode != _netns_inode(os.getpid()):
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            pids = _pids_in_netns(inode)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=grace_s)
+
+
+def launch(
+    n: int,
+    command: Sequence[str],
+    *,
+    bandwidth: str | float | None = "unlimited",
+    latency: str | float = "0",
+    burst: str | int = "256kb",
+    mtu: int = LOOPBACK_MTU,
+    env: dict | None = None,
+    mpirun_args: Sequence[str] = (),
+    timeout: float | None = None,
+    report: str | Path | None = None,
+    capture_output: bool = False,
+    cwd: str | Path | None = None,
+    check_requirements: Callable[[], list[str]] | None = None,
+) -> LaunchResult | tuple[LaunchResult, subprocess.CompletedProcess]:
+    """Run ``mpirun -n n --oversubscribe COMMAND...`` on an emulated link and count its bytes.
+
+    The job runs in a new network namespace whose loopback carries every byte
+    between ranks (:func:`mpirun_netem_env`), shaped by the qdisc that
+    ``bandwidth``/``latency`` select (module docstring). ``bytes`` in the result is
+    the qdisc's counter at the end: all TCP traffic of the job -- Open MPI's
+    start-up (connection handshakes, the runtime's wire-up) included.
+
+    Args:
+      n: number of MPI processes (>= 1).
+      command: the program and its arguments (e.g. ``[sys.executable, "train.py"]``).
+      bandwidth, latency, burst, mtu: the link (:func:`link_settings`).
+      env: environment of the job (default ``os.environ``), then :func:`mpirun_netem_env`.
+      mpirun_args: extra ``mpirun`` options, before the program.
+      timeout: seconds; at the limit every process of the job is killed.
+      report: if given, write :meth:`LaunchResult.to_json` there.
+      capture_output: capture the job's stdout/stderr (then also return the
+        ``CompletedProcess``) instead of passing them through.
+      cwd: the job's working directory.
+      check_requirements: returns what is missing (default :func:`missing_requirements`;
+        a test can inject a check).
+
+    Returns:
+      the :class:`LaunchResult` (and the ``CompletedProcess`` if ``capture_output``).
+
+    Raises:
+      NetemError: an invalid option (before anything starts).
+      NetemUnavailable: missing privileges, tools or ``mpirun``, or the kernel refused
+        the qdisc (e.g. no ``sch_netem`` for ``latency``); nothing of the job has run.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise NetemError(
+            f"-n: the number of processes must be an integer >= 1; got {n!r}"
+        )
+    command = [str(c) for c in command]
+    if not command:
+        raise NetemError("command: give the program to run (e.g. python script.py)")
+    if timeout is not None and not timeout > 0:
+        raise NetemError(f"--timeout: must be positive seconds; got {timeout!r}")
+    settings = link_settings(bandwidth, latency, burst, mtu)
+    missing = (check_requirements or missing_requirements)()
+    if missing:
+        raise NetemUnavailable(
+            "jaxcomm.netem needs a private network namespace with a shaped loopback; this process lacks: "
+            + "; ".join(missing)
+            + ". Run as root (e.g. sudo, or a container with --cap-add NET_ADMIN --cap-add SYS_ADMIN)."
+        )
+    from .comm._launch import mpirun_path
+
+    mpirun = mpirun_path()
+    if mpirun is None:
+        raise NetemUnavailable(
+            "mpirun not found: install the project's 'mpi' extra (pip install -e .[mpi])"
+        )
+    job_env = mpirun_netem_env(base=env)
+    mpi_cmd = [
+        mpirun,
+        "-n",
+        str(n),
+        "--oversubscribe",
+        *map(str, mpirun_args),
+        *command,
+    ]
+
+    with tempfile.TemporaryDirectory(prefix="jaxcomm-netem-") as tmp:
+        spec = Path(tmp) / "spec.json"
+        out = Path(tmp) / "result.json"
+        spec.write_text(
+            json.dumps(
+                {
+                    "setup": qdisc_commands(settings),
+                    "command": mpi_cmd,
+                    "result": str(out),
+                }
+            )
+        )
+        inner = [
+            sys.executable,
+            "-P",
+            str(Path(__file__).resolve()),
+            "--inner",
+            str(spec),
+        ]
+        stdio = subprocess.PIPE if capture_output else None
+        proc = subprocess.Popen(
+            inner, env=job_env, cwd=cwd, stdout=stdio, stderr=stdio, text=True,
+            # the unshare must happen in the child between fork and exec; the launcher starts no threads
+            start_new_session=True, preexec_fn=_enter_private_netns,  # noqa: PLW1509
+        )  # fmt: skip
+        # Hold the namespace open while we may sweep it, so that its inode number (how the
+        # sweep recognises its processes) cannot be reused by another namespace meanwhile.
+        try:
+            ns_fd = os.open(f"/proc/{proc.pid}/ns/net", os.O_RDONLY)
+            inode = os.fstat(ns_fd).st_ino
+        except OSError:
+            ns_fd, inode = None, None
+        timed_out = False
+        try:
+            try:
+                stdout, stderr = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _end_namespace(proc, inode)
+                stdout, stderr = proc.communicate()
+            except BaseException:  # KeyboardInterrupt and anything else: no process outlives us
+                _end_namespace(proc, inode)
+                raise
+            if proc.poll() is None or (inode is not None and _pids_in_netns(inode)):
+                _end_namespace(proc, inode)
+        finally:
+            if proc.poll() is None:
+                _end_namespace(proc, inode)
+            if ns_fd is not None:
+                os.close(ns_fd)
+        data = json.loads(out.read_text()) if out.exists() else {}
+    if "setup_error" in data:
+        raise NetemUnavailable(
+            f"setting up the emulated link failed: {data['setup_error']}"
+        )
+    after = data.get("after") or {"bytes": 0, "packets": 0, "drops": 0, "kind": ""}
+    before = data.get("before") or {"bytes": 0, "packets": 0, "drops": 0}
+    result = LaunchResult(
+        returncode=-9 if timed_out else int(data.get("returncode", proc.returncode)),
+        bytes=after["bytes"] - before["bytes"],
+        packets=after["packets"] - before["packets"],
+        drops=after["drops"] - before["drops"],
+        wall_s=float(data.get("wall_s", 0.0)),
+        timed_out=timed_out,
+        settings=settings.describe(),
+        command=mpi_cmd,
+        qdisc=after.get("kind", ""),
+        n=n,
+    )
+    if report is not None:
+        Path(report).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    if capture_output:
+        return result, subprocess.CompletedProcess(
+            inner, proc.returncode, stdout, stderr
+        )
+    return result
+
+
+def _inner(spec_path: str) -> int:
+    """Inside the new namespace: set the link up, run the job, record the counters around it."""
+    spec = json.loads(Path(spec_path).read_text())
+    result_path = Path(spec["result"])
+    for cmd in spec["setup"]:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=60, check=False
+        )
+        if proc.returncode != 0:
+            hint = ""
+            if "netem" in cmd and "unknown" in proc.stderr.lower():
+                hint = " (--latency needs the kernel's sch_netem module, which this kernel lacks)"
+            result_path.write_text(
+                json.dumps(
+                    {"setup_error": f"{' '.join(cmd)}: {proc.stderr.strip()}{hint}"}
+                )
+            )
+            return 3
+    before = asdict(link_counters())
+    # The launcher ends the job with SIGTERM to the process group: this process then outlives
+    # the job by the moment it takes to read the counters (a handler, not SIG_IGN: exec resets it).
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    t0 = time.perf_counter()
+    job = subprocess.Popen(spec["command"], preexec_fn=_die_with_parent)  # noqa: PLW1509 (single-threaded)
+    try:
+        rc = job.wait()
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    wall = time.perf_counter() - t0
+    after = asdict(link_counters())
+    result_path.write_text(
+        json.dumps({"before": before, "after": after, "returncode": rc, "wall_s": wall})
+    )
+    return rc
+
+
+if __name__ == "__main__":  # the launcher's process inside the namespace
+    if len(sys.argv) == 3 and sys.argv[1] == "--inner":
+        sys.exit(_inner(sys.argv[2]))
+    sys.exit("usage: jaxcomm launch -n N [--bandwidth R] [--latency T] -- CMD ARGS...")

@@ -1,0 +1,358 @@
+"""jaxcomm.netem: option parsing, the missing-privilege path, and bytes counted by the kernel.
+
+The MPI tests run a collective on an emulated 400 Mbit/s shared link (a private network
+namespace's loopback with a ``tbf`` qdisc; Open MPI over TCP only) and check the qdisc's
+byte counter against the collective's closed form:
+
+- ring all-reduce of ``P`` bytes per rank: ``2 (n - 1) P`` payload bytes over all ranks;
+- all-gather of ``P`` bytes per rank: ``n (n - 1) P``.
+
+Tolerance, derived. ``tests/mpi_scripts/netem_bytes.py`` reads the counters (bytes ``W``,
+packets ``K``) around the collective between barriers, and around the barriers alone
+(``W_b``, ``K_b``). Every packet on an established TCP/IPv4 connection through the
+loopback qdisc carries exactly ``66`` header bytes (Ethernet 14, IPv4 20, TCP 20 + 12 of
+timestamps; SACK blocks appear only after a loss, and the test requires no drops), so
+``W - 66 K`` is the exact TCP payload. Subtracting the barriers' payload leaves the
+collective's payload ``C = (W - 66 K) - (W_b - 66 K_b)``, which is the formula ``F`` plus
+Open MPI's headers. Hence the test asserts
+
+    F <= C <= F + M,   M = sum over messages of (128 + 64 * ceil(m / 64 KiB)) bytes,
+
+with ``M`` a bound on ob1/TCP-BTL protocol bytes for a message of ``m`` bytes: a
+rendezvous header and its ACK (under 128 bytes with the TCP BTL's own header), and under
+64 bytes per fragment, a fragment holding at least 64 KiB (the TCP BTL's eager limit)
+except the last. The ring all-reduce sends ``2 n (n - 1)`` messages of ``P / n`` bytes, the
+ring all-gather ``n (n - 1)`` of ``P`` (both algorithms are selected explicitly). The lower
+bound fails if any byte bypasses the link (shared memory) and the upper bound if the
+algorithm sends more (recursive doubling's all-reduce sends ``n log2(n) P``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from jaxcomm import cli, netem
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "mpi_scripts" / "netem_bytes.py"
+RING = {  # Open MPI's tuned collectives: ring all-reduce (4) and ring all-gather (4)
+    "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
+    "OMPI_MCA_coll_tuned_allreduce_algorithm": "4",
+    "OMPI_MCA_coll_tuned_allgather_algorithm": "4",
+}
+
+
+# --------------------------------------------------------------------------- #
+# Options
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize(
+    "text, bits_per_s",
+    [
+        ("200mbit", 2e8),
+        ("1gbit", 1e9),
+        ("100Mbit", 1e8),
+        ("1.5kbit", 1500.0),
+        ("10mbps", 8e7),
+        ("unlimited", None),
+    ],
+)
+def test_parse_rate(text, bits_per_s):
+    assert netem.parse_rate(text) == bits_per_s
+
+
+@pytest.mark.parametrize("text", ["200", "fast", "200mb", "-1mbit", "0bit", ""])
+def test_bad_rate_names_the_option(text):
+    with pytest.raises(netem.NetemError, match="--bandwidth"):
+        netem.parse_rate(text)
+
+
+def test_parse_time_and_size():
+    assert netem.parse_time("0.1ms") == pytest.approx(1e-4)
+    assert netem.parse_time("50us") == pytest.approx(5e-5)
+    assert netem.parse_time("0") == 0.0
+    assert netem.parse_size("256kb") == 262144
+    assert netem.parse_size("1mb") == 1048576
+    assert netem.parse_size("70000") == 70000
+    for bad in ("1", "fast", "20s"):
+        with pytest.raises(netem.NetemError, match="--latency"):
+            netem.parse_time(bad)
+    with pytest.raises(netem.NetemError, match="--burst"):
+        netem.parse_size("big")
+
+
+def test_link_settings_checks_each_option():
+    s = netem.link_settings("200mbit", "0.1ms", "256kb", 1500)
+    assert s == netem.LinkSettings(
+        bandwidth_bps=2e8, latency_s=pytest.approx(1e-4), burst_bytes=262144, mtu=1500
+    )
+    with pytest.raises(netem.NetemError, match="--burst.*65550"):
+        netem.link_settings(
+            "1gbit", burst="32kb"
+        )  # tbf cannot pass a 64 KiB loopback packet
+    with pytest.raises(netem.NetemError, match="--mtu"):
+        netem.link_settings(mtu=100000)
+    with pytest.raises(netem.NetemError, match="-n"):
+        netem.launch(0, ["true"])
+    with pytest.raises(netem.NetemError, match="--bandwidth"):
+        netem.launch(2, ["true"], bandwidth="lots")
+
+
+def test_qdisc_commands():
+    tbf = ["tbf", "rate", "200000000bit", "burst", "262144", "latency", "400ms"]
+    lo_up = ["ip", "link", "set", "dev", "lo", "mtu", "65536", "up"]
+    assert netem.qdisc_commands(netem.link_settings("200mbit")) == [
+        lo_up,
+        ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", *tbf],
+    ]
+    both = netem.qdisc_commands(netem.link_settings("200mbit", "0.1ms"))
+    assert both[1][:9] == [
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        "lo",
+        "root",
+        "handle",
+        "1:",
+        "netem",
+    ]
+    assert both[2] == [
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        "lo",
+        "parent",
+        "1:1",
+        "handle",
+        "10:",
+        *tbf,
+    ]
+    assert netem.qdisc_commands(netem.link_settings())[1][-3:] == [
+        "pfifo",
+        "limit",
+        "100000",
+    ]
+
+
+def test_parse_qdisc_stats_json_and_text():
+    js = '[{"kind":"tbf","handle":"8001:","root":true,"bytes":4592064,"packets":280,"drops":1}]'
+    assert netem.parse_qdisc_stats(js) == netem.LinkCounters(4592064, 280, 1, "tbf")
+    text = (
+        "qdisc netem 1: root refcnt 2 limit 1000 delay 100us\n"
+        " Sent 12605906 bytes 326 pkt (dropped 0, overlimits 0 requeues 0)\n"
+        " backlog 0b 0p requeues 0\n"
+        "qdisc tbf 10: parent 1:1 rate 200Mbit burst 256Kb lat 400ms\n"
+        " Sent 99 bytes 1 pkt (dropped 0, overlimits 0 requeues 0)\n"
+    )
+    assert netem.parse_qdisc_stats(text) == netem.LinkCounters(
+        12605906, 326, 0, "netem"
+    )
+    with pytest.raises(ValueError, match="no root qdisc"):
+        netem.parse_qdisc_stats("[]")
+
+
+def test_formulas():
+    assert netem.ring_allreduce_bytes(4, 1 << 20) == 6 << 20
+    assert netem.all_gather_bytes(4, 1 << 20) == 12 << 20
+
+
+# --------------------------------------------------------------------------- #
+# Without privileges (simulated): a clear error, and nothing starts
+# --------------------------------------------------------------------------- #
+def test_missing_requirements_names_what_is_needed():
+    missing = netem.missing_requirements(capabilities=0, which=lambda tool: None)
+    text = "; ".join(missing)
+    for need in ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "'ip'", "'tc'"):
+        assert need in text
+    everything = (1 << 12) | (1 << 21)
+    assert (
+        netem.missing_requirements(
+            capabilities=everything, which=lambda tool: f"/usr/sbin/{tool}"
+        )
+        == []
+    )
+    assert netem.missing_requirements(
+        capabilities=everything, which=lambda t: None if t == "tc" else t
+    ) == ["the 'tc' command of iproute2 on PATH (apt-get install iproute2)"]
+    assert "Linux" in netem.missing_requirements(platform="darwin")[0]
+
+
+def test_unprivileged_launch_fails_before_starting(tmp_path):
+    marker = tmp_path / "ran"
+    unprivileged = lambda: netem.missing_requirements(capabilities=0)
+    with pytest.raises(netem.NetemUnavailable, match="CAP_NET_ADMIN.*Run as root"):
+        netem.launch(
+            2,
+            [sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+            check_requirements=unprivileged,
+        )
+    assert not marker.exists()
+
+
+def test_cli_reports_missing_privileges(monkeypatch, capsys):
+    monkeypatch.setattr(
+        netem, "missing_requirements", lambda: ["root or CAP_NET_ADMIN (to configure)"]
+    )
+    assert cli.main(["launch", "-n", "2", "--bandwidth", "100mbit", "--", "true"]) == 2
+    assert "CAP_NET_ADMIN" in capsys.readouterr().err
+    assert cli.main(["launch", "-n", "2", "--bandwidth", "100", "--", "true"]) == 2
+    assert "--bandwidth" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- #
+# On the emulated network (root)
+# --------------------------------------------------------------------------- #
+_CAN = None
+
+
+def _can_make_namespaces() -> str | None:
+    """``None`` if this machine can make a private network namespace with a qdisc, else why not."""
+    global _CAN
+    if _CAN is None:
+        missing = netem.missing_requirements()
+        if missing:
+            _CAN = "cannot create network namespaces here: lacks " + "; ".join(missing)
+        else:
+            proc = subprocess.run(
+                ["sh", "-c", "ip link set lo up && tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 400ms"],
+                preexec_fn=netem._enter_private_netns, capture_output=True, text=True, timeout=30, check=False,
+            )  # fmt: skip
+            _CAN = (
+                ""
+                if proc.returncode == 0
+                else f"cannot shape a private loopback here: {proc.stderr.strip()}"
+            )
+    return _CAN or None
+
+
+@pytest.fixture
+def namespaces():
+    why = _can_make_namespaces()
+    if why:
+        pytest.skip(why)
+
+
+def _protocol_bound(messages: int, size: int) -> int:
+    return messages * (128 + 64 * math.ceil(size / 65536))
+
+
+def _run_collective(tmp_path, n, op, payload, via_cli=False):
+    out = tmp_path / "window.json"
+    cmd = [sys.executable, str(SCRIPT), op, str(payload), str(out)]
+    env = {
+        **os.environ,
+        **RING,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    if via_cli:
+        report = tmp_path / "report.json"
+        old = dict(os.environ)
+        os.environ.update(env)
+        try:
+            rc = cli.main(
+                [
+                    "launch",
+                    "-n",
+                    str(n),
+                    "--bandwidth",
+                    "400mbit",
+                    "--timeout",
+                    "120",
+                    "--report",
+                    str(report),
+                    "--",
+                    *cmd,
+                ]
+            )
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+        assert rc == 0
+        total = json.loads(report.read_text())
+    else:
+        res, proc = netem.launch(
+            n,
+            cmd,
+            bandwidth="400mbit",
+            env=env,
+            timeout=120,
+            capture_output=True,
+            cwd=ROOT,
+        )
+        assert res.returncode == 0, proc.stderr[-3000:]
+        total = res.to_json()
+    return json.loads(out.read_text()), total
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "n, op, payload",
+    [
+        (2, "sum", 1 << 20),
+        (4, "sum", 4 << 20),
+        (4, "all_gather", 1 << 20),
+        (2, "all_gather", 4 << 20),
+    ],
+)
+def test_collective_bytes_match_formula(namespaces, tmp_path, n, op, payload):
+    via_cli = (
+        op == "all_gather" and n == 4
+    )  # one case through `jaxcomm launch --report`
+    w, total = _run_collective(tmp_path, n, op, payload, via_cli=via_cli)
+    assert (
+        w["n"] == n and w["payload_bytes"] == payload and w["window"]["qdisc"] == "tbf"
+    )
+    win, bar = w["window"], w["barriers"]
+    assert win["drops"] == 0 and bar["drops"] == 0
+    if op == "sum":
+        formula = netem.ring_allreduce_bytes(n, payload)
+        bound = _protocol_bound(2 * n * (n - 1), payload // n)
+    else:
+        formula = netem.all_gather_bytes(n, payload)
+        bound = _protocol_bound(n * (n - 1), payload)
+    hdr = netem.HEADER_BYTES
+    payload_sent = (win["bytes"] - hdr * win["packets"]) - (
+        bar["bytes"] - hdr * bar["packets"]
+    )
+    assert formula <= payload_sent <= formula + bound, (payload_sent, formula, bound, w)
+    # The job's total: the measured op and its warm-up call each sent at least the formula.
+    assert (
+        total["bytes"] >= 2 * formula
+        and total["drops"] == 0
+        and total["returncode"] == 0
+    )
+    assert total["settings"]["bandwidth_bps"] == 4e8 and total["qdisc"] == "tbf"
+
+
+@pytest.mark.mpi
+def test_job_that_never_starts_mpi_sends_nothing(namespaces):
+    # Each launch gets a fresh link whose counter sees only the job (the machine's own
+    # loopback traffic is elsewhere); processes that never call MPI_Init open no connection.
+    res = netem.launch(2, [sys.executable, "-c", "pass"], bandwidth="100mbit", timeout=60)
+    assert (res.returncode, res.bytes, res.packets, res.qdisc) == (0, 0, 0, "tbf")
+
+
+@pytest.mark.mpi
+def test_timeout_ends_every_process(namespaces):
+    marker = f"netem-{uuid.uuid4().hex}"
+    res = netem.launch(
+        2, [sys.executable, "-c", "import time; time.sleep(120)", marker], timeout=3
+    )
+    assert res.timed_out and res.returncode == -9
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                alive.append(pid)
+        except OSError:
+            pass
+    assert alive == []
