@@ -137,8 +137,7 @@ def _cmd_launch(args) -> int:
     print(
         f"jaxcomm launch: {result.n} processes, link {rate}, latency {s['latency_s'] * 1e3:g} ms, "
         f"qdisc {result.qdisc}: {result.bytes} bytes in {result.packets} packets "
-        f"({result.drops} dropped), {result.wall_s:.2f} s"
-        + (" (timed out)" if result.timed_out else ""),
+        f"({result.drops} dropped), {result.wall_s:.2f} s" + (" (timed out)" if result.timed_out else ""),
         file=sys.stderr,
     )
     if args.report:
@@ -172,9 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     p_launch.add_argument("--bandwidth", default="unlimited", help="shared link rate: 200mbit, 1gbit, ... or unlimited")
     p_launch.add_argument("--latency", default="0", help="delay added per packet: 0.1ms, 50us, ... (needs sch_netem)")
     p_launch.add_argument("--burst", default="256kb", help="token bucket size (default 256kb)")
-    p_launch.add_argument("--mtu", type=int, default=65536, help="loopback MTU in bytes (default 65536; 1500: Ethernet)")
-    p_launch.add_argument("--timeout", type=float, default=None, help="seconds; then every process of the job is killed")
-    p_launch.add_argument("--report", default=None, metavar="FILE", help="write bytes, packets, seconds, settings as JSON")
+    p_launch.add_argument(
+        "--mtu", type=int, default=65536, help="loopback MTU in bytes (default 65536; 1500: Ethernet)"
+    )
+    p_launch.add_argument(
+        "--timeout", type=float, default=None, help="seconds; then every process of the job is killed"
+    )
+    p_launch.add_argument(
+        "--report", default=None, metavar="FILE", help="write bytes, packets, seconds, settings as JSON"
+    )
     p_launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     p_launch.set_defaults(func=_cmd_launch)
     args = parser.parse_args(argv)

@@ -38,6 +38,7 @@ the ``tc`` and ``ip`` tools of iproute2 (:func:`missing_requirements`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -49,8 +50,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "HEADER_BYTES",
@@ -82,9 +84,7 @@ HEADER_BYTES = 66
 LOOPBACK_MTU = 65536
 """The Linux loopback's default MTU in bytes (IPv4 packet size, Ethernet header excluded)."""
 
-_TBF_QUEUE_LATENCY = (
-    "400ms"  # tbf's bound on queueing time (its `latency`), not a delay
-)
+_TBF_QUEUE_LATENCY = "400ms"  # tbf's bound on queueing time (its `latency`), not a delay
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21
 _CLONE_NEWNET = 0x40000000
@@ -139,9 +139,7 @@ def parse_rate(text: str, option: str = "--bandwidth") -> float | None:
         )
     rate = float(m.group(1)) * _RATE_UNITS[m.group(2)]
     if rate < 8:  # tc's smallest rate is 1 byte/s
-        raise NetemError(
-            f"{option}: the rate must be at least 8bit (1 byte per second); got {text!r}"
-        )
+        raise NetemError(f"{option}: the rate must be at least 8bit (1 byte per second); got {text!r}")
     return rate
 
 
@@ -176,9 +174,7 @@ def parse_size(text: str, option: str = "--burst") -> int:
     s = str(text).strip().lower()
     m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", s)
     if not m or m.group(2) not in _SIZE_UNITS:
-        raise NetemError(
-            f"{option}: cannot read {text!r} as a size; write a number of bytes or kb/mb, e.g. 256kb"
-        )
+        raise NetemError(f"{option}: cannot read {text!r} as a size; write a number of bytes or kb/mb, e.g. 256kb")
     return round(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
 
 
@@ -228,23 +224,13 @@ def link_settings(
     else:
         bw = float(bandwidth)
         if not bw >= 8:
-            raise NetemError(
-                f"--bandwidth: must be at least 8 bits per second; got {bandwidth!r}"
-            )
-    lat = (
-        parse_time(latency, "--latency") if isinstance(latency, str) else float(latency)
-    )
+            raise NetemError(f"--bandwidth: must be at least 8 bits per second; got {bandwidth!r}")
+    lat = parse_time(latency, "--latency") if isinstance(latency, str) else float(latency)
     if not 0.0 <= lat <= 10.0:
         raise NetemError(f"--latency: must be in [0, 10] seconds; got {latency!r}")
     b = parse_size(burst, "--burst") if isinstance(burst, str) else int(burst)
-    if (
-        isinstance(mtu, bool)
-        or not isinstance(mtu, int)
-        or not 68 <= mtu <= LOOPBACK_MTU
-    ):
-        raise NetemError(
-            f"--mtu: must be an integer from 68 to {LOOPBACK_MTU} bytes; got {mtu!r}"
-        )
+    if isinstance(mtu, bool) or not isinstance(mtu, int) or not 68 <= mtu <= LOOPBACK_MTU:
+        raise NetemError(f"--mtu: must be an integer from 68 to {LOOPBACK_MTU} bytes; got {mtu!r}")
     if bw is not None and b < mtu + 14:
         raise NetemError(
             f"--burst: the token bucket must hold one packet of mtu + 14 = {mtu + 14} bytes; got {b} bytes ({burst!r})"
@@ -348,9 +334,7 @@ def missing_requirements(
     """
     missing = []
     if not platform.startswith("linux"):
-        return [
-            f"Linux (network namespaces and tc are Linux features; this is {platform})"
-        ]
+        return [f"Linux (network namespaces and tc are Linux features; this is {platform})"]
     caps = _effective_capabilities() if capabilities is None else int(capabilities)
     for bit, name, why in (
         (_CAP_SYS_ADMIN, "CAP_SYS_ADMIN", "to create a network namespace"),
@@ -364,9 +348,7 @@ def missing_requirements(
             missing.append(f"root or {name} ({why})")
     for tool in ("ip", "tc"):
         if which(tool) is None:
-            missing.append(
-                f"the '{tool}' command of iproute2 on PATH (apt-get install iproute2)"
-            )
+            missing.append(f"the '{tool}' command of iproute2 on PATH (apt-get install iproute2)")
     return missing
 
 
@@ -427,9 +409,7 @@ def parse_qdisc_stats(output: str) -> LinkCounters:
             continue
         sent = _TEXT_SENT.search(line)
         if sent and kind is not None:
-            return LinkCounters(
-                int(sent.group(1)), int(sent.group(2)), int(sent.group(3)), kind
-            )
+            return LinkCounters(int(sent.group(1)), int(sent.group(2)), int(sent.group(3)), kind)
     raise ValueError(f"no root qdisc statistics in tc's output: {text[:200]!r}")
 
 
@@ -445,17 +425,13 @@ def link_counters(dev: str = "lo") -> LinkCounters:
     """
     tc = shutil.which("tc")
     if tc is None:
-        raise NetemUnavailable(
-            "link_counters needs the 'tc' command of iproute2 on PATH"
-        )
+        raise NetemUnavailable("link_counters needs the 'tc' command of iproute2 on PATH")
     last = None
     for args in (
         [tc, "-s", "-j", "qdisc", "show", "dev", dev],
         [tc, "-s", "qdisc", "show", "dev", dev],
     ):
-        proc = subprocess.run(
-            args, capture_output=True, text=True, timeout=30, check=False
-        )
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
         if proc.returncode == 0 and proc.stdout.strip():
             try:
                 return parse_qdisc_stats(proc.stdout)
@@ -506,6 +482,8 @@ class LaunchResult:
       settings: the :class:`LinkSettings` as a dict.
       command: the ``mpirun`` command line run in the namespace.
       qdisc: the root qdisc's kind.
+      n: the number of processes.
+      stdout, stderr: the job's output when :func:`launch` captured it (``None`` otherwise).
     """
 
     returncode: int
@@ -518,7 +496,8 @@ class LaunchResult:
     command: list[str]
     qdisc: str = ""
     n: int = 0
-    extra: dict = field(default_factory=dict)
+    stdout: str | None = None
+    stderr: str | None = None
 
     def to_json(self) -> dict:
         """The result as a JSON-ready dict (the ``--report`` file)."""
@@ -579,9 +558,7 @@ def _pids_in_netns(inode: int) -> list[int]:
     return pids
 
 
-def _end_namespace(
-    proc: subprocess.Popen, inode: int | None, grace_s: float = 5.0
-) -> None:
+def _end_namespace(proc: subprocess.Popen, inode: int | None, grace_s: float = 5.0) -> None:
     """End every process of the job: its process group (SIGTERM, then SIGKILL), then any process
     still in its private namespace (SIGKILL). Only processes of the namespace we made are touched."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -601,10 +578,8 @@ def _end_namespace(
             if not pids:
                 break
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.05)
     if proc.poll() is None:
         proc.kill()
@@ -626,7 +601,7 @@ def launch(
     capture_output: bool = False,
     cwd: str | Path | None = None,
     check_requirements: Callable[[], list[str]] | None = None,
-) -> LaunchResult | tuple[LaunchResult, subprocess.CompletedProcess]:
+) -> LaunchResult:
     """Run ``mpirun -n n --oversubscribe COMMAND...`` on an emulated link and count its bytes.
 
     The job runs in a new network namespace whose loopback carries every byte
@@ -643,14 +618,14 @@ def launch(
       mpirun_args: extra ``mpirun`` options, before the program.
       timeout: seconds; at the limit every process of the job is killed.
       report: if given, write :meth:`LaunchResult.to_json` there.
-      capture_output: capture the job's stdout/stderr (then also return the
-        ``CompletedProcess``) instead of passing them through.
+      capture_output: capture the job's stdout/stderr into the result's ``stdout``/``stderr``
+        instead of passing them through.
       cwd: the job's working directory.
       check_requirements: returns what is missing (default :func:`missing_requirements`;
         a test can inject a check).
 
     Returns:
-      the :class:`LaunchResult` (and the ``CompletedProcess`` if ``capture_output``).
+      the :class:`LaunchResult`.
 
     Raises:
       NetemError: an invalid option (before anything starts).
@@ -658,9 +633,7 @@ def launch(
         the qdisc (e.g. no ``sch_netem`` for ``latency``); nothing of the job has run.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise NetemError(
-            f"-n: the number of processes must be an integer >= 1; got {n!r}"
-        )
+        raise NetemError(f"-n: the number of processes must be an integer >= 1; got {n!r}")
     command = [str(c) for c in command]
     if not command:
         raise NetemError("command: give the program to run (e.g. python script.py)")
@@ -678,9 +651,7 @@ def launch(
 
     mpirun = mpirun_path()
     if mpirun is None:
-        raise NetemUnavailable(
-            "mpirun not found: install the project's 'mpi' extra (pip install -e .[mpi])"
-        )
+        raise NetemUnavailable("mpirun not found: install the project's 'mpi' extra (pip install -e .[mpi])")
     job_env = mpirun_netem_env(base=env)
     mpi_cmd = [
         mpirun,
@@ -714,7 +685,7 @@ def launch(
         proc = subprocess.Popen(
             inner, env=job_env, cwd=cwd, stdout=stdio, stderr=stdio, text=True,
             # the unshare must happen in the child between fork and exec; the launcher starts no threads
-            start_new_session=True, preexec_fn=_enter_private_netns,  # noqa: PLW1509
+            start_new_session=True, preexec_fn=_enter_private_netns,
         )  # fmt: skip
         # Hold the namespace open while we may sweep it, so that its inode number (how the
         # sweep recognises its processes) cannot be reused by another namespace meanwhile.
@@ -741,15 +712,16 @@ def launch(
                 _end_namespace(proc, inode)
             if ns_fd is not None:
                 os.close(ns_fd)
-        data = json.loads(out.read_text()) if out.exists() else {}
+        data: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     if "setup_error" in data:
-        raise NetemUnavailable(
-            f"setting up the emulated link failed: {data['setup_error']}"
-        )
+        raise NetemUnavailable(f"setting up the emulated link failed: {data['setup_error']}")
     after = data.get("after") or {"bytes": 0, "packets": 0, "drops": 0, "kind": ""}
     before = data.get("before") or {"bytes": 0, "packets": 0, "drops": 0}
+    rc = data.get("returncode")
+    if rc is None:  # the inner launcher did not report: mpirun's own status
+        rc = -1 if proc.returncode is None else proc.returncode
     result = LaunchResult(
-        returncode=-9 if timed_out else int(data.get("returncode", proc.returncode)),
+        returncode=-9 if timed_out else int(rc),
         bytes=after["bytes"] - before["bytes"],
         packets=after["packets"] - before["packets"],
         drops=after["drops"] - before["drops"],
@@ -759,13 +731,11 @@ def launch(
         command=mpi_cmd,
         qdisc=after.get("kind", ""),
         n=n,
+        stdout=stdout if capture_output else None,
+        stderr=stderr if capture_output else None,
     )
     if report is not None:
         Path(report).write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    if capture_output:
-        return result, subprocess.CompletedProcess(
-            inner, proc.returncode, stdout, stderr
-        )
     return result
 
 
@@ -774,18 +744,12 @@ def _inner(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     result_path = Path(spec["result"])
     for cmd in spec["setup"]:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=60, check=False
-        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
         if proc.returncode != 0:
             hint = ""
             if "netem" in cmd and "unknown" in proc.stderr.lower():
                 hint = " (--latency needs the kernel's sch_netem module, which this kernel lacks)"
-            result_path.write_text(
-                json.dumps(
-                    {"setup_error": f"{' '.join(cmd)}: {proc.stderr.strip()}{hint}"}
-                )
-            )
+            result_path.write_text(json.dumps({"setup_error": f"{' '.join(cmd)}: {proc.stderr.strip()}{hint}"}))
             return 3
     before = asdict(link_counters())
     # The launcher ends the job with SIGTERM to the process group: this process then outlives
@@ -793,7 +757,7 @@ def _inner(spec_path: str) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
     t0 = time.perf_counter()
-    job = subprocess.Popen(spec["command"], preexec_fn=_die_with_parent)  # noqa: PLW1509 (single-threaded)
+    job = subprocess.Popen(spec["command"], preexec_fn=_die_with_parent)
     try:
         rc = job.wait()
     finally:
@@ -802,9 +766,7 @@ def _inner(spec_path: str) -> int:
             job.wait()
     wall = time.perf_counter() - t0
     after = asdict(link_counters())
-    result_path.write_text(
-        json.dumps({"before": before, "after": after, "returncode": rc, "wall_s": wall})
-    )
+    result_path.write_text(json.dumps({"before": before, "after": after, "returncode": rc, "wall_s": wall}))
     return rc
 
 

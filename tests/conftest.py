@@ -1,24 +1,21 @@
 """Test configuration: 8 simulated CPU devices, set before jax is imported.
 
-Strict dtype promotion: ``JAXCOMM_STRICT_PROMOTION=1`` runs every test under
-``jax_numpy_dtype_promotion="strict"`` (no implicit int->float, f32+f64, weak-type
-surprises); tests marked ``@pytest.mark.standard_promotion`` (deliberately mixed
-dtypes) run under "standard". The environment variable is exported, so the
-subprocesses the tests start (scripts, mpirun) inherit it. Default: off, until the
-library passes under it (the switch's status and the remaining breaks are listed in
-docs / the habits report); turn it on by default by changing ``_STRICT_DEFAULT``.
+Strict dtype promotion (``jax_numpy_dtype_promotion="strict"``: no implicit
+int->float, f32+f64 or weak-type surprises) runs where it holds: every test of a
+module marked ``pytestmark = pytest.mark.strict_promotion``, or every test when
+``JAXCOMM_STRICT_PROMOTION=1`` (exported, so the scripts and mpirun jobs the tests
+start inherit it). A test marked ``@pytest.mark.standard_promotion`` (deliberately
+mixed dtypes) always runs under "standard".
 """
 
 import os
 
 import pytest
 
-_STRICT_DEFAULT = "0"
-
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-STRICT_PROMOTION = os.environ.setdefault("JAXCOMM_STRICT_PROMOTION", _STRICT_DEFAULT) == "1"
+STRICT_PROMOTION = os.environ.get("JAXCOMM_STRICT_PROMOTION", "0") == "1"
 if STRICT_PROMOTION:
     os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
 
@@ -33,10 +30,10 @@ settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)
-def _standard_promotion_if_marked(request):
-    """Run a test marked ``standard_promotion`` under jax's standard dtype promotion."""
-    if STRICT_PROMOTION and request.node.get_closest_marker("standard_promotion") is not None:
-        with jax.numpy_dtype_promotion("standard"):
-            yield
-    else:
+def _dtype_promotion(request):
+    """Strict promotion for ``strict_promotion`` modules (or everywhere), standard where marked so."""
+    strict = STRICT_PROMOTION or request.node.get_closest_marker("strict_promotion") is not None
+    if request.node.get_closest_marker("standard_promotion") is not None:
+        strict = False
+    with jax.numpy_dtype_promotion("strict" if strict else "standard"):
         yield

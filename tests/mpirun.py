@@ -29,5 +29,7 @@ def run_mpi(n: int, script: str | Path, *args: str, timeout: float = 300.0) -> s
     cmd = [mpirun, "-n", str(n), "--oversubscribe", sys.executable, str(script), *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+        )
     return proc

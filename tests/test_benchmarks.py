@@ -28,8 +28,21 @@ def test_compressor_benchmark_tiny(tmp_path, capsys):
     bench = _load("compressors")
     out = tmp_path / "compressors.json"
     # One compressor of each target group and PowerSGD (1-D sweep and matrix).
-    result = bench.main(["--sizes", "2000", "--repeats", "1", "--only", "fp16,qsgd,topk,powersgd",
-                         "--powersgd-shape", "16x40", "--in-process", "--out", str(out)])
+    result = bench.main(
+        [
+            "--sizes",
+            "2000",
+            "--repeats",
+            "1",
+            "--only",
+            "fp16,qsgd,topk,powersgd",
+            "--powersgd-shape",
+            "16x40",
+            "--in-process",
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     assert saved["sizes"] == [2000] and saved["repeats"] == 1
     rows = {r["name"]: r for r in saved["results"]}
@@ -51,8 +64,17 @@ def test_compressor_benchmark_tiny(tmp_path, capsys):
 def test_compressor_benchmark_targets_cover_issue_list():
     bench = _load("compressors")
     groups = {g: set(names) for g, (names, _) in bench.TARGETS.items()}
-    assert groups["elementwise"] == {"fp16", "bf16", "signsgd", "onebit", "efsignsgd", "terngrad", "qsgd",
-                                     "natural", "eightbit"}
+    assert groups["elementwise"] == {
+        "fp16",
+        "bf16",
+        "signsgd",
+        "onebit",
+        "efsignsgd",
+        "terngrad",
+        "qsgd",
+        "natural",
+        "eightbit",
+    }
     assert groups["sparsifier"] == {"topk", "dgc", "qsparse"}
     assert set().union(*groups.values()) <= set(jc.compressors.names())
     rows = [dict(name=n, size=s, ratio=5.0) for n in ("qsgd", "topk") for s in bench.TARGET_SIZES]
@@ -65,8 +87,19 @@ def test_compressor_benchmark_targets_cover_issue_list():
 def test_step_overhead_benchmark_tiny(tmp_path):
     bench = _load("step_overhead")
     out = tmp_path / "step.json"
-    result = bench.main(["--trees", "tiny", "--compressors", "signsgd,topk,topk_floor", "--repeats", "1",
-                         "--in-process", "--out", str(out)])
+    result = bench.main(
+        [
+            "--trees",
+            "tiny",
+            "--compressors",
+            "signsgd,topk,topk_floor",
+            "--repeats",
+            "1",
+            "--in-process",
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     res = saved["trees"]["tiny"]["results"]
     assert set(res) == {"signsgd", "topk", "topk_floor"} and saved["trees"]["tiny"]["num_tensors"] == 3
@@ -80,8 +113,21 @@ def test_step_overhead_benchmark_tiny(tmp_path):
     assert res["signsgd"]["wire_bits_per_worker"] < d + 32 * 3 + 1  # 1 bit per entry + a scale per tensor
     assert result["trees"] == saved["trees"]
     # --memory grace: GRACE's Table I choice (no error feedback for signSGD, residual for top-k).
-    grace = bench.main(["--trees", "tiny", "--compressors", "signsgd,topk", "--repeats", "1",
-                        "--in-process", "--memory", "grace", "--out", str(tmp_path / "grace.json")])
+    grace = bench.main(
+        [
+            "--trees",
+            "tiny",
+            "--compressors",
+            "signsgd,topk",
+            "--repeats",
+            "1",
+            "--in-process",
+            "--memory",
+            "grace",
+            "--out",
+            str(tmp_path / "grace.json"),
+        ]
+    )
     res = grace["trees"]["tiny"]["results"]
     assert res["signsgd"]["memory"] == "none" and res["topk"]["memory"] == "residual"
     assert bench.memory_for("qsgd", "grace").name == "none" and bench.memory_for("qsgd").name == "residual"
@@ -91,8 +137,22 @@ def test_step_overhead_benchmark_tiny(tmp_path):
     assert bench.memory_for("qsgd_floor", "grace").name == "none"  # a floor runs with its compressor's memory
     assert bench.memory_for("topk_floor", "grace").name == "residual"
     # --batch: the gradient of a real network (a 3-conv VGG on 8x8 images) instead of g = a * x.
-    model = bench.main(["--trees", "vgg_tiny", "--batch", "2", "--compressors", "topk", "--repeats", "1",
-                        "--in-process", "--no-fuse", "--out", str(tmp_path / "model.json")])
+    model = bench.main(
+        [
+            "--trees",
+            "vgg_tiny",
+            "--batch",
+            "2",
+            "--compressors",
+            "topk",
+            "--repeats",
+            "1",
+            "--in-process",
+            "--no-fuse",
+            "--out",
+            str(tmp_path / "model.json"),
+        ]
+    )
     r = model["trees"]["vgg_tiny"]["results"]["topk"]
     assert "error" not in r, r
     assert model["meta"]["batch_per_worker"] == 2 and model["meta"]["fuse"] is False
@@ -100,8 +160,7 @@ def test_step_overhead_benchmark_tiny(tmp_path):
     with pytest.raises(SystemExit):
         bench.main(["--trees", "tiny", "--batch", "2", "--out", str(tmp_path / "bad.json")])
     params = {k: jax.numpy.zeros(s) for k, s in bench.vgg_tiny_shapes().items()}
-    loss = bench.vgg_loss(params, jax.numpy.zeros((1, 8, 8, 3)), jax.numpy.zeros((1,), int),
-                          bench.VGG_TINY_POOL_AFTER)
+    loss = bench.vgg_loss(params, jax.numpy.zeros((1, 8, 8, 3)), jax.numpy.zeros((1,), int), bench.VGG_TINY_POOL_AFTER)
     assert abs(float(loss) - float(jax.numpy.log(10.0))) < 1e-5  # zero weights: uniform softmax over 10 classes
     assert bench.vgg16_shapes() == bench.vgg_shapes(bench.VGG16_CONVS, 512)  # 5 pools: 32x32 -> 1x1x512
     # The documented trees have the sizes the issue names.
@@ -137,8 +196,10 @@ def test_fusion_mpi_benchmark_tiny(tmp_path):
     """fusion_mpi.py under mpirun -n 2 on the tiny tree: fused, unfused and none() steps, rank 0's JSON."""
     bench = _load("fusion_mpi")
     out = tmp_path / "fusion.json"
-    assert bench.main(["--procs", "2", "--trees", "tiny", "--compressors", "topk", "--repeats", "1",
-                       "--out", str(out)]) == 0
+    assert (
+        bench.main(["--procs", "2", "--trees", "tiny", "--compressors", "topk", "--repeats", "1", "--out", str(out)])
+        == 0
+    )
     saved = json.loads(out.read_text())
     r = saved["trees"]["tiny"]["results"]["topk"]
     assert saved["meta"]["processes"] == 2 and saved["meta"]["devices_per_process"] == 1

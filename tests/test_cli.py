@@ -37,7 +37,7 @@ def test_override_types_are_checked():
     cfg = get_experiment("grace").config(smoke=True)
     assert apply_overrides(cfg, {"steps": "7"})["steps"] == 7
     assert apply_overrides(cfg, {"compressors": '["topk"]'})["compressors"] == ["topk"]
-    with pytest.raises(ValueError, match="could not parse .seven. as int"):
+    with pytest.raises(ValueError, match=r"could not parse .seven. as int"):
         apply_overrides(cfg, {"steps": "seven"})
 
 
@@ -49,9 +49,9 @@ def test_format_table_aligns_columns():
 
 
 def test_demo_table_covers_every_compressor(capsys):
-    from jaxcomm.demo import gradient_table
-
     import jax.numpy as jnp
+
+    from jaxcomm.demo import gradient_table
 
     grads = {"w": jnp.linspace(-1.0, 1.0, 640).reshape(32, 20), "b": jnp.linspace(-0.5, 0.5, 20)}
     rows = gradient_table(grads)
@@ -64,8 +64,24 @@ def test_demo_table_covers_every_compressor(capsys):
 
 def test_quickstart_smoke_via_cli(tmp_path, capsys):
     out = tmp_path / "qs"
-    assert cli.main(["run", "quickstart", "--smoke", "--devices", "8", "--out", str(out),
-                     "--set", "steps=4", "--set", "eval_every=4"]) == 0
+    assert (
+        cli.main(
+            [
+                "run",
+                "quickstart",
+                "--smoke",
+                "--devices",
+                "8",
+                "--out",
+                str(out),
+                "--set",
+                "steps=4",
+                "--set",
+                "eval_every=4",
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     assert (out / "accuracy.png").stat().st_size > 0
     assert {r["method"] for r in results["summary"]} == set(get_experiment("quickstart").config(smoke=True)["methods"])
@@ -85,9 +101,15 @@ def test_grace_records_a_failing_run_and_goes_on(monkeypatch, tmp_path):
     def fake_train(*, name, **kwargs):
         if name.startswith("qsgd"):
             raise NonFiniteLossError("loss became nan at step 3")
-        return {"name": name, "history": [{"step": 1, "eval_accuracy": 0.5}], "final_accuracy": 0.5,
-                "wire_bits_per_worker": 10.0, "dense_bits_per_worker": 320.0, "compute_time_s": 1.0,
-                "est_comm_time_s": {"10Gbps": 0.1}}
+        return {
+            "name": name,
+            "history": [{"step": 1, "eval_accuracy": 0.5}],
+            "final_accuracy": 0.5,
+            "wire_bits_per_worker": 10.0,
+            "dense_bits_per_worker": 320.0,
+            "compute_time_s": 1.0,
+            "est_comm_time_s": {"10Gbps": 0.1},
+        }
 
     monkeypatch.setattr(grace, "train_data_parallel", fake_train)
     cfg = get_experiment("grace").config(smoke=True)
@@ -112,8 +134,7 @@ def _fresh_python(code: str) -> str:
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -202,9 +223,11 @@ def test_typed_configs_check_keys_and_types():
 
     exp = get_experiment("grace")
     assert exp.config_type is GraceConfig
-    assert exp.config(smoke=True) == {f.name: (list(v) if isinstance(v, tuple) else v)
-                                      for f in dataclasses.fields(GraceConfig)
-                                      for v in [getattr(GraceConfig.smoke(), f.name)]}
+    assert exp.config(smoke=True) == {
+        f.name: (list(v) if isinstance(v, tuple) else v)
+        for f in dataclasses.fields(GraceConfig)
+        for v in [getattr(GraceConfig.smoke(), f.name)]
+    }
     with pytest.raises(dataclasses.FrozenInstanceError):
         GraceConfig.default().steps = 3
     with pytest.raises(ValueError, match=r"GraceConfig.steps: expected int, got 'four'"):
@@ -220,6 +243,11 @@ def test_eager_worker_is_a_module_with_a_usage_line():
     import sys
     from pathlib import Path
 
-    proc = subprocess.run([sys.executable, "-m", "jaxcomm.experiments.eager.worker", "nope"],
-                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxcomm.experiments.eager.worker", "nope"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "usage: python -m jaxcomm.experiments.eager.worker" in proc.stderr

@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-from jax.sharding import NamedSharding, PartitionSpec as P
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcomm.comm import (
     ALL_GATHER,
@@ -37,6 +39,8 @@ from jaxcomm.comm import (
     serves,
     use,
 )
+
+pytestmark = pytest.mark.strict_promotion
 
 AXIS = "i"
 comm = MeshAxis(AXIS)
@@ -69,7 +73,7 @@ def np_of(x):
 # Declared capabilities
 # --------------------------------------------------------------------------- #
 def test_vocabulary_and_backends_declare_everything():
-    assert CAPABILITIES == {SUM, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, PERMUTE}
+    assert {SUM, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, PERMUTE} == CAPABILITIES
     assert MeshAxis.capabilities == CAPABILITIES and MPIComm.capabilities == CAPABILITIES
     assert is_communicator(comm) and capabilities_of(comm) == CAPABILITIES
     assert all(serves(comm, c) for c in CAPABILITIES)
@@ -118,9 +122,8 @@ def test_is_communicator_reads_the_declaration():
     assert is_communicator(resolve())  # the ambient proxy declares through a property
     with pytest.raises(TypeError, match="capabilities"):
         resolve(comm=Undeclared(AXIS))
-    with pytest.raises(TypeError, match="capabilities"):
-        with use(Lying()):
-            pass
+    with pytest.raises(TypeError, match="capabilities"), use(Lying()):
+        pass
 
 
 def test_require_names_the_communicator_the_collective_and_the_need():
@@ -151,7 +154,7 @@ def test_resolve_order():
         resolve("data", explicit)
     ambient = resolve()
     with pytest.raises(ValueError, match="no communicator"):
-        ambient.size  # nothing set: the error comes at use (trace) time
+        _ = ambient.size  # nothing set: the error comes at use (trace) time
     with use(MeshAxis(AXIS)) as c:
         assert current() is c and ambient.capabilities == CAPABILITIES
         out = on_vmap(lambda x: (ambient.mean(x), ambient.index()), jnp.arange(4.0))
@@ -164,14 +167,13 @@ def test_resolve_order():
 
 def test_resolve_checks_what_the_caller_needs():
     assert resolve(axis_name=AXIS, needs=(REDUCE_SCATTER,)).axis_name == AXIS
-    with pytest.raises(ValueError, match="my transform needs the collective 'broadcast'.*Minimal"):
+    with pytest.raises(ValueError, match=r"my transform needs the collective 'broadcast'.*Minimal"):
         resolve(comm=Minimal(), needs=(SUM, BROADCAST), for_what="my transform")
     with pytest.raises(ValueError, match="unknown collective"):
         resolve(axis_name=AXIS, needs=("allgather",))
     ambient = resolve(needs=(ALL_TO_ALL,), for_what="my transform")  # checked when looked up
-    with use(Minimal()):
-        with pytest.raises(ValueError, match="my transform needs the collective 'all_to_all'"):
-            ambient.sum(1.0)
+    with use(Minimal()), pytest.raises(ValueError, match="my transform needs the collective 'all_to_all'"):
+        ambient.sum(1.0)
     with use(comm):
         np.testing.assert_array_equal(on_vmap(ambient.sum, jnp.ones(3)), [3.0] * 3)
 
@@ -220,7 +222,7 @@ def test_broadcast_is_a_tree_of_permutes_not_all_reduces(n):
 def test_broadcast_bad_root():
     for root in (-1, 4):
         with pytest.raises(ValueError, match=r"root must be in \[0, 4\)"):
-            on_vmap(lambda x: comm.broadcast(x, root), jnp.ones(4))
+            on_vmap(lambda x, root=root: comm.broadcast(x, root), jnp.ones(4))
 
 
 # --------------------------------------------------------------------------- #
@@ -230,8 +232,13 @@ DTYPES = {"float32": jnp.float32, "int32": jnp.int32, "int8": jnp.int8, "uint8":
 
 
 @settings(max_examples=12)
-@given(n=st.integers(1, 8), tail=st.lists(st.integers(1, 3), max_size=2), dtype=st.sampled_from(sorted(DTYPES)),
-       how=st.sampled_from(sorted(RUNNERS)), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 8),
+    tail=st.lists(st.integers(1, 3), max_size=2),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    how=st.sampled_from(sorted(RUNNERS)),
+    seed=st.integers(0, 2**16),
+)
 def test_reduce_scatter_and_all_to_all_match_numpy(n, tail, dtype, how, seed):
     rng = np.random.default_rng(seed)
     shape = (n, n, *tail)  # worker w, chunk j (owned by worker j), chunk shape
@@ -251,7 +258,9 @@ def test_reduce_scatter_and_all_to_all_match_numpy(n, tail, dtype, how, seed):
 
 
 @pytest.mark.parametrize("how", sorted(RUNNERS))
-@pytest.mark.parametrize("dtype, big, n", [(jnp.bfloat16, 256.0, 4), (jnp.float16, 2048.0, 4), (jnp.bfloat16, 256.0, 7)])
+@pytest.mark.parametrize(
+    "dtype, big, n", [(jnp.bfloat16, 256.0, 4), (jnp.float16, 2048.0, 4), (jnp.bfloat16, 256.0, 7)]
+)
 def test_16bit_reduce_scatter_sums_in_float32(dtype, big, n, how):
     # Worker 0 contributes `big`, the others 1 each, to every chunk. At `big` the 16-bit spacing
     # is 2, so a 16-bit running sum stays at `big`; the float32 sum is big + n - 1, rounded once.
@@ -314,7 +323,7 @@ def test_partial_permute_gives_zeros_to_unnamed_receivers(how):
         want = np.zeros(n, np.float32)
         for s, d in perm:
             want[d] = s + 1
-        np.testing.assert_array_equal(np.asarray(RUNNERS[how](lambda v: comm.permute(v, perm), x)), want)
+        np.testing.assert_array_equal(np.asarray(RUNNERS[how](lambda v, perm=perm: comm.permute(v, perm), x)), want)
     keys = jax.random.split(jax.random.key(0), n)
     out = RUNNERS[how](lambda v: comm.permute(v, [(2, 0)]), keys)
     np.testing.assert_array_equal(np_of(out)[0], np_of(keys)[2])

@@ -20,15 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings, strategies as st
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
 from jaxcomm import memory as mem
+from jaxcomm.comm import MeshAxis
 from jaxcomm.compressors import Compressor
 from jaxcomm.compressors.payloads import Payload, payload_dataclass, static_field
-from jaxcomm.comm import MeshAxis
-from jaxcomm.transforms import compressed_mean, error_feedback
+from jaxcomm.transforms import compressed_mean
 
 SHAPES = {"b": (5,), "w": (6, 7)}  # two tensors; dict order == jax.tree.leaves order (sorted keys)
 LR = 0.1
@@ -60,8 +62,9 @@ def dither() -> Compressor:
     def decompress(p):
         return (p.codes.astype(jnp.float32) * p.scale).astype(p.dtype)
 
-    return Compressor.create(name="dither", compress=compress, decompress=decompress,
-                             unbiased=True, strategy="allgather")
+    return Compressor.create(
+        name="dither", compress=compress, decompress=decompress, unbiased=True, strategy="allgather"
+    )
 
 
 def dither_np(x, key):
@@ -118,8 +121,12 @@ def randk(ratio=0.5, hook=False) -> Compressor:
         return cls(values=total, key=p.key, shape=p.shape, dtype=p.dtype), state
 
     return Compressor.create(
-        name="randk_hook" if hook else "randk", compress=compress, decompress=decompress, unbiased=True,
-        strategy="allgather" if hook else "allreduce", rounds=rounds if hook else None,
+        name="randk_hook" if hook else "randk",
+        compress=compress,
+        decompress=decompress,
+        unbiased=True,
+        strategy="allgather" if hook else "allreduce",
+        rounds=rounds if hook else None,
     )
 
 
@@ -141,17 +148,38 @@ def scaled_sign_np(x, key):
 # name -> (compressor factory, strategy, memory, (beta, gamma) or None, numpy Q, key mode,
 #          exact wire bits per worker for a d-element tensor)
 CASES = {
-    "none": (jc.compressors.none, "auto", mem.none(), None, lambda x, k: np.asarray(x, np.float64), "folded",
-             lambda d: 32 * d),
-    "scaled_sign": (jc.compressors.scaled_sign, "auto", mem.residual(), (1.0, 1.0), scaled_sign_np, "folded",
-                    lambda d: 8 * -(-d // 8) + 32),  # packed signs + one float32 scale
+    "none": (
+        jc.compressors.none,
+        "auto",
+        mem.none(),
+        None,
+        lambda x, k: np.asarray(x, np.float64),
+        "folded",
+        lambda d: 32 * d,
+    ),
+    "scaled_sign": (
+        jc.compressors.scaled_sign,
+        "auto",
+        mem.residual(),
+        (1.0, 1.0),
+        scaled_sign_np,
+        "folded",
+        lambda d: 8 * -(-d // 8) + 32,
+    ),  # packed signs + one float32 scale
     "dither": (dither, "auto", mem.residual(0.5, 2.0), (0.5, 2.0), dither_np, "folded", lambda d: 8 * d + 32),
     "dither_broadcast": (dither, "broadcast", mem.residual(), (1.0, 1.0), dither_np, "folded", lambda d: 8 * d + 32),
     # allreduce: only the summed values travel; the shared key does not.
     "randk_allreduce": (randk, "auto", mem.residual(), (1.0, 1.0), randk_np, "shared", lambda d: 32 * round(d / 2)),
     # rounds: the yielded messages are what was sent (the values; the shared key is not)
-    "randk_hook": (lambda: randk(hook=True), "allreduce", mem.residual(), (1.0, 1.0), randk_np, "hook",
-                   lambda d: 32 * round(d / 2)),
+    "randk_hook": (
+        lambda: randk(hook=True),
+        "allreduce",
+        mem.residual(),
+        (1.0, 1.0),
+        randk_np,
+        "hook",
+        lambda d: 32 * round(d / 2),
+    ),
 }
 
 
@@ -241,16 +269,25 @@ def reference(q_np, n, beta_gamma, key_mode, steps=STEPS, seed=0, comp_seed=0):
 # --------------------------------------------------------------------------- #
 @pytest.mark.parametrize(
     "case,n",
-    [("scaled_sign", 4), ("scaled_sign", 8), ("dither", 4), ("dither", 8), ("none", 8),
-     ("dither_broadcast", 4), ("randk_allreduce", 4), ("randk_hook", 4)],
+    [
+        ("scaled_sign", 4),
+        ("scaled_sign", 8),
+        ("dither", 4),
+        ("dither", 8),
+        ("none", 8),
+        ("dither_broadcast", 4),
+        ("randk_allreduce", 4),
+        ("randk_hook", 4),
+    ],
 )
 def test_matches_numpy_algorithm1(case, n):
     factory, strategy, memory, bg, q_np, key_mode, bits = CASES[case]
     tx = compressed_mean(factory(), "data", memory=memory, strategy=strategy)
     x, state = run_mesh(tx, n)
     assert state.wire_bits.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(state.wire_bits),
-                                  [[bits(int(np.prod(SHAPES[k]))) for k in sorted(SHAPES)]] * n)
+    np.testing.assert_array_equal(
+        np.asarray(state.wire_bits), [[bits(int(np.prod(SHAPES[k]))) for k in sorted(SHAPES)]] * n
+    )
     x_ref, m_ref = reference(q_np, n, bg, key_mode)
     for k in SHAPES:
         # All replicas end the step with bit-identical parameters.
@@ -276,7 +313,8 @@ def test_none_equals_exact_mean():
     mesh = mesh_of(n)
     put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))
     u, exact = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"),) * 2, out_specs=P("data")))(
-        put(g), put(stacked(tx.init(jax.tree.map(lambda v: v[0], g)), n)))
+        put(g), put(stacked(tx.init(jax.tree.map(lambda v: v[0], g)), n))
+    )
     for k in SHAPES:
         np.testing.assert_array_equal(np.asarray(u[k]), np.asarray(exact[k]))
         np.testing.assert_allclose(np.asarray(u[k][0]), np.asarray(g[k]).mean(0), rtol=1e-6, atol=1e-6)
@@ -299,9 +337,18 @@ def test_step_traces_once():
 # --------------------------------------------------------------------------- #
 # Every registered compressor through compressed_mean (vmap axis, cheap)
 # --------------------------------------------------------------------------- #
-KWARGS = {"qsgd": dict(levels=4), "randomk": dict(ratio=0.3), "topk": dict(ratio=0.3), "threshold": dict(v=0.5),
-          "dgc": dict(ratio=0.3), "adaptive": dict(ratio=0.3), "powersgd": dict(matrix_approximation_rank=2),
-          "qsparse": dict(ratio=0.3, levels=4), "random_sparsification": dict(p=0.5), "sketchml": dict(buckets=16)}
+KWARGS = {
+    "qsgd": dict(levels=4),
+    "randomk": dict(ratio=0.3),
+    "topk": dict(ratio=0.3),
+    "threshold": dict(v=0.5),
+    "dgc": dict(ratio=0.3),
+    "adaptive": dict(ratio=0.3),
+    "powersgd": dict(matrix_approximation_rank=2),
+    "qsparse": dict(ratio=0.3, levels=4),
+    "random_sparsification": dict(p=0.5),
+    "sketchml": dict(buckets=16),
+}
 
 
 @pytest.mark.parametrize("name", jc.compressors.names())
@@ -334,8 +381,9 @@ def test_every_compressor_matches_per_worker_roundtrips(name):
 
     mean, memory = reference(g)
     tol = 2e-2 if name in ("fp16", "bf16") else 1e-5  # fp16/bf16 are summed on the wire in 16 bits
-    np.testing.assert_allclose(np.asarray(u["w"]), np.broadcast_to(np.asarray(mean), (n, *shape)),
-                               rtol=tol, atol=tol, err_msg=name)
+    np.testing.assert_allclose(
+        np.asarray(u["w"]), np.broadcast_to(np.asarray(mean), (n, *shape)), rtol=tol, atol=tol, err_msg=name
+    )
     np.testing.assert_allclose(np.asarray(state.memory["w"]), np.asarray(memory), rtol=1e-5, atol=1e-5)
     for i in range(1, n):
         np.testing.assert_array_equal(np.asarray(u["w"][i]), np.asarray(u["w"][0]))
@@ -360,16 +408,31 @@ def test_every_compressor_traces_inside_shard_map(name):
         return jax.tree.map(lambda v: v[None], (optax.apply_updates(x, u), state))
 
     f = jax.jit(jax.shard_map(worker, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P("data")))
-    spec = lambda t: jax.tree.map(lambda v: jax.ShapeDtypeStruct((n, *jnp.shape(v)), jnp.result_type(v),
-                                                                  sharding=NamedSharding(mesh, P("data"))), t)
+    spec = lambda t: jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct((n, *jnp.shape(v)), jnp.result_type(v), sharding=NamedSharding(mesh, P("data"))),
+        t,
+    )
     f.trace(spec(x0), spec(x0), spec(tx.init(x0)))
 
 
 # --------------------------------------------------------------------------- #
 # The payload that crosses the axis is the compressed one
 # --------------------------------------------------------------------------- #
-_HLO_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32,
-             "f32": 32, "s64": 64, "u64": 64, "f64": 64}
+_HLO_BITS = {
+    "pred": 8,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+}
 
 
 def collective_bits_per_worker(hlo: str, n: int) -> tuple[int, list[str]]:
@@ -401,8 +464,7 @@ def _grad_step(tx, n, pcast=True):
         x = jax.tree.map(lambda p, d: p - LR * d, x, u)
         return jax.tree.map(lambda v: v[None], (x, state))
 
-    return mesh, jax.jit(jax.shard_map(worker, mesh=mesh, in_specs=(P("data"), P(), P("data")),
-                                       out_specs=P("data")))
+    return mesh, jax.jit(jax.shard_map(worker, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P("data")))
 
 
 def test_hlo_collectives_carry_exactly_the_payload():
@@ -471,8 +533,10 @@ def test_fuse_does_not_change_the_numbers(name):
     leaves in one tree; the packed gather itself is checked for every dtype in tests/test_packing.py)."""
     c = jc.compressors.make(name, **KWARGS.get(name, {}))
     n = 3
-    g = {"a": jax.random.normal(jax.random.PRNGKey(1), (n, 40)),
-         "w": jax.random.normal(jax.random.PRNGKey(2), (n, 6, 7)).astype(jnp.bfloat16)}
+    g = {
+        "a": jax.random.normal(jax.random.PRNGKey(1), (n, 40)),
+        "w": jax.random.normal(jax.random.PRNGKey(2), (n, 6, 7)).astype(jnp.bfloat16),
+    }
     txs = [compressed_mean(c, "i", memory=mem.residual(), fuse=fuse) for fuse in (True, False)]
     st0 = stacked(txs[0].init(jax.tree.map(lambda v: v[0], g)), n)
     out = jax.jit(jax.vmap(lambda g, s: [tx.update(g, s) for tx in txs], axis_name="i"))(g, st0)
@@ -514,7 +578,7 @@ def test_pitfall_grad_of_replicated_params_is_summed_and_rejected():
 @given(seed=st.integers(0, 2**31 - 1), scale=st.floats(0.01, 100.0))
 def test_compressed_mean_conserves_gradient_mass(seed, scale):
     """Σ_t n·mean_t + Σ_i m_i,T == Σ_t Σ_i g_i,t over 50 steps (β = γ = 1)."""
-    n, steps = 4, 50
+    n = 4
     totals = _conservation_run(jnp.float32(scale), jnp.uint32(seed))
     sent, memory, grads = (np.asarray(t, np.float64) for t in totals)
     # Each step adds one float32 rounding of |φ| ≲ 4·scale per entry to the
@@ -556,13 +620,14 @@ def test_axis_not_bound_in_mesh():
     g = jax.device_put(jnp.ones((n, 3)), NamedSharding(mesh, P("data")))
     with pytest.raises(ValueError, match="'model'"):
         jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data")))(
-            {"w": g}, stacked(tx.init(x0), n))
+            {"w": g}, stacked(tx.init(x0), n)
+        )
     with pytest.raises(ValueError, match="'model'"):
         tx.update({"w": jnp.ones(3)}, tx.init(x0))  # outside any mapping
 
 
 def test_strategy_the_compressor_or_communicator_cannot_serve():
-    with pytest.raises(ValueError, match="scaled_sign.*allgather|allreduce.*scaled_sign"):
+    with pytest.raises(ValueError, match=r"scaled_sign.*allgather|allreduce.*scaled_sign"):
         compressed_mean(jc.compressors.scaled_sign(), "data", strategy="allreduce")
     with pytest.raises(ValueError, match="strategy must be one of"):
         compressed_mean(jc.compressors.none(), "data", strategy="ring")
@@ -572,7 +637,7 @@ def test_strategy_the_compressor_or_communicator_cannot_serve():
     class SumOnly(MeshAxis):
         capabilities = frozenset({"sum"})
 
-    with pytest.raises(ValueError, match="'all_gather', which communicator .* does not serve"):
+    with pytest.raises(ValueError, match=r"'all_gather', which communicator .* does not serve"):
         compressed_mean(jc.compressors.scaled_sign(), comm=SumOnly("data"))
     compressed_mean(jc.compressors.none(), comm=SumOnly("data"))  # allreduce is served
 
@@ -604,7 +669,8 @@ def test_powersgd_two_rounds_through_the_hook():
     tx = compressed_mean(c, "i", memory=mem.residual())
     mats = np.asarray(jax.random.normal(jax.random.PRNGKey(5), (n, *shape)), np.float64)
     u, state = jax.jit(jax.vmap(tx.update, axis_name="i"))(
-        {"w": jnp.asarray(mats, jnp.float32)}, stacked(tx.init({"w": jnp.zeros(shape)}), n))
+        {"w": jnp.asarray(mats, jnp.float32)}, stacked(tx.init({"w": jnp.zeros(shape)}), n)
+    )
     # Reference: the shared key of leaf 0 draws Q₀ (PowerSGD's first step), NumPy does the rest.
     _, step_key = jax.random.split(jax.random.PRNGKey(c.seed))
     q0 = np.asarray(jax.random.normal(jax.random.split(step_key, 1)[0], (shape[1], r), jnp.float32), np.float64)

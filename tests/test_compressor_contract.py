@@ -52,24 +52,38 @@ def test_battery_catches_a_biased_estimator():
     # A deliberately biased "unbiased" compressor (scales by 0.9) must fail the battery.
     base = jc.compressors.none()
     bad = jc.compressors.Compressor.create(
-        name="bad", compress=lambda x, k, s: base.compress(0.9 * x, k), decompress=base.decompress,
-        unbiased=True, strategy="allreduce",
+        name="bad",
+        compress=lambda x, k, s: base.compress(0.9 * x, k),
+        decompress=base.decompress,
+        unbiased=True,
+        strategy="allreduce",
     )
     with pytest.raises(AssertionError, match="biased"):
         testing.check_unbiased(bad)
 
 
-@pytest.mark.parametrize("hook, check, match", [
-    # A decompress_sum that drops all payloads but the first.
-    (dict(decompress_sum=lambda g, dtype: TOPK.decompress(jax.tree.map(lambda a: a[0], g)).astype(dtype)),
-     testing.check_decompress_sum, "decompress_sum differs"),
-    # A compression_error that forgets the sent entries (returns x).
-    (dict(compression_error=lambda x, p: x), testing.check_compression_error, "compression_error differs"),
-], ids=["decompress_sum", "compression_error"])
+@pytest.mark.parametrize(
+    "hook, check, match",
+    [
+        # A decompress_sum that drops all payloads but the first.
+        (
+            dict(decompress_sum=lambda g, dtype: TOPK.decompress(jax.tree.map(lambda a: a[0], g)).astype(dtype)),
+            testing.check_decompress_sum,
+            "decompress_sum differs",
+        ),
+        # A compression_error that forgets the sent entries (returns x).
+        (dict(compression_error=lambda x, p: x), testing.check_compression_error, "compression_error differs"),
+    ],
+    ids=["decompress_sum", "compression_error"],
+)
 def test_battery_catches_a_wrong_hook(hook, check, match):
     bad = jc.compressors.Compressor.create(
-        name="bad", compress=lambda x, k, s: TOPK.compress(x, k), decompress=TOPK.decompress,
-        unbiased=False, strategy="allgather", **hook,
+        name="bad",
+        compress=lambda x, k, s: TOPK.compress(x, k),
+        decompress=TOPK.decompress,
+        unbiased=False,
+        strategy="allgather",
+        **hook,
     )
     with pytest.raises(AssertionError, match=match):
         check(bad)

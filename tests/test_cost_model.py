@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 import jaxcomm as jc
 import jaxcomm.cost_model as cm
 
+pytestmark = pytest.mark.strict_promotion
+
 NET = cm.Network(10.0, 25e-6)  # B = 1e10 bit/s, α = 25 µs
 bits_st = st.floats(0, 1e10, allow_nan=False)
 workers_st = st.integers(1, 64)

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 import jaxcomm.data as jd
 from jaxcomm.data import fetch as jfetch
 
+pytestmark = pytest.mark.strict_promotion
+
 SKIP_REASON = "dataset not fetched; run python -m jaxcomm.data.fetch"
 
 
@@ -121,7 +123,9 @@ def test_read_csv_images_label_positions_and_header(tmp_path):
     labels = rng.integers(0, 10, size=5)
     flat = pixels.reshape(5, -1)
     last = "\n".join(",".join(map(str, [*row, y])) for row, y in zip(flat, labels))
-    first = "p,q,r,s,t,u,label_first_header\n" + "\n".join(",".join(map(str, [y, *row])) for row, y in zip(flat, labels))
+    first = "p,q,r,s,t,u,label_first_header\n" + "\n".join(
+        ",".join(map(str, [y, *row])) for row, y in zip(flat, labels)
+    )
     (tmp_path / "last.csv.gz").write_bytes(gzip.compress(last.encode()))
     (tmp_path / "first.csv").write_text(first)
     for name, col in (("last.csv.gz", -1), ("first.csv", 0)):
@@ -343,7 +347,7 @@ def test_char_corpus_windows_and_batches():
     assert bx.shape == by.shape == (8, 10) and bx.dtype == np.int32
     np.testing.assert_array_equal((bx + 1) % 26, by)
     wit = c.batches(10, 8, jax.random.key(0), num_workers=4, split="valid")
-    wx, wy = next(wit)
+    wx, _ = next(wit)
     assert wx.shape == (4, 2, 10)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         c.encode("A")
@@ -366,7 +370,7 @@ def test_real_mnist():
     path = _require("mnist")
     train, test = jd.load_mnist(path, "train"), jd.load_mnist(path, "test")
     assert train.images.shape == (60000, 28, 28, 1) and test.images.shape == (10000, 28, 28, 1)
-    assert 0.0 <= train.images.min() and train.images.max() <= 1.0
+    assert train.images.min() >= 0.0 and train.images.max() <= 1.0
     # Published facts of MNIST: 6,742 training ones; pixel mean 0.1307 and std 0.3081.
     assert np.bincount(train.labels).tolist()[1] == 6742 and np.bincount(test.labels).sum() == 10000
     _, (mean, std) = jd.standardize(train)

@@ -161,7 +161,11 @@ def test_mkdocs_build_strict(tmp_path):
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
@@ -198,7 +202,7 @@ def code_blocks(text: str) -> list[tuple[int, str, str]]:
         body, start = [], i + 2
         i += 1
         while i < len(lines) and not re.match(rf"^{re.escape(indent)}{fence[0]}{{{len(fence)},}}\s*$", lines[i]):
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i].lstrip())
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i].lstrip())
             i += 1
         blocks.append((start, info, "\n".join(body)))
         i += 1
@@ -212,18 +216,27 @@ def runnable(info: str) -> bool:
 
 
 def test_code_block_parser():
-    page = 'Text\n\n```python\nx = 1\n```\n\n```python title="a (not run here)"\ny = 2\n```\n' \
-           "\n- item\n\n    ```py\n    z = 3\n    ```\n\n```bash\nls\n```\n"
+    page = (
+        'Text\n\n```python\nx = 1\n```\n\n```python title="a (not run here)"\ny = 2\n```\n'
+        "\n- item\n\n    ```py\n    z = 3\n    ```\n\n```bash\nls\n```\n"
+    )
     blocks = code_blocks(page)
     assert [(info, code) for _, info, code in blocks] == [
-        ("python", "x = 1"), ('python title="a (not run here)"', "y = 2"), ("py", "z = 3"), ("bash", "ls")]
+        ("python", "x = 1"),
+        ('python title="a (not run here)"', "y = 2"),
+        ("py", "z = 3"),
+        ("bash", "ls"),
+    ]
     assert [runnable(info) for _, info, _ in blocks] == [True, False, True, False]
     assert blocks[0][0] == 4  # line number of "x = 1" in the page
 
 
 # Pages (relative to the repository root) with runnable examples: docs/ and the README.
-DOC_PAGES = sorted(p.relative_to(ROOT).as_posix() for p in [ROOT / "README.md", *DOCS.rglob("*.md")]
-                   if any(runnable(info) for _, info, _ in code_blocks(p.read_text())))
+DOC_PAGES = sorted(
+    p.relative_to(ROOT).as_posix()
+    for p in [ROOT / "README.md", *DOCS.rglob("*.md")]
+    if any(runnable(info) for _, info, _ in code_blocks(p.read_text()))
+)
 
 # Runs a page's blocks, in order, as one script: in __main__'s namespace, compiled with the
 # page's line numbers so that a traceback points into the Markdown file.
@@ -248,10 +261,18 @@ def test_docs_examples_run(page):
     blocks = [(line, code) for line, info, code in code_blocks(path.read_text()) if runnable(info)]
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMPI_MCA_osc="^ucx")
     env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(path)], input=json.dumps(blocks), cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER, str(path)],
+        input=json.dumps(blocks),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, (
-        f"examples of {page} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
+        f"examples of {page} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -301,8 +322,7 @@ def test_doctest_blocks_are_fenced():
     ext = _griffe_extension()
     text = "Intro::\n\n    code\n\n>>> x = 1  # doctest: +SKIP\n>>> x + 1\n2\n\nAfter.\n\n```python\n>>> kept\n```"
     out = ext.literal_markers(ext.fence_doctests(text))
-    assert out == ("Intro:\n\n    code\n\n```pycon\n>>> x = 1\n>>> x + 1\n2\n```\n\nAfter.\n\n"
-                   "```python\n>>> kept\n```")
+    assert out == ("Intro:\n\n    code\n\n```pycon\n>>> x = 1\n>>> x + 1\n2\n```\n\nAfter.\n\n```python\n>>> kept\n```")
     assert ext.fence_doctests(out) == out  # idempotent
 
 
@@ -314,8 +334,7 @@ def test_sphinx_roles_become_optional_autorefs():
     module.set_member("Thing", griffe.Class("Thing"))
     func = griffe.Function("f")
     module.set_member("f", func)
-    out = ext.convert_roles("See :class:`Thing`, :func:`~pkg.sub.g` and :meth:`x <Thing.run>`; "
-                            ":class:`Nowhere`.", func)
+    out = ext.convert_roles("See :class:`Thing`, :func:`~pkg.sub.g` and :meth:`x <Thing.run>`; :class:`Nowhere`.", func)
     assert out == (
         'See <autoref identifier="pkg.Thing" optional><code>Thing</code></autoref>, '
         '<autoref identifier="pkg.sub.g" optional><code>g</code></autoref> and '

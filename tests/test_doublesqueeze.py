@@ -6,17 +6,18 @@ to float32 rounding. Stochastic compressors are checked through an identity
 that holds for every draw: nothing is lost (error feedback on both passes).
 """
 
-import functools
-
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings, strategies as st
-from jax.sharding import NamedSharding, PartitionSpec as P
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
 from jaxcomm.comm import MeshAxis, use
@@ -31,8 +32,7 @@ def grads(num_workers, steps, seed=0):
     """g[t]: per-worker gradient trees stacked on a leading worker axis (float32)."""
     rng = np.random.default_rng(seed)
     return [
-        {k: rng.standard_normal((num_workers, *s)).astype(np.float32) for k, s in SHAPES.items()}
-        for _ in range(steps)
+        {k: rng.standard_normal((num_workers, *s)).astype(np.float32) for k, s in SHAPES.items()} for _ in range(steps)
     ]
 
 
@@ -41,7 +41,7 @@ def init_stacked(tx, n):
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), tx.init(zeros))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def squeeze(server="replicated", server_compressor=None):
     """doublesqueeze(scaled_sign()) on axis "i", built once per configuration (compiled steps are reused)."""
     sc = None if server_compressor is None else jc.compressors.make(server_compressor)
@@ -51,7 +51,7 @@ def squeeze(server="replicated", server_compressor=None):
 TRACES = {}  # tx -> number of times its vmapped step was traced
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vmapped_step(tx):
     def step(g, s):
         TRACES[tx] = TRACES.get(tx, 0) + 1
@@ -86,7 +86,7 @@ def chunked(Q, n):
         c = -(-d // n)
         padded = np.zeros(n * c)
         padded[:d] = v.ravel()
-        return np.concatenate([Q(padded[j * c:(j + 1) * c]) for j in range(n)])[:d].reshape(v.shape)
+        return np.concatenate([Q(padded[j * c : (j + 1) * c]) for j in range(n)])[:d].reshape(v.shape)
 
     return apply
 
@@ -130,8 +130,8 @@ def check_against_numpy(outs, state, g_all, Q, Q_server, sharded, worker_feedbac
             c = -(-d.size // n)
             for i in range(n):
                 owned = np.zeros(n * c, bool)
-                owned[i * c:(i + 1) * c] = True
-                owned = owned[:d.size].reshape(d.shape)
+                owned[i * c : (i + 1) * c] = True
+                owned = owned[: d.size].reshape(d.shape)
                 assert not np.any(server[i][~owned])
             np.testing.assert_allclose(server.sum(0), d, rtol=2e-5, atol=2e-5)
         else:
@@ -164,8 +164,10 @@ def test_none_equals_sgd(server):
     ref = {k: v.astype(np.float64) for k, v in x0.items()}
     for _ in range(steps):
         x, s = step(x, s, A, b)
-        g = {"x": np.mean([A[i] @ ref["x"] - b[i] for i in range(n)], 0),
-             "y": np.mean([2.0 * ref["y"] - b[i, :3] for i in range(n)], 0)}
+        g = {
+            "x": np.mean([A[i] @ ref["x"] - b[i] for i in range(n)], 0),
+            "y": np.mean([2.0 * ref["y"] - b[i, :3] for i in range(n)], 0),
+        }
         ref = {k: ref[k] - lr * g[k] for k in ref}
         for k in ref:
             np.testing.assert_allclose(np.asarray(x[k]), np.broadcast_to(ref[k], x[k].shape), rtol=1e-5, atol=1e-5)
@@ -212,17 +214,16 @@ COMPRESSORS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tx(name, server):
     return doublesqueeze(COMPRESSORS[name](), axis_name="i", server=server)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stochastic_step():
     """One compiled step running DoubleSqueeze with QSGD (replicated) and TernGrad (sharded)."""
     txs = (_tx("qsgd", "replicated"), _tx("terngrad", "sharded"))
-    return txs, jax.jit(jax.vmap(lambda g, s: tuple(zip(*[t.update(g, si) for t, si in zip(txs, s)])),
-                                 axis_name="i"))
+    return txs, jax.jit(jax.vmap(lambda g, s: tuple(zip(*[t.update(g, si) for t, si in zip(txs, s)])), axis_name="i"))
 
 
 @settings(max_examples=3)
@@ -253,8 +254,7 @@ def test_nothing_lost(seed):
             worker_error = np.asarray(state.worker.memory[k], np.float64).mean(0)
             total = sum(g[k].astype(np.float64).mean(0) for g in g_all)
             # float32 rounding of O(10) sums of O(1) terms
-            np.testing.assert_allclose(sent + server_error + worker_error, total,
-                                       atol=3e-5 * (1 + np.abs(total).max()))
+            np.testing.assert_allclose(sent + server_error + worker_error, total, atol=3e-5 * (1 + np.abs(total).max()))
 
 
 # --------------------------------------------------------------------------- #
@@ -267,7 +267,8 @@ def test_qsgd_no_feedback_support():
     g = np.random.default_rng(5).standard_normal(9).astype(np.float32)
     tx = qsgd_no_feedback(levels=1, axis_name="i")
     out, _ = jax.jit(jax.vmap(lambda x, s: tx.update(x, s), axis_name="i"))(
-        jnp.broadcast_to(g, (n, 9)), init_stacked_single(tx, n, 9))
+        jnp.broadcast_to(g, (n, 9)), init_stacked_single(tx, n, 9)
+    )
     counts = np.asarray(out)[0] * n / np.linalg.norm(g) * np.sign(g)
     np.testing.assert_allclose(counts, np.round(counts), atol=1e-4)
     assert counts.min() > -1e-4 and counts.max() < n + 1e-4
@@ -282,7 +283,9 @@ def test_topk_no_feedback_matches_numpy():
     n, ratio = 4, 0.25
     g = np.random.default_rng(6).standard_normal((n, 16)).astype(np.float32)
     tx = topk_no_feedback(ratio, axis_name="i")
-    out, state = jax.jit(jax.vmap(lambda x, s: tx.update(x, s), axis_name="i"))(jnp.asarray(g), init_stacked_single(tx, n, 16))
+    out, state = jax.jit(jax.vmap(lambda x, s: tx.update(x, s), axis_name="i"))(
+        jnp.asarray(g), init_stacked_single(tx, n, 16)
+    )
     k = 4
     ref = np.zeros(16)
     for i in range(n):
@@ -337,10 +340,17 @@ class RecordingComm:
         def method(self, *args, **kwargs):
             self.calls.append(name)
             return getattr(self.inner, name)(*args, **kwargs)
+
         return method
 
     sum, mean, all_gather, broadcast, permute, varying = (
-        _fwd("sum"), _fwd("mean"), _fwd("all_gather"), _fwd("broadcast"), _fwd("permute"), _fwd("varying"))
+        _fwd("sum"),
+        _fwd("mean"),
+        _fwd("all_gather"),
+        _fwd("broadcast"),
+        _fwd("permute"),
+        _fwd("varying"),
+    )
 
 
 def test_any_communicator():
@@ -354,7 +364,7 @@ def test_any_communicator():
     ):
         comm = RecordingComm("i")
         tx = doublesqueeze(scaled_sign(), comm=comm, server=server)
-        out, _ = jax.eval_shape(jax.vmap(lambda g, s: tx.update(g, s), axis_name="i"), g_all[0], state)
+        out, _ = jax.eval_shape(jax.vmap(tx.update, axis_name="i"), g_all[0], state)
         assert comm.calls == expected
         assert jax.tree.map(lambda x: x.shape, out) == {k: (n, *s) for k, s in SHAPES.items()}
     # the ambient communicator of jaxcomm.comm.use(...), as the trainer installs it: same numbers
@@ -428,7 +438,7 @@ def test_mismatched_trees(server):
 # --------------------------------------------------------------------------- #
 # The scaled 1-bit compressor itself
 # --------------------------------------------------------------------------- #
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scaled_sign_roundtrip():
     c = scaled_sign()
     return jax.jit(lambda x: (c.decompress(c.compress(x)[0]), jc.wire_bits(c.compress(x)[0])))
@@ -438,7 +448,7 @@ def _scaled_sign_roundtrip():
 @given(st.lists(st.floats(-1e30, 1e30, width=64), min_size=37, max_size=37), st.integers(-40, 30))
 def test_scaled_sign_closed_form(values, exponent):
     # Q(x) = ||x||/sqrt(d) * sign(x) with sign(0) = +1; ||Q(x)|| = ||x||, also for tiny and huge entries.
-    x = np.clip(np.asarray(values, np.float64) * 10.0 ** exponent, -3e38, 3e38)
+    x = np.clip(np.asarray(values, np.float64) * 10.0**exponent, -3e38, 3e38)
     # XLA on CPU flushes subnormals to zero; keep every entry normal (or exactly zero) in float32.
     x = np.where(np.abs(x) < 1e-30, 0.0, x).astype(np.float32)
     y, bits = _scaled_sign_roundtrip()(jnp.asarray(x))

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcomm import topology as T
 from jaxcomm.algorithms import (
@@ -16,6 +17,8 @@ from jaxcomm.algorithms import (
     replicate,
     simulate_decentralized,
 )
+
+pytestmark = pytest.mark.strict_promotion
 
 N = 8
 LR = 0.1
@@ -57,7 +60,7 @@ def _run(alg, a, b, x0, n, steps, mesh=None):
 
     step = jax.jit(per_worker(one, mesh=mesh))
     if mesh is not None:
-        put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))  # noqa: E731
+        put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))
         params, state, a, b = put(params), put(state), put(a), put(b)
     for _ in range(steps):
         params, state = step(params, state, a, b)
@@ -68,9 +71,19 @@ def _as_matrix(params):
     return np.concatenate([np.asarray(params["w"]), np.asarray(params["c"])[:, None]], axis=1)
 
 
-RANDOM_GRAPH = np.array([[0, 1, 1, 0, 0, 0, 0, 1], [1, 0, 1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 1, 0, 0, 0],
-                         [0, 1, 0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 1, 0], [0, 0, 0, 1, 0, 0, 1, 1],
-                         [0, 0, 0, 0, 1, 1, 0, 1], [1, 0, 0, 0, 0, 1, 1, 0]], dtype=bool)
+RANDOM_GRAPH = np.array(
+    [
+        [0, 1, 1, 0, 0, 0, 0, 1],
+        [1, 0, 1, 1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 0],
+        [0, 1, 0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 0, 0, 1, 0],
+        [0, 0, 0, 1, 0, 0, 1, 1],
+        [0, 0, 0, 0, 1, 1, 0, 1],
+        [1, 0, 0, 0, 0, 1, 1, 0],
+    ],
+    dtype=bool,
+)
 
 
 def _metropolis(adj):
@@ -103,16 +116,26 @@ def test_simulation_loop_runs_dpsgd_like_numpy():
         return _loss(p, ai, bi), (model_state, {"c": p["c"]})
 
     batches = iter([(a, b)] * STEPS)
-    run = simulate_decentralized(dpsgd(topo, LR, axis_name="w"), loss_fn, jax.tree.map(jnp.asarray, x0), {},
-                                 batches, STEPS, num_workers=N, key=jax.random.key(0), axis_name="w",
-                                 record=lambda p, s: s.step)
-    np.testing.assert_allclose(_as_matrix(run["params"]), _numpy_dpsgd(topo.weights, a, b, x0, STEPS, LR),
-                               rtol=2e-5, atol=2e-5)
+    run = simulate_decentralized(
+        dpsgd(topo, LR, axis_name="w"),
+        loss_fn,
+        jax.tree.map(jnp.asarray, x0),
+        {},
+        batches,
+        STEPS,
+        num_workers=N,
+        key=jax.random.key(0),
+        axis_name="w",
+        record=lambda p, s: s.step,
+    )
+    np.testing.assert_allclose(
+        _as_matrix(run["params"]), _numpy_dpsgd(topo.weights, a, b, x0, STEPS, LR), rtol=2e-5, atol=2e-5
+    )
     assert run["loss"].shape == (STEPS, N) and run["metrics"]["c"].shape == (STEPS, N)
     np.testing.assert_array_equal(run["records"], np.tile(np.arange(1, STEPS + 1)[:, None], (1, N)))
     # Round 0's loss is every worker's at x0.
     r0 = np.einsum("nij,j->ni", a, x0["w"]) + x0["c"] - b
-    np.testing.assert_allclose(run["loss"][0], 0.5 * (r0 ** 2).sum(1), rtol=1e-5)
+    np.testing.assert_allclose(run["loss"][0], 0.5 * (r0**2).sum(1), rtol=1e-5)
     assert [e["round"] for e in run["history"]] == [STEPS]
     with pytest.raises(TypeError, match="batches"):
         simulate_decentralized(dpsgd(topo, LR, axis_name="w"), loss_fn, x0, {}, [(a, b)], 1, num_workers=N, key=0)
@@ -130,8 +153,7 @@ def test_dpsgd_on_mesh_equals_vmap_and_preserves_the_average():
     r = np.einsum("nij,nj->ni", a, x[:, :-1]) + x[:, -1:] - b
     g = np.concatenate([np.einsum("nij,ni->nj", a, r), r.sum(1, keepdims=True)], axis=1)
     avg = average_model(on_vmap)
-    np.testing.assert_allclose(np.concatenate([avg["w"], [avg["c"]]]), x.mean(0) - LR * g.mean(0), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.concatenate([avg["w"], [avg["c"]]]), x.mean(0) - LR * g.mean(0), rtol=1e-5, atol=1e-5)
 
 
 def test_consensus_distance_contracts_by_the_spectral_gap():

@@ -13,6 +13,8 @@ import pytest
 
 from jaxcomm.experiments import get_experiment
 
+pytestmark = pytest.mark.strict_promotion
+
 pytest.importorskip("mpi4py")
 
 
@@ -75,8 +77,11 @@ def test_hyperplane_smoke(tmp_path):
     assert sv["sync"]["staleness"]["fresh_fraction"] == 1.0 and sv["sync"]["staleness"]["max_staleness"] == 0
     assert sv["solo"]["staleness"]["mean_staleness"] > sv["majority"]["staleness"]["mean_staleness"] > 0
     # Simulated time: solo rounds end at the first arrival, sync ones at the last.
-    assert sv["solo"]["history"][-1]["sim_time_s"] < sv["majority"]["history"][-1]["sim_time_s"] \
+    assert (
+        sv["solo"]["history"][-1]["sim_time_s"]
+        < sv["majority"]["history"][-1]["sim_time_s"]
         < sv["sync"]["history"][-1]["sim_time_s"]
+    )
 
 
 def test_severe_learning_rate_schedules():
@@ -92,8 +97,9 @@ def test_severe_learning_rate_schedules():
     assert np.allclose(at(cos, [0, 50, 100]), [0.05, 0.025, 0.0], atol=1e-7)
     # 2 warm-up epochs of 10 rounds: 0 at round 0, half at 10, the full rate at 20; then the schedule.
     warm = {"severe_lr": 0.05, "severe_warmup_epochs": 2}
-    assert np.allclose(at(severe_learning_rate(warm, 8, 10), [0, 10, 20, 50, 80]), [0, 0.025, 0.05, 0.05, 0.05],
-                       atol=1e-7)
+    assert np.allclose(
+        at(severe_learning_rate(warm, 8, 10), [0, 10, 20, 50, 80]), [0, 0.025, 0.05, 0.05, 0.05], atol=1e-7
+    )
     warm_cos = severe_learning_rate(dict(warm, severe_lr_schedule="cosine"), 8, 10)
     assert np.allclose(at(warm_cos, [0, 10, 20, 50, 80]), [0, 0.025, 0.05, 0.025, 0.0], atol=1e-7)
     with pytest.raises(ValueError, match="severe_lr_schedule"):

@@ -60,8 +60,11 @@ def reference(config, grads, key=0):
         times = times.astype(f32)
         sync = config.mode == "sync" or (config.sync_every and (t + 1) % config.sync_every == 0)
         arrive = times if config.clock == "reset" else ready + times
-        trig = arrive.max() if sync else {"solo": arrive.min(), "majority": arrive[init], "sync": arrive.max()}[
-            config.mode]
+        trig = (
+            arrive.max()
+            if sync
+            else {"solo": arrive.min(), "majority": arrive[init], "sync": arrive.max()}[config.mode]
+        )
         active = arrive <= trig
         if config.clock == "reset":
             contrib = buffer + active[:, None] * grads[:, t]
@@ -102,7 +105,7 @@ CONFIGS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def config_for(mode, clock, model, sync_every=0, max_lag=4):
     # Levels 8, 16, 24, 32 ms are exact in binary: arrival ties are exact in both float widths.
     imb = im.RandomDelay(4, 1, 30.0, base_ms=10.0) if model == "random" else im.RotatingSkew(4, 8.0, 32.0)
@@ -127,7 +130,7 @@ def test_exactly_once_identical_and_matches_reference(mode, clock, model):
         fresh = counts[t].reshape(p, t_steps)[:, t].astype(bool)
         np.testing.assert_array_equal(fresh, active[:, t])
         assert nap[0, t] == fresh.sum() >= 1
-        assert not counts[t].reshape(p, t_steps)[:, t + 1:].any()  # nothing from the future
+        assert not counts[t].reshape(p, t_steps)[:, t + 1 :].any()  # nothing from the future
     # Same numbers as the NumPy reference of the protocol.
     ref_mean, ref_nap, ref_active, ref_clock = reference(config, grads)
     np.testing.assert_allclose(mean[0], ref_mean, atol=1e-6)
@@ -202,8 +205,9 @@ def test_linear_skew_nap_and_clock_closed_forms():
     np.testing.assert_allclose(out["sync"][3][0, -1], t_steps * float(p))
     nap = out["majority"][1][0]
     assert abs(nap.mean() - (p + 1) / 2) < 4 * np.sqrt((p * p - 1) / (12 * t_steps))
-    inits = np.array([int(es.round_draws(es.EagerSGDConfig("majority", skew), jax.random.key(3), t)[1])
-                      for t in range(20)])
+    inits = np.array(
+        [int(es.round_draws(es.EagerSGDConfig("majority", skew), jax.random.key(3), t)[1]) for t in range(20)]
+    )
     np.testing.assert_array_equal(nap[:20], inits + 1)
     # Majority's round takes the initiator's time: (initiator + 1) ms.
     np.testing.assert_allclose(out["majority"][3][0, -1], nap.sum(), rtol=1e-6)
@@ -313,14 +317,27 @@ def test_simulate_training_tiny_mlp():
 
     skew = im.RotatingSkew(4, 50.0, 400.0)
     seen = []
-    r = es.simulate_training(TinyMLP(nnx.Rngs(0)), loss_fn, x, y, mode="majority", imbalance=skew,
-                             batch_per_worker=16, epochs=2, optimizer=optax.sgd(0.1), key=0,
-                             clock="carry", eval_fn=evaluate, progress=True, on_eval=seen.append)
+    r = es.simulate_training(
+        TinyMLP(nnx.Rngs(0)),
+        loss_fn,
+        x,
+        y,
+        mode="majority",
+        imbalance=skew,
+        batch_per_worker=16,
+        epochs=2,
+        optimizer=optax.sgd(0.1),
+        key=0,
+        clock="carry",
+        eval_fn=evaluate,
+        progress=True,
+        on_eval=seen.append,
+    )
     assert seen == r["history"]  # every entry, as soon as it was made
     assert r["steps_per_epoch"] == 8 and len(r["nap"]) == 16 and len(r["history"]) == 2
     assert r["history"][-1]["acc"] > 0.9  # well-separated clusters
     assert r["loss"][-1] < r["loss"][0]
-    assert 1 <= min(r["nap"]) and max(r["nap"]) <= 4
+    assert min(r["nap"]) >= 1 and max(r["nap"]) <= 4
     # Synchronous SGD would take 16 rounds x 400 ms (the slowest worker every round);
     # majority waits for a random initiator only.
     assert r["history"][-1]["sim_time_s"] < 16 * 0.4
@@ -361,8 +378,11 @@ def test_flush_delivers_the_rest():
         (lambda: es.EagerSGDConfig("solo", im.LinearSkew(2), comm_ms=-1.0), ValueError, "comm_ms"),
         (lambda: es.EagerSGDConfig("solo", im.LinearSkew(2), max_lag=0), ValueError, "max_lag"),
         (lambda: es.EagerSGDConfig("solo", im.LinearSkew(2), sync_every=-2), ValueError, "sync_every"),
-        (lambda: es.init_eager_state(jnp.zeros(2), es.EagerSGDConfig("solo", im.LinearSkew(2)), "seed"),
-         TypeError, "key"),
+        (
+            lambda: es.init_eager_state(jnp.zeros(2), es.EagerSGDConfig("solo", im.LinearSkew(2)), "seed"),
+            TypeError,
+            "key",
+        ),
     ],
 )
 def test_bad_input(build, error, match):

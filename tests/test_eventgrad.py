@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcomm import topology as T
 from jaxcomm.algorithms import (
@@ -19,6 +20,8 @@ from jaxcomm.algorithms import (
     topk_count,
     trigger,
 )
+
+pytestmark = pytest.mark.strict_promotion
 
 N = 4
 LR = 0.05
@@ -34,8 +37,9 @@ def _run_trigger(rule, horizon):
     state = init_trigger(2)
     fires, checks, thresholds = [], [], []
     for k, norm in enumerate(NORMS):
-        fire, check, state = trigger(jnp.float32(norm), state, k, horizon=horizon, forced_iterations=1,
-                                     threshold_rule=rule)
+        fire, check, state = trigger(
+            jnp.float32(norm), state, k, horizon=horizon, forced_iterations=1, threshold_rule=rule
+        )
         fires.append(bool(fire))
         checks.append(float(check))
         thresholds.append(float(state.threshold))
@@ -63,8 +67,8 @@ def test_threshold_code_rule_matches_hand_computed_sequence():
     # k=6: check .15625; 1.45 fires; slope 1.45 -> delta .7625.
     fires, checks, thresholds = _run_trigger("code", 0.5)
     assert fires == [True, True, False, True, False, True, True]
-    np.testing.assert_allclose(checks, [0, .25, .375, .1875, .2625, .13125, .15625], rtol=1e-6)
-    np.testing.assert_allclose(thresholds, [.5, .75, .375, .525, .2625, .3125, .7625], rtol=1e-6)
+    np.testing.assert_allclose(checks, [0, 0.25, 0.375, 0.1875, 0.2625, 0.13125, 0.15625], rtol=1e-6)
+    np.testing.assert_allclose(thresholds, [0.5, 0.75, 0.375, 0.525, 0.2625, 0.3125, 0.7625], rtol=1e-6)
 
 
 def test_rules_agree_at_horizon_one():
@@ -79,8 +83,10 @@ def _problem(n=N, seed=0):
     rng = np.random.default_rng(seed)
     a = jnp.asarray(rng.standard_normal((n, 8, 6)), jnp.float32)
     b = jnp.asarray(rng.standard_normal((n, 8)), jnp.float32)
-    x0 = {"w": jnp.asarray(rng.standard_normal((6, 3)), jnp.float32),
-          "v": jnp.asarray(rng.standard_normal((3,)), jnp.float32)}
+    x0 = {
+        "w": jnp.asarray(rng.standard_normal((6, 3)), jnp.float32),
+        "v": jnp.asarray(rng.standard_normal((3,)), jnp.float32),
+    }
     return a, b, x0
 
 
@@ -98,7 +104,7 @@ def _trajectory(alg, steps, n=N, seed=0, record=False, mesh=None):
 
     step = jax.jit(per_worker(one, mesh=mesh))
     if mesh is not None:
-        put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))  # noqa: E731
+        put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))
         params, state, a, b = put(params), put(state), put(a), put(b)
     history = []
     for _ in range(steps):
@@ -112,8 +118,9 @@ def _trajectory(alg, steps, n=N, seed=0, record=False, mesh=None):
 def test_zero_horizon_is_dpsgd_exactly(rule):
     steps = 6
     ref, _, _ = _trajectory(dpsgd(T.ring(N), LR, axis_name="data"), steps)
-    got, state, _ = _trajectory(eventgrad(T.ring(N), LR, horizon=0.0, forced_iterations=0, threshold_rule=rule,
-                                          axis_name="data"), steps)
+    got, state, _ = _trajectory(
+        eventgrad(T.ring(N), LR, horizon=0.0, forced_iterations=0, threshold_rule=rule, axis_name="data"), steps
+    )
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     stats = communication_stats(state, T.ring(N))
@@ -129,7 +136,7 @@ def test_eq5_mixing_with_last_received_copies_and_message_count():
     a, b, _ = _problem()
     grad = jax.vmap(jax.grad(_loss))
     names = ["v", "w"]  # jax.tree.leaves order of the dict
-    copies = {k: None for k in names}  # copies[k][i] = what i's neighbours hold of worker i
+    copies = dict.fromkeys(names)  # copies[k][i] = what i's neighbours hold of worker i
     fired_total = 0
     for t, (p, _) in enumerate(hist):
         nxt = hist[t + 1][1] if t + 1 < steps else state
@@ -147,8 +154,9 @@ def test_eq5_mixing_with_last_received_copies_and_message_count():
             got = np.asarray(hist[t + 1][0][k] if t + 1 < steps else params[k])
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
         # The trigger saw ||x|| of the un-mixed parameters.
-        np.testing.assert_allclose(np.asarray(nxt.norm["w"]),
-                                   np.linalg.norm(np.asarray(p["w"]).reshape(N, -1), axis=1), rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(nxt.norm["w"]), np.linalg.norm(np.asarray(p["w"]).reshape(N, -1), axis=1), rtol=1e-6
+        )
     stats = alg.stats(state)
     assert fired_total == stats["events"] == sum(int(np.sum(e)) for e in jax.tree.leaves(state.events))
     assert stats["messages"] == 2 * fired_total  # +2 per tensor event on a ring
@@ -178,8 +186,7 @@ def test_topk_receivers_hold_the_senders_mirror_and_count_2k():
 
 def test_topk_of_everything_at_zero_horizon_is_dpsgd():
     ref, _, _ = _trajectory(dpsgd(T.ring(N), LR, axis_name="data"), 4)
-    got, _, _ = _trajectory(eventgrad(T.ring(N), LR, horizon=0.0, forced_iterations=0, topk=1.0,
-                                      axis_name="data"), 4)
+    got, _, _ = _trajectory(eventgrad(T.ring(N), LR, horizon=0.0, forced_iterations=0, topk=1.0, axis_name="data"), 4)
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from mpirun import run_mpi
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"

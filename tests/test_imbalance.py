@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 import jaxcomm.imbalance as im
 
+pytestmark = pytest.mark.strict_promotion
+
 KEY = jax.random.key(0)
 
 

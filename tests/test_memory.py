@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxcomm as jc
 from jaxcomm import memory as mem
@@ -40,8 +41,9 @@ def topk(k: int) -> Compressor:
         d = int(np.prod(p.shape))
         return jnp.zeros((d,), p.dtype).at[p.indices].set(p.values).reshape(p.shape)
 
-    return Compressor.create(name="toy_topk", compress=compress, decompress=decompress, unbiased=False,
-                             strategy="allgather")
+    return Compressor.create(
+        name="toy_topk", compress=compress, decompress=decompress, unbiased=False, strategy="allgather"
+    )
 
 
 def topk_np(x, k):
@@ -215,8 +217,7 @@ def _ef_run(scale, seed):
         return (s1, s2, add(sent1, u1), add(sent2, u2), add(total, g)), None
 
     z = jax.tree.map(jnp.zeros_like, params)
-    (s1, s2, sent1, sent2, total), _ = jax.lax.scan(
-        body, (tx.init(params), tx2.init(params), z, z, z), jnp.arange(50))
+    (s1, s2, sent1, sent2, total), _ = jax.lax.scan(body, (tx.init(params), tx2.init(params), z, z, z), jnp.arange(50))
     return sent1, s1.memory, sent2, s2.memory, total
 
 
@@ -247,8 +248,10 @@ def test_error_feedback_without_memory_is_the_compressor_itself():
     np.testing.assert_array_equal(np.asarray(s1.key), np.asarray(s2.key))
     assert s1.memory == {"a": (), "b": ()}
     # wire bits: qsgd's exact payload bits, per leaf
-    exact = [jc.wire_bits(jax.eval_shape(lambda x: c.compress(x, jax.random.PRNGKey(0))[0], params[k]))
-             for k in sorted(params)]
+    exact = [
+        jc.wire_bits(jax.eval_shape(lambda x: c.compress(x, jax.random.PRNGKey(0))[0], params[k]))
+        for k in sorted(params)
+    ]
     np.testing.assert_array_equal(np.asarray(s1.wire_bits), exact)
 
 

@@ -9,6 +9,8 @@ checks run jitted, one compilation each.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,9 +22,11 @@ from hypothesis import strategies as st
 
 import jaxcomm.models as jm
 
+pytestmark = pytest.mark.strict_promotion
+
 
 def _mlp_count(sizes):
-    return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+    return sum(a * b + b for a, b in itertools.pairwise(sizes))
 
 
 def _lstm_lm_count(v, e, h, layers):
@@ -248,9 +252,11 @@ def test_sgd_steps_reduce_loss(name, request):
     model = request.getfixturevalue(build) if isinstance(build, str) else build()
     kx, ky, kd = jax.random.split(jax.random.key(42), 3)
     x = jax.random.randint(kx, shape, 0, 12) if name == "char_lstm" else jax.random.uniform(kx, shape)
-    y = {"int10": lambda: jax.random.randint(ky, shape[:1], 0, 10),
-         "int12": lambda: jax.random.randint(ky, shape, 0, 12),
-         "real": lambda: jax.random.normal(ky, shape[:1])}[target]()
+    y = {
+        "int10": lambda: jax.random.randint(ky, shape[:1], 0, 10),
+        "int12": lambda: jax.random.randint(ky, shape, 0, 12),
+        "real": lambda: jax.random.normal(ky, shape[:1]),
+    }[target]()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(p, key, deterministic):

@@ -90,13 +90,9 @@ def test_parse_time_and_size():
 
 def test_link_settings_checks_each_option():
     s = netem.link_settings("200mbit", "0.1ms", "256kb", 1500)
-    assert s == netem.LinkSettings(
-        bandwidth_bps=2e8, latency_s=pytest.approx(1e-4), burst_bytes=262144, mtu=1500
-    )
-    with pytest.raises(netem.NetemError, match="--burst.*65550"):
-        netem.link_settings(
-            "1gbit", burst="32kb"
-        )  # tbf cannot pass a 64 KiB loopback packet
+    assert s == netem.LinkSettings(bandwidth_bps=2e8, latency_s=pytest.approx(1e-4), burst_bytes=262144, mtu=1500)
+    with pytest.raises(netem.NetemError, match=r"--burst.*65550"):
+        netem.link_settings("1gbit", burst="32kb")  # tbf cannot pass a 64 KiB loopback packet
     with pytest.raises(netem.NetemError, match="--mtu"):
         netem.link_settings(mtu=100000)
     with pytest.raises(netem.NetemError, match="-n"):
@@ -153,9 +149,7 @@ def test_parse_qdisc_stats_json_and_text():
         "qdisc tbf 10: parent 1:1 rate 200Mbit burst 256Kb lat 400ms\n"
         " Sent 99 bytes 1 pkt (dropped 0, overlimits 0 requeues 0)\n"
     )
-    assert netem.parse_qdisc_stats(text) == netem.LinkCounters(
-        12605906, 326, 0, "netem"
-    )
+    assert netem.parse_qdisc_stats(text) == netem.LinkCounters(12605906, 326, 0, "netem")
     with pytest.raises(ValueError, match="no root qdisc"):
         netem.parse_qdisc_stats("[]")
 
@@ -174,22 +168,17 @@ def test_missing_requirements_names_what_is_needed():
     for need in ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "'ip'", "'tc'"):
         assert need in text
     everything = (1 << 12) | (1 << 21)
-    assert (
-        netem.missing_requirements(
-            capabilities=everything, which=lambda tool: f"/usr/sbin/{tool}"
-        )
-        == []
-    )
-    assert netem.missing_requirements(
-        capabilities=everything, which=lambda t: None if t == "tc" else t
-    ) == ["the 'tc' command of iproute2 on PATH (apt-get install iproute2)"]
+    assert netem.missing_requirements(capabilities=everything, which=lambda tool: f"/usr/sbin/{tool}") == []
+    assert netem.missing_requirements(capabilities=everything, which=lambda t: None if t == "tc" else t) == [
+        "the 'tc' command of iproute2 on PATH (apt-get install iproute2)"
+    ]
     assert "Linux" in netem.missing_requirements(platform="darwin")[0]
 
 
 def test_unprivileged_launch_fails_before_starting(tmp_path):
     marker = tmp_path / "ran"
     unprivileged = lambda: netem.missing_requirements(capabilities=0)
-    with pytest.raises(netem.NetemUnavailable, match="CAP_NET_ADMIN.*Run as root"):
+    with pytest.raises(netem.NetemUnavailable, match=r"CAP_NET_ADMIN.*Run as root"):
         netem.launch(
             2,
             [sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
@@ -199,9 +188,7 @@ def test_unprivileged_launch_fails_before_starting(tmp_path):
 
 
 def test_cli_reports_missing_privileges(monkeypatch, capsys):
-    monkeypatch.setattr(
-        netem, "missing_requirements", lambda: ["root or CAP_NET_ADMIN (to configure)"]
-    )
+    monkeypatch.setattr(netem, "missing_requirements", lambda: ["root or CAP_NET_ADMIN (to configure)"])
     assert cli.main(["launch", "-n", "2", "--bandwidth", "100mbit", "--", "true"]) == 2
     assert "CAP_NET_ADMIN" in capsys.readouterr().err
     assert cli.main(["launch", "-n", "2", "--bandwidth", "100", "--", "true"]) == 2
@@ -226,11 +213,7 @@ def _can_make_namespaces() -> str | None:
                 ["sh", "-c", "ip link set lo up && tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 400ms"],
                 preexec_fn=netem._enter_private_netns, capture_output=True, text=True, timeout=30, check=False,
             )  # fmt: skip
-            _CAN = (
-                ""
-                if proc.returncode == 0
-                else f"cannot shape a private loopback here: {proc.stderr.strip()}"
-            )
+            _CAN = "" if proc.returncode == 0 else f"cannot shape a private loopback here: {proc.stderr.strip()}"
     return _CAN or None
 
 
@@ -279,7 +262,7 @@ def _run_collective(tmp_path, n, op, payload, via_cli=False):
         assert rc == 0
         total = json.loads(report.read_text())
     else:
-        res, proc = netem.launch(
+        res = netem.launch(
             n,
             cmd,
             bandwidth="400mbit",
@@ -288,7 +271,7 @@ def _run_collective(tmp_path, n, op, payload, via_cli=False):
             capture_output=True,
             cwd=ROOT,
         )
-        assert res.returncode == 0, proc.stderr[-3000:]
+        assert res.returncode == 0, (res.stderr or "")[-3000:]
         total = res.to_json()
     return json.loads(out.read_text()), total
 
@@ -304,13 +287,9 @@ def _run_collective(tmp_path, n, op, payload, via_cli=False):
     ],
 )
 def test_collective_bytes_match_formula(namespaces, tmp_path, n, op, payload):
-    via_cli = (
-        op == "all_gather" and n == 4
-    )  # one case through `jaxcomm launch --report`
+    via_cli = op == "all_gather" and n == 4  # one case through `jaxcomm launch --report`
     w, total = _run_collective(tmp_path, n, op, payload, via_cli=via_cli)
-    assert (
-        w["n"] == n and w["payload_bytes"] == payload and w["window"]["qdisc"] == "tbf"
-    )
+    assert w["n"] == n and w["payload_bytes"] == payload and w["window"]["qdisc"] == "tbf"
     win, bar = w["window"], w["barriers"]
     assert win["drops"] == 0 and bar["drops"] == 0
     if op == "sum":
@@ -320,16 +299,10 @@ def test_collective_bytes_match_formula(namespaces, tmp_path, n, op, payload):
         formula = netem.all_gather_bytes(n, payload)
         bound = _protocol_bound(n * (n - 1), payload)
     hdr = netem.HEADER_BYTES
-    payload_sent = (win["bytes"] - hdr * win["packets"]) - (
-        bar["bytes"] - hdr * bar["packets"]
-    )
+    payload_sent = (win["bytes"] - hdr * win["packets"]) - (bar["bytes"] - hdr * bar["packets"])
     assert formula <= payload_sent <= formula + bound, (payload_sent, formula, bound, w)
     # The job's total: the measured op and its warm-up call each sent at least the formula.
-    assert (
-        total["bytes"] >= 2 * formula
-        and total["drops"] == 0
-        and total["returncode"] == 0
-    )
+    assert total["bytes"] >= 2 * formula and total["drops"] == 0 and total["returncode"] == 0
     assert total["settings"]["bandwidth_bps"] == 4e8 and total["qdisc"] == "tbf"
 
 
@@ -344,9 +317,7 @@ def test_job_that_never_starts_mpi_sends_nothing(namespaces):
 @pytest.mark.mpi
 def test_timeout_ends_every_process(namespaces):
     marker = f"netem-{uuid.uuid4().hex}"
-    res = netem.launch(
-        2, [sys.executable, "-c", "import time; time.sleep(120)", marker], timeout=3
-    )
+    res = netem.launch(2, [sys.executable, "-c", "import time; time.sleep(120)", marker], timeout=3)
     assert res.timed_out and res.returncode == -9
     alive = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -5,13 +5,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings, strategies as st
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcomm.comm import MeshAxis, all_gather_packed
 
-DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.uint8, jnp.int16, jnp.uint16, jnp.int32,
-          jnp.uint32, jnp.bool_]
+pytestmark = pytest.mark.strict_promotion
+
+DTYPES = [
+    jnp.float32,
+    jnp.bfloat16,
+    jnp.float16,
+    jnp.int8,
+    jnp.uint8,
+    jnp.int16,
+    jnp.uint16,
+    jnp.int32,
+    jnp.uint32,
+    jnp.bool_,
+]
 
 
 def _leaf(rng, dtype, shape):
@@ -27,9 +42,15 @@ def _leaf(rng, dtype, shape):
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(range(len(DTYPES))),
-                          st.lists(st.integers(0, 5), min_size=0, max_size=3)), min_size=1, max_size=6),
-       st.integers(1, 4), st.integers(0, 2**31 - 1))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(range(len(DTYPES))), st.lists(st.integers(0, 5), min_size=0, max_size=3)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 4),
+    st.integers(0, 2**31 - 1),
+)
 def test_equals_per_leaf_all_gather(spec, n, seed):
     """Any mix of dtypes and shapes (scalars, empty arrays): the packed gather equals jax's per-leaf one."""
     rng = np.random.default_rng(seed)
@@ -40,8 +61,10 @@ def test_equals_per_leaf_all_gather(spec, n, seed):
     assert jax.tree.structure(packed) == jax.tree.structure(plain)
     for a, b in zip(packed, plain):
         assert a.dtype == b.dtype and a.shape == b.shape == (n, n, *b.shape[2:])
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype != jnp.bool_ else np.asarray(a),
-                                      np.asarray(b).view(np.uint8) if b.dtype != jnp.bool_ else np.asarray(b))
+        np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint8) if a.dtype != jnp.bool_ else np.asarray(a),
+            np.asarray(b).view(np.uint8) if b.dtype != jnp.bool_ else np.asarray(b),
+        )
 
 
 def test_one_collective_inside_shard_map_and_keys_apart():
@@ -58,7 +81,7 @@ def test_one_collective_inside_shard_map_and_keys_apart():
     f = jax.jit(jax.shard_map(worker, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
     x = jax.device_put(jnp.arange(n * 6, dtype=jnp.float32).reshape(n, 6) - 7.0, NamedSharding(mesh, P("data")))
     hlo = f.lower(x).as_text()
-    assert hlo.count("stablehlo.all_gather\"") + hlo.count("stablehlo.all_gather(") == 1, hlo
+    assert hlo.count('stablehlo.all_gather"') + hlo.count("stablehlo.all_gather(") == 1, hlo
     out = f(x)
     xs = np.asarray(x)
     for w in range(n):  # every worker holds every worker's leaves, in worker order
@@ -68,6 +91,7 @@ def test_one_collective_inside_shard_map_and_keys_apart():
         np.testing.assert_array_equal(np.asarray(out["s"][w]), xs.sum(axis=1))
 
     keys = jax.vmap(lambda k, v: all_gather_packed(MeshAxis("i"), (k, v)), axis_name="i")(
-        jax.random.split(jax.random.key(0), 3), jnp.arange(3.0))
+        jax.random.split(jax.random.key(0), 3), jnp.arange(3.0)
+    )
     assert jax.dtypes.issubdtype(keys[0].dtype, jax.dtypes.prng_key) and keys[0].shape == (3, 3)
     np.testing.assert_array_equal(np.asarray(keys[1]), np.tile(np.arange(3.0), (3, 1)))

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from mpirun import ROOT, mpirun_env, mpirun_path, run_mpi
 
 pytest.importorskip("mpi4py")
-import jaxcomm.comm._partial_mpi as pm  # noqa: E402
+import jaxcomm.comm._partial_mpi as pm
+
 SCRIPTS = Path(__file__).resolve().parent / "mpi_scripts"
 
 
@@ -42,7 +42,7 @@ def check_exactly_once(ranks: list, size: int, steps: int) -> None:
     for t in range(steps):
         fresh = codes[t, :, t].astype(bool)
         np.testing.assert_array_equal(fresh, mask[t])  # safety (2): the bits say what is in it
-        assert not codes[t, :, t + 1:].any()  # nothing from the future
+        assert not codes[t, :, t + 1 :].any()  # nothing from the future
         for i, r in enumerate(ranks):
             assert bool(r["included"][t]) == bool(mask[t, i])
             assert int(r["nap"][t]) == int(mask[t].sum())
@@ -52,7 +52,7 @@ def check_exactly_once(ranks: list, size: int, steps: int) -> None:
         if mode == "sync" or (sync_every and (t + 1) % sync_every == 0):
             assert mask[t].all()
             # A synchronous round flushes: nothing produced up to t is left for later rounds.
-            assert codes[t + 1:, :, : t + 1].sum() == 0
+            assert codes[t + 1 :, :, : t + 1].sum() == 0
     if sync_every:
         rounds, _, made = np.nonzero(codes)
         assert np.all(rounds - made <= sync_every - 1)  # staleness bound (4)
@@ -72,8 +72,17 @@ def test_exactly_once_and_identical_under_random_delays(tmp_path, size, steps):
 
 def run_failure(tmp_path: Path, scenario: str, size: int = 4, timeout_s: float = 2.0) -> list:
     env = mpirun_env()
-    cmd = [mpirun_path(), "-n", str(size), "--oversubscribe", sys.executable, str(SCRIPTS / "eager_failure.py"),
-           str(tmp_path), scenario, str(timeout_s)]
+    cmd = [
+        mpirun_path(),
+        "-n",
+        str(size),
+        "--oversubscribe",
+        sys.executable,
+        str(SCRIPTS / "eager_failure.py"),
+        str(tmp_path),
+        scenario,
+        str(timeout_s),
+    ]
     # Backstop: the job must end by itself well before this; a hang fails the test, never the suite.
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90, cwd=ROOT)
     assert proc.returncode != 0  # the survivors exit with status 3 and mpirun ends the job
@@ -161,6 +170,5 @@ def test_bad_arguments(kwargs, error, match):
 
 
 def test_wrong_shape_is_rejected():
-    with pm.PartialAllreduce(4, np.float32, timeout=10.0) as pa:
-        with pytest.raises(ValueError, match="shape"):
-            pa(np.zeros(5, np.float32))
+    with pm.PartialAllreduce(4, np.float32, timeout=10.0) as pa, pytest.raises(ValueError, match="shape"):
+        pa(np.zeros(5, np.float32))

@@ -14,8 +14,10 @@ import pytest
 
 import jaxcomm as jc
 from jaxcomm.comm import MeshAxis
-from jaxcomm.transforms import run_rounds
 from jaxcomm.compressors import _lowrank as L
+from jaxcomm.transforms import run_rounds
+
+pytestmark = pytest.mark.strict_promotion
 
 KEY = jax.random.PRNGKey(0)
 
@@ -126,8 +128,9 @@ def test_compress_allreduce_under_vmap_is_the_compression_of_the_sum():
 def test_small_and_1d_arrays_are_sent_uncompressed():
     c = jc.compressors.powersgd(matrix_approximation_rank=2)
     comm = MeshAxis("w")
-    allreduce = jax.jit(jax.vmap(lambda v: c.decompress(run_rounds(c, v, KEY, c.init_state(v), comm)[0]),
-                                 axis_name="w"))
+    allreduce = jax.jit(
+        jax.vmap(lambda v: c.decompress(run_rounds(c, v, KEY, c.init_state(v), comm)[0]), axis_name="w")
+    )
     for shape in [(7,), (2, 3, 4)]:  # rank < 2, or (n + m) r * 2 >= n m  (6 x 4: 40 >= 24)
         x = jax.random.normal(KEY, (3,) + shape)
         assert L.powersgd_plan(shape, 2, 2.0) is None
@@ -160,12 +163,18 @@ def test_dtype_rank_alias_and_nonfinite_recovery():
     assert rel_err(y, m) < 1e-5
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(rank=0), "rank"), (dict(matrix_approximation_rank=0), "matrix_approximation_rank"),
-    (dict(rank=2, matrix_approximation_rank=3), "alias"), (dict(rank=2, min_compression_rate=0.0), "min_compression_rate"),
-    (dict(rank=2, orthogonalization_epsilon=-1.0), "orthogonalization_epsilon"),
-    (dict(rank=2, min_compression_rate=float("inf")), "min_compression_rate"), (dict(rank=2, warm_start=1), "warm_start"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(rank=0), "rank"),
+        (dict(matrix_approximation_rank=0), "matrix_approximation_rank"),
+        (dict(rank=2, matrix_approximation_rank=3), "alias"),
+        (dict(rank=2, min_compression_rate=0.0), "min_compression_rate"),
+        (dict(rank=2, orthogonalization_epsilon=-1.0), "orthogonalization_epsilon"),
+        (dict(rank=2, min_compression_rate=float("inf")), "min_compression_rate"),
+        (dict(rank=2, warm_start=1), "warm_start"),
+    ],
+)
 def test_bad_hyperparameters(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         jc.compressors.powersgd(**kwargs)

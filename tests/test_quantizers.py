@@ -41,12 +41,12 @@ SCALE_BASED = {"eightbit", "onebit", "efsignsgd", "qsgd", "terngrad", "sketchml"
 SHAPES = ((), (7,), (33, 17))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make(name, **kwargs):
     return jc.compressors.make(name, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jitted(name, kw_items=()):
     """One jit-compiled round trip per (compressor, hyper-parameters); shapes retrace."""
     c = make(name, **dict(kw_items))
@@ -353,8 +353,13 @@ def test_qsgd_decode_equals_dequantize(levels):
         return jnp.where(jnp.isfinite(norm), y, jnp.nan)
 
     for norm in (0.0, 1e-38, 1e-30, 3.5, 3e38, np.inf, np.nan):
-        p = jc.compressors.payloads.QSGDPayload(codes=bitpack.pack_codes(codes, width), norm=jnp.float32(norm), levels=levels,
-                          shape=(codes.size,), dtype=jnp.float32)
+        p = jc.compressors.payloads.QSGDPayload(
+            codes=bitpack.pack_codes(codes, width),
+            norm=jnp.float32(norm),
+            levels=levels,
+            shape=(codes.size,),
+            dtype=jnp.float32,
+        )
         got, want = np.asarray(c.decompress(p)), np.asarray(reference(jnp.float32(norm)))
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=str(norm))
         if 1e-37 < norm < 1e38:  # and NumPy's sign * level * (norm / s), to an ulp (XLA:CPU flushes subnormals)
@@ -474,10 +479,10 @@ def test_nonfinite_behaviour(name):
             assert y[3] == (-np.inf if bad == -np.inf else np.inf)  # NaN -> +Inf (its sign bit)
             assert np.all(np.isfinite(y[rest]))
         elif name == "clipping":
-            assert (np.isnan(y[3]) if np.isnan(bad) else y[3] == bad)  # canonical NaN kept for bits >= 1
+            assert np.isnan(y[3]) if np.isnan(bad) else y[3] == bad  # canonical NaN kept for bits >= 1
             assert np.all(np.isfinite(y[rest]))
         elif name == "inceptionn":
-            assert (np.isnan(y[3]) if np.isnan(bad) else y[3] == bad)  # sent raw
+            assert np.isnan(y[3]) if np.isnan(bad) else y[3] == bad  # sent raw
             assert np.all(np.abs(y[rest] - xb[rest]) < 0.01)
         else:
             raise AssertionError(name)

@@ -14,11 +14,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import jaxcomm as jc
 from jaxcomm import memory as mem
 from jaxcomm.transforms import compressed_mean, doublesqueeze
+
+pytestmark = pytest.mark.strict_promotion
 
 WIRE = {"none": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 
@@ -69,8 +72,9 @@ def test_fp16_moves_half_the_bytes_of_float32_with_float32_sums():
     out, state = jax.vmap(tx.update, axis_name="i")({"w": jnp.asarray(xs)}, stacked(tx.init({"w": jnp.zeros(d)}), n))
     np.testing.assert_array_equal(np.asarray(out["w"]), np.float32(np.float16(30000.0)))
     dense = compressed_mean(jc.compressors.none(), "i", strategy="reduce_scatter")
-    _, dense_state = jax.vmap(dense.update, axis_name="i")({"w": jnp.asarray(xs)},
-                                                           stacked(dense.init({"w": jnp.zeros(d)}), n))
+    _, dense_state = jax.vmap(dense.update, axis_name="i")(
+        {"w": jnp.asarray(xs)}, stacked(dense.init({"w": jnp.zeros(d)}), n)
+    )
     assert 2 * int(state.wire_bits[0].sum()) == int(dense_state.wire_bits[0].sum())
 
 

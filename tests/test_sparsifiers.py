@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxcomm as jc
-from jaxcomm.compressors import _hybrid as H
 from jaxcomm.compressors import _random_sparsification as RS
 from jaxcomm.compressors import _randomk as RK
 from jaxcomm.compressors import _sparse as SP
@@ -49,8 +48,7 @@ def mc_mean_var(c, x, n, seed):
     """Sample mean and variance of Q(x) over n keys; lax.map compiles one round trip (vmap would batch the
     selection's lax.conds into selects, a bigger program)."""
     keys = jax.random.split(jax.random.PRNGKey(seed), n)
-    ys = np.asarray(jax.jit(lambda ks: jax.lax.map(lambda k: c.decompress(c.compress(x, k)[0]), ks))(keys),
-                    np.float64)
+    ys = np.asarray(jax.jit(lambda ks: jax.lax.map(lambda k: c.decompress(c.compress(x, k)[0]), ks))(keys), np.float64)
     return ys.mean(0), ys.var(0, ddof=1)
 
 
@@ -61,8 +59,17 @@ def compress_fn(c):
 # --------------------------------------------------------------------------- #
 # Compaction and exact selection (private helpers every sparsifier uses)
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize("n,cap,density", [(1, 1, 1.0), (33, 40, 0.5), (1000, 10, 0.3), (100_000, 5_000, 0.03),
-                                           (100_000, 90_000, 0.01), (100_000, 90_000, 0.5)])
+@pytest.mark.parametrize(
+    "n,cap,density",
+    [
+        (1, 1, 1.0),
+        (33, 40, 0.5),
+        (1000, 10, 0.3),
+        (100_000, 5_000, 0.03),
+        (100_000, 90_000, 0.01),
+        (100_000, 90_000, 0.5),
+    ],
+)
 def test_compact_matches_nonzero(n, cap, density):
     mask = np.random.RandomState(n).rand(n) < density
     pos, total = jax.jit(S.compact, static_argnums=1)(jnp.asarray(mask), cap)
@@ -70,13 +77,15 @@ def test_compact_matches_nonzero(n, cap, density):
     pos = np.asarray(pos)
     assert int(total) == mask.sum()
     np.testing.assert_array_equal(pos[: len(expected)], expected)
-    assert (pos[len(expected):] == 0).all()
+    assert (pos[len(expected) :] == 0).all()
 
 
 # One compiled selection per margin, with a traced k <= kmax = 80 (d = 8192 takes the sampled path).
 _D, _KMAX = 8192, 80
-_select = jax.jit(lambda x, kt, margin=5.0: S.top_indices(x, _KMAX, KEY, k=kt, margin=margin,
-                                                          keys_of=S.magnitude_keys), static_argnames=("margin",))
+_select = jax.jit(
+    lambda x, kt, margin=5.0: S.top_indices(x, _KMAX, KEY, k=kt, margin=margin, keys_of=S.magnitude_keys),
+    static_argnames=("margin",),
+)
 
 
 def test_top_indices_every_path_is_exact():
@@ -84,8 +93,11 @@ def test_top_indices_every_path_is_exact():
     normal = rs.randn(_D).astype(np.float32)
     sparse = np.zeros(_D, np.float32)  # 50 non-zeros: the k-th largest is a tie at 0
     sparse[rs.choice(_D, 50, replace=False)] = rs.randn(50)
-    cases = [(normal, {}, S.PATH_SAMPLED), (sparse, {}, S.PATH_TIES),
-             (normal, {"margin": -40.0}, S.PATH_FULL)]  # a margin far below 0: the bracket misses, exact fallback
+    cases = [
+        (normal, {}, S.PATH_SAMPLED),
+        (sparse, {}, S.PATH_TIES),
+        (normal, {"margin": -40.0}, S.PATH_FULL),
+    ]  # a margin far below 0: the bracket misses, exact fallback
     for x, kw, path in cases:
         idx, took = _select(jnp.asarray(x), _KMAX, **kw)
         assert int(took) == path
@@ -107,8 +119,9 @@ _TOPK_RT = {r: roundtrip_fn(jc.compressors.topk(ratio=r)) for r in (0.01, 0.1, 0
 
 
 @settings(max_examples=8)
-@given(d=st.sampled_from([1, 5, 64, 700, 3000]), ratio=st.sampled_from([0.01, 0.1, 0.5, 1.0]),
-       seed=st.integers(0, 2**16))
+@given(
+    d=st.sampled_from([1, 5, 64, 700, 3000]), ratio=st.sampled_from([0.01, 0.1, 0.5, 1.0]), seed=st.integers(0, 2**16)
+)
 def test_topk_matches_numpy(d, ratio, seed):
     x = np.random.RandomState(seed).randn(d).astype(np.float32)
     k = SP.num_selected(ratio, d)
@@ -147,8 +160,11 @@ def test_topk_nan_counts_as_largest():
 
 
 def test_topk_payload_and_wire_bits():
-    for ratio, shape, dtype, ib in ((0.1, (200,), jnp.float32, 8), (1.0, (300, 300), jnp.float32, 32),
-                                    (0.1, (700,), jnp.bfloat16, 16)):
+    for ratio, shape, dtype, ib in (
+        (0.1, (200,), jnp.float32, 8),
+        (1.0, (300, 300), jnp.float32, 32),
+        (0.1, (700,), jnp.bfloat16, 16),
+    ):
         c = jc.compressors.topk(ratio=ratio)
         x = jax.random.normal(KEY, shape).astype(dtype)
         p = compress_fn(c)(x, KEY)
@@ -180,8 +196,7 @@ def test_randomk_large_tensor_and_shared_key():
     @jax.jit
     def run(x1, x2, key):  # one program: the three decompressions share the key, hence the positions
         p1, p2 = c.compress(x1, key)[0], c.compress(x2, key)[0]
-        summed = p1.__class__(values=p1.values + p2.values, key=p1.key, shape=p1.shape, dtype=p1.dtype,
-                              scale=p1.scale)
+        summed = p1.__class__(values=p1.values + p2.values, key=p1.key, shape=p1.shape, dtype=p1.dtype, scale=p1.scale)
         return p1, c.decompress(p1), c.decompress(p2), c.decompress(summed)
 
     p1, y1, y2, ysum = (np.asarray(a) if i else a for i, a in enumerate(run(x1, x2, jax.random.PRNGKey(9))))
@@ -393,17 +408,29 @@ def test_qsparse_is_qsgd_of_topk():
 # --------------------------------------------------------------------------- #
 # Bad input
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize("factory,kwargs,match", [
-    ("topk", dict(ratio=0.0), "ratio"), ("topk", dict(ratio=1.5), "ratio"), ("topk", dict(ratio=float("nan")), "ratio"),
-    ("randomk", dict(ratio=-0.1), "ratio"), ("randomk", dict(ratio=0.1, unbiased="yes"), "unbiased"),
-    ("threshold", dict(v=float("nan")), "v"), ("threshold", dict(v=float("inf")), "v"), ("threshold", dict(v=-1.0), "v"),
-    ("threshold", dict(v=1.0, max_ratio=0.0), "max_ratio"),
-    ("dgc", dict(ratio=2.0), "ratio"), ("dgc", dict(ratio=0.1, sample_ratio=0.0), "sample_ratio"),
-    ("dgc", dict(ratio=0.1, upper_bound=0.9), "upper_bound"), ("dgc", dict(ratio=0.1, lower_bound=1.0), "lower_bound"),
-    ("adaptive", dict(ratio=0.0), "ratio"),
-    ("random_sparsification", dict(p=0.0), "p"), ("random_sparsification", dict(p=1.2), "p"),
-    ("qsparse", dict(ratio=0.1, levels=0), "levels"), ("qsparse", dict(ratio=1.1, levels=4), "ratio"),
-])
+@pytest.mark.parametrize(
+    "factory,kwargs,match",
+    [
+        ("topk", dict(ratio=0.0), "ratio"),
+        ("topk", dict(ratio=1.5), "ratio"),
+        ("topk", dict(ratio=float("nan")), "ratio"),
+        ("randomk", dict(ratio=-0.1), "ratio"),
+        ("randomk", dict(ratio=0.1, unbiased="yes"), "unbiased"),
+        ("threshold", dict(v=float("nan")), "v"),
+        ("threshold", dict(v=float("inf")), "v"),
+        ("threshold", dict(v=-1.0), "v"),
+        ("threshold", dict(v=1.0, max_ratio=0.0), "max_ratio"),
+        ("dgc", dict(ratio=2.0), "ratio"),
+        ("dgc", dict(ratio=0.1, sample_ratio=0.0), "sample_ratio"),
+        ("dgc", dict(ratio=0.1, upper_bound=0.9), "upper_bound"),
+        ("dgc", dict(ratio=0.1, lower_bound=1.0), "lower_bound"),
+        ("adaptive", dict(ratio=0.0), "ratio"),
+        ("random_sparsification", dict(p=0.0), "p"),
+        ("random_sparsification", dict(p=1.2), "p"),
+        ("qsparse", dict(ratio=0.1, levels=0), "levels"),
+        ("qsparse", dict(ratio=1.1, levels=4), "ratio"),
+    ],
+)
 def test_bad_hyperparameters(factory, kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         jc.compressors.make(factory, **kwargs)

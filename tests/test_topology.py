@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from jaxcomm import topology as T
 
+pytestmark = pytest.mark.strict_promotion
+
 
 def _mix_by_permutations(t, x):
     """What the collectives compute: W_ii x_i + sum_k receive_weights[k, i] x_{src_k(i)}."""
@@ -55,8 +57,16 @@ def test_small_rings():
 
 @pytest.mark.parametrize(
     "t, degree",
-    [(T.torus(4, 4), 4), (T.torus(3, 5), 4), (T.torus(2, 4), 3), (T.exponential(8), 5),
-     (T.exponential(16), 7), (T.exponential(6), 4), (T.complete(5), 4), (T.ring(7), 2)],
+    [
+        (T.torus(4, 4), 4),
+        (T.torus(3, 5), 4),
+        (T.torus(2, 4), 3),
+        (T.exponential(8), 5),
+        (T.exponential(16), 7),
+        (T.exponential(6), 4),
+        (T.complete(5), 4),
+        (T.ring(7), 2),
+    ],
     ids=lambda v: repr(v) if not isinstance(v, int) else str(v),
 )
 def test_named_topologies_are_valid_and_permutations_reproduce_w(t, degree):

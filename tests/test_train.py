@@ -13,15 +13,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from mpirun import ROOT, run_mpi
 
 import jaxcomm as jc
 from jaxcomm import data, models
 from jaxcomm.train import CheckpointError, NonFiniteLossError, Trainer, make_mesh, split_model
 
-from mpirun import ROOT, run_mpi
-
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import digits_job  # noqa: E402
+import digits_job
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -36,9 +35,16 @@ def _digits_run(tmp=None, steps=6, stop=None, compressor="qsgd", hidden=32, shar
         batches = data.WorkerBatches(data.split_iid(ds, 4, jax.random.PRNGKey(0)), 64, jax.random.PRNGKey(1))
     else:
         batches = data.WorkerBatches(shards, 64, jax.random.PRNGKey(1), shuffle=False)
-    state, history = trainer.fit(trainer.init_state(), batches, stop or steps, checkpoint_dir=tmp,
-                                 checkpoint_every=every, metadata={"hidden": hidden}, resume=resume,
-                                 progress=False)
+    state, history = trainer.fit(
+        trainer.init_state(),
+        batches,
+        stop or steps,
+        checkpoint_dir=tmp,
+        checkpoint_every=every,
+        metadata={"hidden": hidden},
+        resume=resume,
+        progress=False,
+    )
     return trainer, state, history
 
 
@@ -68,7 +74,7 @@ def test_resume_is_bit_identical(tmp_path):
 
 def test_mismatched_checkpoint_is_an_error(tmp_path):
     _digits_run(tmp_path, steps=3)
-    with pytest.raises(CheckpointError, match="does not match|different configuration"):
+    with pytest.raises(CheckpointError, match=r"does not match|different configuration"):
         _digits_run(tmp_path, steps=6, hidden=16)
 
 
@@ -86,8 +92,10 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     images = np.array(ds.images)
     images[4 * 16 : 5 * 16] = np.nan  # worker 0 reads rows 64..79 of its shard at step 5
     shard = len(ds.labels) // 4
-    shards = [data.Dataset(images[w * shard : (w + 1) * shard], ds.labels[w * shard : (w + 1) * shard],
-                           ds.num_classes) for w in range(4)]
+    shards = [
+        data.Dataset(images[w * shard : (w + 1) * shard], ds.labels[w * shard : (w + 1) * shard], ds.num_classes)
+        for w in range(4)
+    ]
     with pytest.raises(NonFiniteLossError, match="step 5"):
         _digits_run(tmp_path, steps=8, shards=shards, every=2)
     assert jc.train.latest_step(tmp_path) == 4
@@ -156,7 +164,7 @@ def test_batch_not_divisible_by_workers():
 
 
 def test_missing_dataset_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="jaxcomm.data.fetch|does not exist|not found"):
+    with pytest.raises(FileNotFoundError, match=r"jaxcomm.data.fetch|does not exist|not found"):
         data.load_mnist(tmp_path / "nowhere")
 
 
@@ -169,9 +177,12 @@ def _free_port():
 def _compare(reference, path, exact):
     leaves, losses, bits = reference
     got = np.load(path)
-    check = np.testing.assert_array_equal if exact else (
+    check = (
+        np.testing.assert_array_equal
+        if exact
         # MPI_Allreduce and XLA's all-reduce sum in different orders: float32 rounding only.
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5))
+        else (lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5))
+    )
     for i, leaf in enumerate(leaves):
         check(leaf, got[f"arr_{i}"])
     check(losses, got["loss"])
@@ -184,9 +195,21 @@ def test_jax_distributed_two_processes_match_one(tmp_path):
     env.pop("XLA_FLAGS", None)
     port = _free_port()
     procs = [
-        subprocess.Popen([sys.executable, str(SCRIPTS / "train_distributed.py"), str(i), "2", str(port), "4",
-                          str(tmp_path / "d.npz")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(SCRIPTS / "train_distributed.py"),
+                str(i),
+                "2",
+                str(port),
+                "4",
+                str(tmp_path / "d.npz"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for i in range(2)
     ]
     reference = digits_job.run(8)
@@ -215,14 +238,27 @@ def test_simulate_loop_rounds_inputs_history_and_errors():
         return mine, {"t": t, "mean": mine[0]}
 
     seen = []
-    total, res = simulate(step, jnp.zeros(3), 6, rounds_per_call=2, eval_every=2, on_eval=seen.append,
-                          summary=lambda calls, out: {"calls": calls, "last": float(out["mean"][-1])},
-                          eval_fn=lambda s: {"sum": jnp.sum(s)})
+    total, res = simulate(
+        step,
+        jnp.zeros(3),
+        6,
+        rounds_per_call=2,
+        eval_every=2,
+        on_eval=seen.append,
+        summary=lambda calls, out: {"calls": calls, "last": float(out["mean"][-1])},
+        eval_fn=lambda s: {"sum": jnp.sum(s)},
+    )
     expected = np.cumsum(1.0 + np.arange(6))  # the mean of i + t over i = 0, 1, 2 is 1 + t
     np.testing.assert_array_equal(res.outputs["t"], np.arange(6))
     np.testing.assert_allclose(res.outputs["mean"], expected)
-    assert seen == res.history == [{"calls": 2, "last": expected[3], "sum": 3 * expected[3]},
-                                   {"calls": 3, "last": expected[5], "sum": 3 * expected[5]}]
+    assert (
+        seen
+        == res.history
+        == [
+            {"calls": 2, "last": expected[3], "sum": 3 * expected[3]},
+            {"calls": 3, "last": expected[5], "sum": 3 * expected[5]},
+        ]
+    )
     np.testing.assert_allclose(total, np.full(3, expected[-1]))
     assert res.wall_s >= res.first_call_s > 0
 

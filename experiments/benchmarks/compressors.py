@@ -49,17 +49,19 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jaxcomm as jc  # noqa: E402
+import jaxcomm as jc
 
-try:  # noqa: E402
+try:
     from tqdm import tqdm
 except ImportError:  # pragma: no cover - tqdm is a project dependency
+
     def tqdm(it, **_):
         return it
+
 
 DEFAULT_SIZES = (262_144, 2_621_440, 26_214_400)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compressors.json"
@@ -113,10 +115,16 @@ def time_interleaved(fn, args, ref, ref_args, repeats: int):
             jax.block_until_ready(f(*a))
             w.append(time.perf_counter() - t0)
             c.append(time.process_time() - c0)
-    med = lambda v: float(np.median(v))  # noqa: E731
-    return dict(median_s=med(walls), ref_median_s=med(ref_walls), ratio=med(walls) / med(ref_walls),
-                cpu_s=med(cpus), ref_cpu_s=med(ref_cpus), cpu_ratio=med(cpus) / max(med(ref_cpus), 1e-9),
-                runs_s=[float(v) for v in walls])
+    med = lambda v: float(np.median(v))
+    return dict(
+        median_s=med(walls),
+        ref_median_s=med(ref_walls),
+        ratio=med(walls) / med(ref_walls),
+        cpu_s=med(cpus),
+        ref_cpu_s=med(ref_cpus),
+        cpu_ratio=med(cpus) / max(med(ref_cpus), 1e-9),
+        runs_s=[float(v) for v in walls],
+    )
 
 
 def wire_bits_of(c, x, key) -> int:
@@ -148,8 +156,9 @@ def bench_powersgd_matrix(repeats: int, ref, shape=POWERSGD_MATRIX) -> list[dict
     for r in POWERSGD_RANKS:
         c = jc.compressors.powersgd(matrix_approximation_rank=r)
         fn = roundtrip_fn(c)
-        row = dict(name="powersgd", kwargs=dict(matrix_approximation_rank=r), shape=list(shape),
-                   size=int(np.prod(shape)))
+        row = dict(
+            name="powersgd", kwargs=dict(matrix_approximation_rank=r), shape=list(shape), size=int(np.prod(shape))
+        )
         row.update(time_interleaved(fn, (x, jax.random.PRNGKey(1)), ref, (x,), repeats))
         row["wire_bits"] = wire_bits_of(c, x, jax.random.PRNGKey(1))
         rows.append(row)
@@ -158,8 +167,18 @@ def bench_powersgd_matrix(repeats: int, ref, shape=POWERSGD_MATRIX) -> list[dict
 
 def run_worker(job: str, sizes, repeats: int, shape=POWERSGD_MATRIX) -> list[dict]:
     """Run one compressor (or the PowerSGD matrix job) in a subprocess; a crash becomes an error row."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", job, "--sizes", ",".join(map(str, sizes)),
-           "--repeats", str(repeats), "--powersgd-shape", "x".join(map(str, shape))]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        job,
+        "--sizes",
+        ",".join(map(str, sizes)),
+        "--repeats",
+        str(repeats),
+        "--powersgd-shape",
+        "x".join(map(str, shape)),
+    ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -168,17 +187,24 @@ def run_worker(job: str, sizes, repeats: int, shape=POWERSGD_MATRIX) -> list[dic
             return json.loads(line[5:])
     err = f"subprocess exited with {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] if proc.stderr else ''}"
     if job == "powersgd-matrix":
-        return [dict(name="powersgd", kwargs=dict(matrix_approximation_rank=r), shape=list(shape), error=err)
-                for r in POWERSGD_RANKS]
+        return [
+            dict(name="powersgd", kwargs=dict(matrix_approximation_rank=r), shape=list(shape), error=err)
+            for r in POWERSGD_RANKS
+        ]
     return [dict(name=job, kwargs=KWARGS.get(job, {}), size=d, error=err) for d in sizes]
 
 
 def machine_info() -> dict:
     return dict(
-        jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", None) or jax.__version__,
-        numpy=np.__version__, python=platform.python_version(), platform=platform.platform(),
-        processor=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
-        devices=[str(dev) for dev in jax.devices()], loadavg=list(os.getloadavg()),
+        jax=jax.__version__,
+        jaxlib=getattr(jax.lib, "__version__", None) or jax.__version__,
+        numpy=np.__version__,
+        python=platform.python_version(),
+        platform=platform.platform(),
+        processor=platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        devices=[str(dev) for dev in jax.devices()],
+        loadavg=list(os.getloadavg()),
     )
 
 
@@ -221,14 +247,23 @@ def evaluate_targets(rows: list[dict], matrix_rows: list[dict], shape=POWERSGD_M
             if r["name"] in names and r.get("size") in TARGET_SIZES:
                 ratio = r.get("ratio", float("inf"))
                 targets[f"{r['name']}@{4 * r['size'] / 2**20:g}MB"] = dict(
-                    group=group, ratio=ratio, cpu_ratio=r.get("cpu_ratio"), limit=limit, met=bool(ratio <= limit),
-                    error=r.get("error"))
+                    group=group,
+                    ratio=ratio,
+                    cpu_ratio=r.get("cpu_ratio"),
+                    limit=limit,
+                    met=bool(ratio <= limit),
+                    error=r.get("error"),
+                )
     for r in matrix_rows:
         ratio = r.get("ratio", float("inf"))
         targets[f"powersgd_r{r['kwargs'].get('matrix_approximation_rank', '?')}@{shape[0]}x{shape[1]}"] = dict(
-            group="powersgd", ratio=ratio, cpu_ratio=r.get("cpu_ratio"), limit=POWERSGD_TARGET,
+            group="powersgd",
+            ratio=ratio,
+            cpu_ratio=r.get("cpu_ratio"),
+            limit=POWERSGD_TARGET,
             met=bool(ratio <= POWERSGD_TARGET),
-            error=r.get("error"))
+            error=r.get("error"),
+        )
     return targets
 
 
@@ -238,8 +273,10 @@ def powersgd_table(matrix_rows: list[dict]) -> str:
     for r in matrix_rows:
         rank = r["kwargs"].get("matrix_approximation_rank", "?")
         if "ratio" in r:
-            lines.append(f"| rank {rank} | {r['ratio']:.1f}x | {r['cpu_ratio']:.1f}x | {1e3 * r['median_s']:.1f} | "
-                         f"{r['wire_bits'] / r['size']:.4f} |")
+            lines.append(
+                f"| rank {rank} | {r['ratio']:.1f}x | {r['cpu_ratio']:.1f}x | {1e3 * r['median_s']:.1f} | "
+                f"{r['wire_bits'] / r['size']:.4f} |"
+            )
         else:
             lines.append(f"| rank {rank} | error: {r['error']} | | | |")
     return "\n".join(lines)
@@ -262,11 +299,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", default="", help="comma-separated compressor names (default: all registered)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output path")
     ap.add_argument("--no-powersgd-matrix", action="store_true", help="skip the 1024x2560 PowerSGD runs")
-    ap.add_argument("--powersgd-shape", default="x".join(map(str, POWERSGD_MATRIX)),
-                    help="matrix shape of the PowerSGD runs, ROWSxCOLS (default 1024x2560)")
+    ap.add_argument(
+        "--powersgd-shape",
+        default="x".join(map(str, POWERSGD_MATRIX)),
+        help="matrix shape of the PowerSGD runs, ROWSxCOLS (default 1024x2560)",
+    )
     ap.add_argument("--in-process", action="store_true", help="run every compressor in this process")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # internal: one compressor, rows to stdout
-    ap.add_argument("--markdown", metavar="JSON", help="print the tables of a results file (wall / CPU ratios) and exit")
+    ap.add_argument(
+        "--markdown", metavar="JSON", help="print the tables of a results file (wall / CPU ratios) and exit"
+    )
     args = ap.parse_args(argv)
     if args.markdown:
         res = json.loads(Path(args.markdown).read_text())
@@ -304,19 +346,31 @@ def main(argv=None) -> dict:
     ref = None if not args.in_process else reference_fn()
     for job in tqdm(jobs, desc=f"compress+decompress x {len(sizes)} sizes", unit="compressor"):
         if args.in_process:
-            got = (bench_powersgd_matrix(args.repeats, ref, shape) if job == "powersgd-matrix" else
-                   [bench_one(job, KWARGS.get(job, {}), d, args.repeats, ref) for d in sizes])
+            got = (
+                bench_powersgd_matrix(args.repeats, ref, shape)
+                if job == "powersgd-matrix"
+                else [bench_one(job, KWARGS.get(job, {}), d, args.repeats, ref) for d in sizes]
+            )
         else:
             got = run_worker(job, sizes, args.repeats, shape)
         (matrix_rows if job == "powersgd-matrix" else rows).extend(got)
     targets = evaluate_targets(rows, matrix_rows, shape)
     result = dict(
-        benchmark="compressors", method="median wall time of jitted decompress(compress(x)) / median of a "
-        "jitted elementwise pass 2x+1 on the same array, interleaved", command=" ".join(sys.argv),
-        machine=machine_info(), sizes=sizes, repeats=args.repeats, kwargs=KWARGS, results=rows,
-        powersgd_matrix=matrix_rows, targets=targets,
-        target_limits={**{g: dict(names=list(n), max_ratio=lim, sizes=list(TARGET_SIZES)) for g, (n, lim) in TARGETS.items()},
-                       "powersgd": dict(shape=list(shape), ranks=list(POWERSGD_RANKS), max_ratio=POWERSGD_TARGET)},
+        benchmark="compressors",
+        method="median wall time of jitted decompress(compress(x)) / median of a "
+        "jitted elementwise pass 2x+1 on the same array, interleaved",
+        command=" ".join(sys.argv),
+        machine=machine_info(),
+        sizes=sizes,
+        repeats=args.repeats,
+        kwargs=KWARGS,
+        results=rows,
+        powersgd_matrix=matrix_rows,
+        targets=targets,
+        target_limits={
+            **{g: dict(names=list(n), max_ratio=lim, sizes=list(TARGET_SIZES)) for g, (n, lim) in TARGETS.items()},
+            "powersgd": dict(shape=list(shape), ranks=list(POWERSGD_RANKS), max_ratio=POWERSGD_TARGET),
+        },
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -326,7 +380,10 @@ def main(argv=None) -> dict:
         print("\n" + powersgd_table(matrix_rows))
     print("\n" + targets_table(targets))
     missed = [k for k, v in targets.items() if not v["met"]]
-    print(f"targets: {len(targets) - len(missed)} met, {len(missed)} missed" + (f" ({', '.join(missed)})" if missed else ""))
+    print(
+        f"targets: {len(targets) - len(missed)} met, {len(missed)} missed"
+        + (f" ({', '.join(missed)})" if missed else "")
+    )
     errors = [r for r in rows if "error" in r]
     for r in errors:
         print(f"error {r['name']}@{r['size']}: {r['error']}")

@@ -115,7 +115,7 @@ def main() -> None:
             params, state = step_fn(t, params, state)
             jax.block_until_ready(params)
             times.append(time.perf_counter() - t0)
-        return params, state, np.asarray(times[args.warmup:])
+        return params, state, np.asarray(times[args.warmup :])
 
     def batch(t):
         return jnp.asarray(xs[t]), jnp.asarray(ys[t]), jax.random.fold_in(jax.random.fold_in(key, t), rank)
@@ -131,8 +131,10 @@ def main() -> None:
     # two-sided: the algorithm's own jitted step with MPIComm (mpi4jax sendrecv)
     for name, alg in (
         ("dpsgd/two-sided", dpsgd(topo, args.lr, comm=mpicomm)),
-        ("eventgrad/two-sided", eventgrad(topo, args.lr, horizon=args.horizon, forced_iterations=args.forced,
-                                          comm=mpicomm)),
+        (
+            "eventgrad/two-sided",
+            eventgrad(topo, args.lr, horizon=args.horizon, forced_iterations=args.forced, comm=mpicomm),
+        ),
     ):
         step = jax.jit(alg.step)
         init = alg.init
@@ -187,26 +189,41 @@ def main() -> None:
         out = {
             "benchmark": "decentralized",
             "command": f"mpirun -n {n} python experiments/benchmarks/decentralized.py "
-                       f"--iterations {args.iterations} --warmup {args.warmup} --batch {args.batch} "
-                       f"--forced {args.forced} --horizon {args.horizon}",
-            "workers": n, "topology": topo.name, "model": "EventGradCNN", "data": source,
-            "parameters": sum(int(x.size) for x in leaves), "tensors": num_tensors,
-            "param_bytes": param_bytes, "iterations": args.iterations, "warmup": args.warmup,
-            "batch_per_worker": args.batch, "forced_iterations": args.forced, "horizon": args.horizon,
-            "host": platform.node(), "cpus": os.cpu_count(),
-            "load_average": list(os.getloadavg()), "mpi": MPI.Get_library_version().splitlines()[0],
-            "results": summary, "per_rank": gathered,
+            f"--iterations {args.iterations} --warmup {args.warmup} --batch {args.batch} "
+            f"--forced {args.forced} --horizon {args.horizon}",
+            "workers": n,
+            "topology": topo.name,
+            "model": "EventGradCNN",
+            "data": source,
+            "parameters": sum(int(x.size) for x in leaves),
+            "tensors": num_tensors,
+            "param_bytes": param_bytes,
+            "iterations": args.iterations,
+            "warmup": args.warmup,
+            "batch_per_worker": args.batch,
+            "forced_iterations": args.forced,
+            "horizon": args.horizon,
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "load_average": list(os.getloadavg()),
+            "mpi": MPI.Get_library_version().splitlines()[0],
+            "results": summary,
+            "per_rank": gathered,
         }
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=2, default=float))
-        print("| variant | s / iteration | exchange s / iter (one-sided) | bytes sent / worker / iter "
-              "| % of D-PSGD messages |")
+        print(
+            "| variant | s / iteration | exchange s / iter (one-sided) | bytes sent / worker / iter "
+            "| % of D-PSGD messages |"
+        )
         print("|---|---|---|---|---|")
         for name, r in summary.items():
             ex = r.get("exchange_seconds_per_iteration")
-            print(f"| {name} | {r['seconds_per_iteration']:.4f} | {'' if ex is None else f'{ex:.4f}'} "
-                  f"| {r['bytes_per_iteration']:.0f} | {r['percent_messages']:.1f} |")
+            print(
+                f"| {name} | {r['seconds_per_iteration']:.4f} | {'' if ex is None else f'{ex:.4f}'} "
+                f"| {r['bytes_per_iteration']:.0f} | {r['percent_messages']:.1f} |"
+            )
         print(f"wrote {path}")
 
 

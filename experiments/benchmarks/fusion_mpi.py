@@ -44,9 +44,23 @@ def launch(args) -> int:
         raise SystemExit("mpirun not found: install the project's 'mpi' extra (pip install -e .[mpi])")
     env = mpirun_env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [mpirun, "-n", str(args.procs), "--oversubscribe", sys.executable, str(Path(__file__).resolve()),
-           "--worker", "--trees", args.trees, "--compressors", args.compressors, "--repeats", str(args.repeats),
-           "--out", str(Path(args.out).resolve())]
+    cmd = [
+        mpirun,
+        "-n",
+        str(args.procs),
+        "--oversubscribe",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--trees",
+        args.trees,
+        "--compressors",
+        args.compressors,
+        "--repeats",
+        str(args.repeats),
+        "--out",
+        str(Path(args.out).resolve()),
+    ]
     return subprocess.run(cmd, env=env, cwd=ROOT).returncode
 
 
@@ -59,10 +73,11 @@ def worker(args) -> None:
     import numpy as np
 
     sys.path.insert(0, str(HERE))
+    from step_overhead import TREES, make_compressor, memory_for
+
     import jaxcomm as jc
     from jaxcomm.comm import MPIComm
     from jaxcomm.transforms import compressed_mean
-    from step_overhead import TREES, make_compressor, memory_for
 
     comm = MPIComm()
     rank, size = comm.rank, comm.size
@@ -71,8 +86,9 @@ def worker(args) -> None:
         tx = compressed_mean(c, comm=comm, memory=memory_for(c.name, "grace"), fuse=fuse)
         rng = np.random.default_rng(0)
         x = {k: (rng.standard_normal(s) * 0.05).astype(np.float32) for k, s in shapes.items()}
-        a = {k: (np.random.default_rng(1 + rank).standard_normal(s) / 0.05).astype(np.float32)
-             for k, s in shapes.items()}
+        a = {
+            k: (np.random.default_rng(1 + rank).standard_normal(s) / 0.05).astype(np.float32) for k, s in shapes.items()
+        }
 
         @jax.jit
         def step(a, x, state):
@@ -90,39 +106,59 @@ def worker(args) -> None:
 
         return call
 
-    out = {"meta": {"benchmark": "fusion_mpi", "processes": size, "devices_per_process": jax.local_device_count(),
-                    "host_cpus": os.cpu_count(),
-                    "platform": platform.platform(), "jax": jax.__version__, "repeats": args.repeats,
-                    "load_average_at_start": list(os.getloadavg()),
-                    "command": "python experiments/benchmarks/fusion_mpi.py " + " ".join(args.argv),
-                    "memory": "GRACE Table I (none for qsgd/sign methods, residual otherwise)"},
-           "trees": {}}
+    out = {
+        "meta": {
+            "benchmark": "fusion_mpi",
+            "processes": size,
+            "devices_per_process": jax.local_device_count(),
+            "host_cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "jax": jax.__version__,
+            "repeats": args.repeats,
+            "load_average_at_start": list(os.getloadavg()),
+            "command": "python experiments/benchmarks/fusion_mpi.py " + " ".join(args.argv),
+            "memory": "GRACE Table I (none for qsgd/sign methods, residual otherwise)",
+        },
+        "trees": {},
+    }
     for tree in [t for t in args.trees.split(",") if t]:
         shapes = TREES[tree]()
         res = {}
         for name in [c for c in args.compressors.split(",") if c]:
             c = make_compressor(name)
-            calls = {"none": runner(jc.compressors.none(), shapes, True),
-                     "fused": runner(c, shapes, True), "unfused": runner(c, shapes, False)}
+            calls = {
+                "none": runner(jc.compressors.none(), shapes, True),
+                "fused": runner(c, shapes, True),
+                "unfused": runner(c, shapes, False),
+            }
             for f in calls.values():  # compile and warm up
                 f(), f()
             times = {k: [] for k in calls}
             order = list(calls)
             for i in range(args.repeats):
-                for k in (order if i % 2 == 0 else order[::-1]):
+                for k in order if i % 2 == 0 else order[::-1]:
                     times[k].append(calls[k]())
             # every rank's step ends at the same collective; take rank 0's clock
             med = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
-            res[name] = {"none_ms": med["none"], "fused_ms": med["fused"], "unfused_ms": med["unfused"],
-                         "fused_ratio": med["fused"] / med["none"], "unfused_ratio": med["unfused"] / med["none"],
-                         "fused_over_unfused_paired": float(np.median(np.asarray(times["fused"]) /
-                                                                      np.asarray(times["unfused"]))),
-                         "steps_ms": {k: [1e3 * t for t in v] for k, v in times.items()}}
+            res[name] = {
+                "none_ms": med["none"],
+                "fused_ms": med["fused"],
+                "unfused_ms": med["unfused"],
+                "fused_ratio": med["fused"] / med["none"],
+                "unfused_ratio": med["unfused"] / med["none"],
+                "fused_over_unfused_paired": float(
+                    np.median(np.asarray(times["fused"]) / np.asarray(times["unfused"]))
+                ),
+                "steps_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
+            }
             if rank == 0:
                 r = res[name]
-                print(f"{tree:9s} {name:8s} none {r['none_ms']:8.1f} ms  fused {r['fused_ms']:8.1f} ms "
-                      f"({r['fused_ratio']:.2f}x)  unfused {r['unfused_ms']:8.1f} ms ({r['unfused_ratio']:.2f}x)  "
-                      f"fused/unfused {r['fused_over_unfused_paired']:.3f}", flush=True)
+                print(
+                    f"{tree:9s} {name:8s} none {r['none_ms']:8.1f} ms  fused {r['fused_ms']:8.1f} ms "
+                    f"({r['fused_ratio']:.2f}x)  unfused {r['unfused_ms']:8.1f} ms ({r['unfused_ratio']:.2f}x)  "
+                    f"fused/unfused {r['fused_over_unfused_paired']:.3f}",
+                    flush=True,
+                )
         out["trees"][tree] = {"num_tensors": len(shapes), "results": res}
     if rank == 0:
         out["meta"]["load_average_at_end"] = list(os.getloadavg())

@@ -78,14 +78,15 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jaxcomm as jc  # noqa: E402
-from jaxcomm import memory as mem  # noqa: E402
-from jaxcomm.transforms import compressed_mean  # noqa: E402
+import jaxcomm as jc
+from jaxcomm import memory as mem
+from jaxcomm.transforms import compressed_mean
 
 # Hyper-parameters for the benchmark (1% density for sparsifiers, GRACE's usual setting).
 KWARGS = {
@@ -163,8 +164,9 @@ def vgg_loss(params, images, labels, pool_after):
     """
     h = images
     for i in range(sum(1 for k in params if k.endswith("_kernel") and k.startswith("conv"))):
-        h = jax.lax.conv_general_dilated(h, params[f"conv{i:02d}_kernel"], (1, 1), "SAME",
-                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        h = jax.lax.conv_general_dilated(
+            h, params[f"conv{i:02d}_kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
         h = jax.nn.relu(h + params[f"conv{i:02d}_bias"])
         if i in pool_after:
             h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
@@ -204,9 +206,15 @@ def topk_floor(ratio: float = 0.01):
         return sp.SparsePayload(values=vals, indices=idx, shape=tuple(np.shape(x)), dtype=x.dtype), state
 
     return jc.compressors.Compressor.create(
-        name="topk_floor", compress=compress, decompress=sp._decompress_sparse,
-        decompress_sum=sp._decompress_sum_sparse, compression_error=sp._error_sparse,
-        unbiased=False, strategy="allgather", params=dict(ratio=ratio))
+        name="topk_floor",
+        compress=compress,
+        decompress=sp._decompress_sparse,
+        decompress_sum=sp._decompress_sum_sparse,
+        compression_error=sp._error_sparse,
+        unbiased=False,
+        strategy="allgather",
+        params=dict(ratio=ratio),
+    )
 
 
 def qsgd_floor(levels: int = 64):
@@ -225,13 +233,19 @@ def qsgd_floor(levels: int = 64):
 
     def compress(x, key, state):
         code = (levels + jnp.sign(jnp.ravel(x))).astype(jnp.int32)
-        payload = qz.QSGDPayload(codes=qz.pack_codes(code, width), norm=jnp.float32(1.0), levels=levels,
-                                 shape=x.shape, dtype=x.dtype)
+        payload = qz.QSGDPayload(
+            codes=qz.pack_codes(code, width), norm=jnp.float32(1.0), levels=levels, shape=x.shape, dtype=x.dtype
+        )
         return payload, state
 
     return jc.compressors.Compressor.create(
-        name="qsgd_floor", compress=compress, decompress=q.decompress, unbiased=False,
-        strategy="allgather", params=dict(levels=levels))
+        name="qsgd_floor",
+        compress=compress,
+        decompress=q.decompress,
+        unbiased=False,
+        strategy="allgather",
+        params=dict(levels=levels),
+    )
 
 
 # Benchmark-only rows, timed like compressors but not in the registry (nor in the default sweep).
@@ -263,8 +277,9 @@ def memory_for(name: str, memory: str = "residual"):
     return mem.residual()
 
 
-def build_step(compressor, n: int, mesh, check_vma: bool = False, memory: str = "residual", pool_after=None,
-               fuse: bool = True):
+def build_step(
+    compressor, n: int, mesh, check_vma: bool = False, memory: str = "residual", pool_after=None, fuse: bool = True
+):
     """The jitted step ``(inputs, x, state) -> (x, state)`` over the mesh's ``"data"`` axis.
 
     ``pool_after=None``: ``inputs = (a,)`` and ``g = a * x`` (no model compute);
@@ -290,8 +305,9 @@ def build_step(compressor, n: int, mesh, check_vma: bool = False, memory: str = 
 class Runner:
     """Holds one compressor's compiled step and its (donated) buffers."""
 
-    def __init__(self, compressor, shapes, n, mesh, check_vma=False, seed=0, memory="residual", batch=0,
-                 model=None, fuse=True):
+    def __init__(
+        self, compressor, shapes, n, mesh, check_vma=False, seed=0, memory="residual", batch=0, model=None, fuse=True
+    ):
         pool_after = None if not batch else MODELS[model][1]
         self.tx, self.memory, self.step = build_step(compressor, n, mesh, check_vma, memory, pool_after, fuse)
         put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))
@@ -299,17 +315,26 @@ class Runner:
         if not batch:
             params = {k: (rng.standard_normal(s) * 0.05).astype(np.float32) for k, s in shapes.items()}
             # a_i ~ N(0, 1)/0.05 per worker and entry: gradients ~ N(0, 1), distinct per worker.
-            self.inputs = put(({k: (rng.standard_normal((n, *s)) / 0.05).astype(np.float32)
-                                for k, s in shapes.items()},))
+            self.inputs = put(
+                ({k: (rng.standard_normal((n, *s)) / 0.05).astype(np.float32) for k, s in shapes.items()},)
+            )
         else:
             # He initialisation (kernels N(0, 2 / fan_in), zero biases), so 13 ReLU layers stay finite;
             # per worker a batch of N(0, 1) CIFAR-shaped images with random labels (the cost of a
             # step does not depend on the pixel values).
-            params = {k: ((rng.standard_normal(s) * np.sqrt(2.0 / np.prod(s[:-1]))) if len(s) > 1
-                          else np.zeros(s)).astype(np.float32) for k, s in shapes.items()}
+            params = {
+                k: ((rng.standard_normal(s) * np.sqrt(2.0 / np.prod(s[:-1]))) if len(s) > 1 else np.zeros(s)).astype(
+                    np.float32
+                )
+                for k, s in shapes.items()
+            }
             hw = MODELS[model][0]
-            self.inputs = put((rng.standard_normal((n, batch, hw, hw, 3)).astype(np.float32),
-                               rng.integers(0, 10, (n, batch)).astype(np.int32)))
+            self.inputs = put(
+                (
+                    rng.standard_normal((n, batch, hw, hw, 3)).astype(np.float32),
+                    rng.integers(0, 10, (n, batch)).astype(np.int32),
+                )
+            )
         stack = lambda t: jax.tree.map(lambda v: np.broadcast_to(np.asarray(v), (n, *np.shape(v))).copy(), t)
         self.x = put(stack(params))
         self.state = put(stack(self.tx.init(params)))
@@ -328,8 +353,9 @@ class Runner:
         return int(np.asarray(self.state.wire_bits[0], np.int64).sum())
 
 
-def measure(tree: str, name: str, repeats: int, check_vma: bool, memory: str = "residual", batch: int = 0,
-            fuse: bool = True) -> dict:
+def measure(
+    tree: str, name: str, repeats: int, check_vma: bool, memory: str = "residual", batch: int = 0, fuse: bool = True
+) -> dict:
     """Time one compressor against none() on one tree (in this process); ``batch > 0``: with the tree's
     network's forward/backward pass on ``batch`` images per worker."""
     n = 8
@@ -382,8 +408,11 @@ def markdown_table(out: dict) -> str:
     """The results as a Markdown table: one row per compressor, ratio and wire bits per tree."""
     trees = list(out["trees"])
     names = sorted({n for t in trees for n in out["trees"][t]["results"]})
-    head = "| compressor | strategy | memory | " + " | ".join(
-        f"{t}: step / none() (paired) | {t}: Mbit/worker/step (x smaller)" for t in trees) + " |"
+    head = (
+        "| compressor | strategy | memory | "
+        + " | ".join(f"{t}: step / none() (paired) | {t}: Mbit/worker/step (x smaller)" for t in trees)
+        + " |"
+    )
     rows = [head, "|" + "---|" * (3 + 2 * len(trees))]
     for name in names:
         cells, meta = [], None
@@ -396,8 +425,10 @@ def markdown_table(out: dict) -> str:
             mark = " **>1.3**" if t == "vgg16" and name in TARGET_NAMES and r["ratio"] > TARGET_RATIO else ""
             paired = paired_ratio(r)
             paired = f" ({paired:.2f}x)" if paired is not None else ""
-            cells += [f"{r['ratio']:.2f}x{paired}{mark}",
-                      f"{r['wire_bits_per_worker'] / 1e6:.3f} (x{r['compression']:.1f})"]
+            cells += [
+                f"{r['ratio']:.2f}x{paired}{mark}",
+                f"{r['wire_bits_per_worker'] / 1e6:.3f} (x{r['compression']:.1f})",
+            ]
         strategy = meta["strategy"] if meta else ""
         memory = meta["memory"] if meta else ""
         rows.append(f"| {name} | {strategy} | {memory} | " + " | ".join(cells) + " |")
@@ -413,16 +444,35 @@ def save(out: dict, path) -> Path:
     return path
 
 
-def run_one(tree: str, name: str, repeats: int, check_vma: bool, in_process: bool, memory: str = "residual",
-            batch: int = 0, fuse: bool = True) -> dict:
+def run_one(
+    tree: str,
+    name: str,
+    repeats: int,
+    check_vma: bool,
+    in_process: bool,
+    memory: str = "residual",
+    batch: int = 0,
+    fuse: bool = True,
+) -> dict:
     """One (tree, compressor) measurement, in a subprocess unless ``in_process``; a failure becomes an error row."""
     if in_process:
         try:
             return measure(tree, name, repeats, check_vma, memory, batch, fuse)
         except Exception as e:  # record and go on
             return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", tree, name, "--repeats", str(repeats),
-           "--memory", memory, "--batch", str(batch)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--one",
+        tree,
+        name,
+        "--repeats",
+        str(repeats),
+        "--memory",
+        memory,
+        "--batch",
+        str(batch),
+    ]
     cmd += [] if fuse else ["--no-fuse"]
     cmd += ["--check-vma"] if check_vma else []
     env = dict(os.environ)
@@ -433,7 +483,7 @@ def run_one(tree: str, name: str, repeats: int, check_vma: bool, in_process: boo
         err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         why = next((ln for ln in err if "Check failed" in ln or "Error" in ln), err[-1] if err else "")
         return {"error": f"exit {proc.returncode}: {why.strip()[:400]}"}
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def main(argv=None) -> dict:
@@ -441,14 +491,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--trees", default="resnet20,vgg16")
     ap.add_argument("--compressors", default="", help="comma-separated names (default: every registered one)")
-    ap.add_argument("--memory", choices=MEMORIES, default="residual",
-                    help="residual for every compressor, or GRACE's Table I choice (none for signsgd, signum, "
-                         "qsgd, terngrad, inceptionn)")
-    ap.add_argument("--batch", type=int, default=0,
-                    help="images per worker for a real forward/backward pass of the tree's network "
-                         f"(trees {', '.join(MODELS)}); 0 (default): g = a * x, no model compute")
-    ap.add_argument("--no-fuse", action="store_true",
-                    help="compressed_mean(fuse=False): one all-gather per tensor instead of one per step")
+    ap.add_argument(
+        "--memory",
+        choices=MEMORIES,
+        default="residual",
+        help="residual for every compressor, or GRACE's Table I choice (none for signsgd, signum, "
+        "qsgd, terngrad, inceptionn)",
+    )
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="images per worker for a real forward/backward pass of the tree's network "
+        f"(trees {', '.join(MODELS)}); 0 (default): g = a * x, no model compute",
+    )
+    ap.add_argument(
+        "--no-fuse",
+        action="store_true",
+        help="compressed_mean(fuse=False): one all-gather per tensor instead of one per step",
+    )
     ap.add_argument("--check-vma", action="store_true", help="build the shard_map with check_vma=True")
     ap.add_argument("--in-process", action="store_true", help="no subprocess per (tree, compressor)")
     ap.add_argument("--markdown", metavar="JSON", help="print the table of a results file and exit")
@@ -483,16 +544,21 @@ def main(argv=None) -> dict:
             "repeats": args.repeats,
             "check_vma": args.check_vma,
             "timing": "median of --repeats steps per compressor, interleaved with the none() baseline, "
-                      + ("in one process" if args.in_process else "one subprocess per (tree, compressor)"),
-            "memory": ("residual() for every compressor" if args.memory == "residual" else
-                       f"GRACE Table I: none() for {', '.join(GRACE_NO_MEMORY)}, residual() for the others")
-                      + "; none() baseline with memory none()",
+            + ("in one process" if args.in_process else "one subprocess per (tree, compressor)"),
+            "memory": (
+                "residual() for every compressor"
+                if args.memory == "residual"
+                else f"GRACE Table I: none() for {', '.join(GRACE_NO_MEMORY)}, residual() for the others"
+            )
+            + "; none() baseline with memory none()",
             "complete": False,
             "command": " ".join(["python", "experiments/benchmarks/step_overhead.py", *(argv or sys.argv[1:])]),
-            "step": ("g_i = a_i * x_i; compressed_mean over 'data'; x_i -= 0.01 * mean (no model compute)"
-                     if not args.batch else
-                     f"g_i = grad of the tree's VGG's cross-entropy on {args.batch} images per worker; "
-                     "compressed_mean over 'data'; x_i -= 0.01 * mean"),
+            "step": (
+                "g_i = a_i * x_i; compressed_mean over 'data'; x_i -= 0.01 * mean (no model compute)"
+                if not args.batch
+                else f"g_i = grad of the tree's VGG's cross-entropy on {args.batch} images per worker; "
+                "compressed_mean over 'data'; x_i -= 0.01 * mean"
+            ),
             "batch_per_worker": args.batch,
             "fuse": not args.no_fuse,
             "target": f"{'/'.join(TARGET_NAMES)} <= {TARGET_RATIO}x none() on vgg16",
@@ -506,15 +572,19 @@ def main(argv=None) -> dict:
         results = {}
         out["trees"][tree] = {"num_params": num_params, "num_tensors": len(shapes), "results": results}
         for name in names:
-            r = run_one(tree, name, args.repeats, args.check_vma, args.in_process, args.memory, args.batch,
-                        not args.no_fuse)
+            r = run_one(
+                tree, name, args.repeats, args.check_vma, args.in_process, args.memory, args.batch, not args.no_fuse
+            )
             results[name] = r
             save(out, args.out)  # after every measurement: an interrupted run keeps what it measured
             if "error" in r:
                 print(f"   {name:22s} FAILED: {r['error'][:160]}", flush=True)
                 continue
-            print(f"   {name:22s} {r['ratio']:6.2f}x  {r['step_ms']:9.1f} ms (none {r['baseline_step_ms']:8.1f} ms)  "
-                  f"{r['wire_bits_per_worker']:>12,d} bits  x{r['compression']:7.1f}", flush=True)
+            print(
+                f"   {name:22s} {r['ratio']:6.2f}x  {r['step_ms']:9.1f} ms (none {r['baseline_step_ms']:8.1f} ms)  "
+                f"{r['wire_bits_per_worker']:>12,d} bits  x{r['compression']:7.1f}",
+                flush=True,
+            )
     if "vgg16" in out["trees"]:
         res = out["trees"]["vgg16"]["results"]
         out["target_met"] = {k: res[k].get("ratio", float("inf")) <= TARGET_RATIO for k in TARGET_NAMES if k in res}
@@ -522,8 +592,10 @@ def main(argv=None) -> dict:
     path = save(out, args.out)
     print(markdown_table(out))
     for k, met in out.get("target_met", {}).items():
-        print(f"target {k}@vgg16: {res[k].get('ratio', float('nan')):.2f}x {'met' if met else 'MISSED'} "
-              f"(<= {TARGET_RATIO}x)")
+        print(
+            f"target {k}@vgg16: {res[k].get('ratio', float('nan')):.2f}x {'met' if met else 'MISSED'} "
+            f"(<= {TARGET_RATIO}x)"
+        )
     print(f"wrote {path}")
     return out
 

@@ -26,15 +26,14 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-import jaxcomm as jc  # noqa: E402
-from jaxcomm.train import Trainer, to_workers  # noqa: E402
+import jaxcomm as jc
+from jaxcomm.train import Trainer, to_workers
 
 
 def hand_written_step(model, tx, mesh):
@@ -61,8 +60,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--model", choices=("eventgrad_cnn", "resnet20"), default="eventgrad_cnn")
-    ap.add_argument("--out", default=None,
-                    help="default: experiments/benchmarks/results/trainer_overhead[_MODEL].json")
+    ap.add_argument("--out", default=None, help="default: experiments/benchmarks/results/trainer_overhead[_MODEL].json")
     args = ap.parse_args()
     if args.out is None:
         suffix = "" if args.model == "eventgrad_cnn" else f"_{args.model}"
@@ -89,8 +87,10 @@ def main():
     params, hw_step = hand_written_step(new_model(), hw_tx, trainer.mesh)
     stacked = jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (n, *np.shape(a))).copy(), params)
     hw_p = to_workers(stacked, trainer.mesh)
-    hw_opt = to_workers(jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (n, *np.shape(a))).copy(),
-                                     hw_tx.init(params)), trainer.mesh)
+    hw_opt = to_workers(
+        jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (n, *np.shape(a))).copy(), hw_tx.init(params)),
+        trainer.mesh,
+    )
     hx, hy = to_workers(x, trainer.mesh), to_workers(y, trainer.mesh)
 
     def run_trainer():
@@ -121,8 +121,10 @@ def main():
         "median_s": med,
         "quartiles_s": {k: [float(np.percentile(v, 25)), float(np.percentile(v, 75))] for k, v in times.items()},
         # the ratio of each interleaved pair, so its spread shows how much load noise there was
-        "pair_ratio_quartiles": [float(q) for q in np.percentile(
-            np.asarray(times["trainer"]) / np.asarray(times["hand_written"]), [25, 50, 75])],
+        "pair_ratio_quartiles": [
+            float(q)
+            for q in np.percentile(np.asarray(times["trainer"]) / np.asarray(times["hand_written"]), [25, 50, 75])
+        ],
         "ratio_trainer_over_hand_written": med["trainer"] / med["hand_written"],
         "repeats": args.repeats,
         "batch": args.batch,

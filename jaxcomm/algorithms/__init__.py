@@ -13,6 +13,21 @@ from .dpsgd import (
     replicate,
     simulate_decentralized,
 )
+from .eager_sgd import (
+    CLOCKS,
+    EagerSGDConfig,
+    EagerSGDState,
+    StalenessProfile,
+    eager_sgd,
+    flush,
+    init_eager_state,
+    partial_allreduce,
+    round_draws,
+    round_trigger,
+    simulate_training,
+    staleness_profile,
+    undelivered,
+)
 from .eventgrad import (
     EventGrad,
     EventGradState,
@@ -22,22 +37,6 @@ from .eventgrad import (
     init_trigger,
     topk_count,
     trigger,
-)
-
-from .eager_sgd import (
-    CLOCKS,
-    EagerSGDConfig,
-    EagerSGDState,
-    eager_sgd,
-    flush,
-    init_eager_state,
-    partial_allreduce,
-    round_draws,
-    round_trigger,
-    simulate_training,
-    StalenessProfile,
-    staleness_profile,
-    undelivered,
 )
 
 __all__ = [

@@ -19,7 +19,8 @@ runs a per-worker function over stacked (leading worker axis) pytrees.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +82,7 @@ def _as_optimizer(optimizer) -> optax.GradientTransformation:
             raise ValueError(f"learning rate (optimizer) must be > 0; got {optimizer}")
         return optax.sgd(float(optimizer))
     raise TypeError(
-        f"optimizer must be an optax.GradientTransformation or a learning rate (float); "
-        f"got {type(optimizer).__name__}"
+        f"optimizer must be an optax.GradientTransformation or a learning rate (float); got {type(optimizer).__name__}"
     )
 
 
@@ -123,8 +123,9 @@ def combine(own: PyTree, received: Sequence[PyTree], topology: Topology, index) 
       topology: the topology; ``index``: worker ``i`` (int or traced int32).
     """
     if len(received) != topology.num_permutations:
-        raise ValueError(f"received must hold {topology.num_permutations} pytrees (one per permutation); "
-                         f"got {len(received)}")
+        raise ValueError(
+            f"received must hold {topology.num_permutations} pytrees (one per permutation); got {len(received)}"
+        )
 
     def one(x, *rs):
         self_w, recv_w = _weights_here(topology, index, x.dtype)
@@ -141,9 +142,14 @@ def mix(tree: PyTree, topology: Topology, comm) -> PyTree:
     return combine(tree, neighbor_exchange(tree, topology, comm), topology, comm.index())
 
 
-def dpsgd(topology: Union[Topology, str], optimizer: Union[optax.GradientTransformation, float], *,
-          num_workers: Optional[int] = None, axis_name: Optional[str] = None, comm=None
-          ) -> DecentralizedAlgorithm:
+def dpsgd(
+    topology: Topology | str,
+    optimizer: optax.GradientTransformation | float,
+    *,
+    num_workers: int | None = None,
+    axis_name: str | None = None,
+    comm=None,
+) -> DecentralizedAlgorithm:
     """D-PSGD (Lian et al. 2017; EventGraD Eq. 2, Algorithm A).
 
     ``step(params, grads, state)`` returns ``mix(params) + optimizer_update(grads)``:
@@ -178,7 +184,7 @@ def dpsgd(topology: Union[Topology, str], optimizer: Union[optax.GradientTransfo
 # --------------------------------------------------------------------------- #
 # running per-worker functions over stacked pytrees
 # --------------------------------------------------------------------------- #
-def per_worker(fn: Callable, *, axis_name: str = "data", mesh: Optional[jax.sharding.Mesh] = None) -> Callable:
+def per_worker(fn: Callable, *, axis_name: str = "data", mesh: jax.sharding.Mesh | None = None) -> Callable:
     """Lift a per-worker function to stacked pytrees (leading worker axis of size ``n``).
 
     With ``mesh=None`` it is ``jax.vmap(fn, axis_name=axis_name)`` (one device; cheap
@@ -236,10 +242,10 @@ def simulate_decentralized(
     key,
     key_offset: int = 0,
     axis_name: str = "workers",
-    record: Optional[Callable[[PyTree, Any], Any]] = None,
-    eval_fn: Optional[Callable[[PyTree, PyTree], dict]] = None,
+    record: Callable[[PyTree, Any], Any] | None = None,
+    eval_fn: Callable[[PyTree, PyTree], dict] | None = None,
     eval_every: int = 0,
-    on_eval: Optional[Callable[[dict], None]] = None,
+    on_eval: Callable[[dict], None] | None = None,
     progress: bool = False,
     desc: str = "decentralized",
 ) -> dict:
@@ -302,12 +308,25 @@ def simulate_decentralized(
     carry = (stacked, replicate(model_state, p), jax.vmap(algorithm.init)(stacked))
     evaluate = None if eval_fn is None else (lambda c: eval_fn(c[0], c[1]))
     (prm, mstate, alg_state), result = simulate(
-        round_fn, carry, num_rounds, inputs=lambda _: jax.tree.map(jnp.asarray, next(batches)),
-        eval_fn=evaluate, eval_every=eval_every, on_eval=on_eval, progress=progress, desc=desc,
+        round_fn,
+        carry,
+        num_rounds,
+        inputs=lambda _: jax.tree.map(jnp.asarray, next(batches)),
+        eval_fn=evaluate,
+        eval_every=eval_every,
+        on_eval=on_eval,
+        progress=progress,
+        desc=desc,
     )
     out = result.outputs
     return {
-        "params": prm, "model_state": mstate, "state": alg_state, "loss": out["loss"],
-        "metrics": out["metrics"], "records": out.get("records"), "history": result.history,
-        "wall_s": result.wall_s, "first_call_s": result.first_call_s,
+        "params": prm,
+        "model_state": mstate,
+        "state": alg_state,
+        "loss": out["loss"],
+        "metrics": out["metrics"],
+        "records": out.get("records"),
+        "history": result.history,
+        "wall_s": result.wall_s,
+        "first_call_s": result.first_call_s,
     }

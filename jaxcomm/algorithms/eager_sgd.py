@@ -55,15 +55,15 @@ divergence comes from fflib2 keeping only the latest receive buffer, Sec. 5).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..comm._partial_mpi import PARTIAL_MODES
 from ..comm import resolve
+from ..comm._partial_mpi import PARTIAL_MODES
 from ..imbalance import ImbalanceModel
 
 __all__ = [
@@ -260,7 +260,7 @@ def partial_allreduce(grads: PyTree, state: EagerSGDState, config: EagerSGDConfi
         raise ValueError(f"the communicator has {comm.size} workers but the imbalance model has num_workers={p}")
     me = comm.index()
     times, initiator = round_draws(config, state.key, state.step)
-    is_sync = config.mode == "sync"
+    is_sync: Any = config.mode == "sync"  # a Python bool, or a traced one with sync_every
     if config.sync_every:
         is_sync = jnp.logical_or(is_sync, (state.step + 1) % config.sync_every == 0)
 
@@ -441,7 +441,10 @@ def staleness_profile(config: EagerSGDConfig, rounds: int, key) -> StalenessProf
     counts, nap, delivered, clock, rest = run(jnp.arange(p))
     # Every worker holds the same result; the undelivered codes are per worker.
     return StalenessProfile(
-        counts=jnp.round(counts[0]), nap=nap[0], delivered=jnp.round(delivered[0]), clock_ms=clock[0],
+        counts=jnp.round(counts[0]),
+        nap=nap[0],
+        delivered=jnp.round(delivered[0]),
+        clock_ms=clock[0],
         undelivered=jnp.round(jnp.sum(rest)),
     )
 
@@ -451,7 +454,7 @@ def eager_sgd(
     imbalance: ImbalanceModel,
     *,
     key=0,
-    axis_name: Optional[str] = None,
+    axis_name: str | None = None,
     comm=None,
     clock: str = "reset",
     comm_ms: float = 0.0,
@@ -479,9 +482,14 @@ def eager_sgd(
     def init_fn(params):
         state = init_eager_state(params, config, key)
         try:  # per-worker fields vary over the axis (needed for scan carries in shard_map)
-            return state._replace(**dict(zip(
-                ("buffer", "pending_ms", "active", "overflows"),
-                communicator.varying((state.buffer, state.pending_ms, state.active, state.overflows)))))
+            return state._replace(
+                **dict(
+                    zip(
+                        ("buffer", "pending_ms", "active", "overflows"),
+                        communicator.varying((state.buffer, state.pending_ms, state.active, state.overflows)),
+                    )
+                )
+            )
         except ValueError:  # initialised outside the mapped context
             return state
 
@@ -606,9 +614,17 @@ def simulate_training(
 
     evaluate = None if eval_fn is None else (lambda carry: eval_fn(pure.module(carry[0])))
     (params, _, w_eager), result = simulate(
-        round_fn, (params, optimizer.init(params), w_eager), epochs * steps_per_epoch,
-        rounds_per_call=steps_per_epoch, summary=summary, eval_fn=evaluate, eval_every=eval_every,
-        on_eval=on_eval, progress=progress, desc=f"eager-SGD {mode}", unit="epoch",
+        round_fn,
+        (params, optimizer.init(params), w_eager),
+        epochs * steps_per_epoch,
+        rounds_per_call=steps_per_epoch,
+        summary=summary,
+        eval_fn=evaluate,
+        eval_every=eval_every,
+        on_eval=on_eval,
+        progress=progress,
+        desc=f"eager-SGD {mode}",
+        unit="epoch",
     )
     losses, naps, clocks = result.outputs
     return {

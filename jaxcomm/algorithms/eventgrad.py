@@ -48,7 +48,7 @@ initial copies are never used.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,8 +105,9 @@ def init_trigger(history: int = 2) -> TriggerState:
     )
 
 
-def trigger(norm, state: TriggerState, step, *, horizon: float, forced_iterations: int = 30,
-            threshold_rule: str = "paper") -> tuple:
+def trigger(
+    norm, state: TriggerState, step, *, horizon: float, forced_iterations: int = 30, threshold_rule: str = "paper"
+) -> tuple:
     """One event check of one tensor (EventGraD Eq. 4-6, Algorithm B lines "if event").
 
     Args:
@@ -179,7 +180,7 @@ class EventGradState(NamedTuple):
     fired: PyTree
     events: PyTree
     replicas: PyTree
-    sent_copy: Optional[PyTree]
+    sent_copy: PyTree | None
 
 
 def topk_count(size: int, ratio: float) -> int:
@@ -224,9 +225,9 @@ class EventGrad(NamedTuple):
     history: int
     forced_iterations: int
     threshold_rule: str
-    topk: Optional[float]
+    topk: float | None
 
-    def stats(self, state: EventGradState, worker: Optional[int] = None) -> dict:
+    def stats(self, state: EventGradState, worker: int | None = None) -> dict:
         """:func:`communication_stats` of ``state`` (stacked, or one ``worker``'s) under this configuration."""
         return communication_stats(state, self.topology, topk=self.topk, worker=worker)
 
@@ -240,10 +241,19 @@ def _apply_message(replica, message, fire, topk):
     return jnp.where(fire, scattered, replica)
 
 
-def eventgrad(topology: Union[Topology, str], optimizer: Union[optax.GradientTransformation, float], *,
-              horizon: float = 1.0, history: int = 2, forced_iterations: int = 30,
-              threshold_rule: str = "paper", topk: Optional[float] = None,
-              num_workers: Optional[int] = None, axis_name: Optional[str] = None, comm=None) -> EventGrad:
+def eventgrad(
+    topology: Topology | str,
+    optimizer: optax.GradientTransformation | float,
+    *,
+    horizon: float = 1.0,
+    history: int = 2,
+    forced_iterations: int = 30,
+    threshold_rule: str = "paper",
+    topk: float | None = None,
+    num_workers: int | None = None,
+    axis_name: str | None = None,
+    comm=None,
+) -> EventGrad:
     """EventGraD (EventGraD Eq. 3-6, Algorithm B), optionally with top-K on events.
 
     Args:
@@ -266,8 +276,7 @@ def eventgrad(topology: Union[Topology, str], optimizer: Union[optax.GradientTra
     """
     topo = as_topology(topology, num_workers)
     tx = _as_optimizer(optimizer)
-    if isinstance(horizon, bool) or not isinstance(horizon, (int, float)) or not math.isfinite(horizon) \
-            or horizon < 0:
+    if isinstance(horizon, bool) or not isinstance(horizon, (int, float)) or not math.isfinite(horizon) or horizon < 0:
         raise ValueError(f"horizon must be a finite number >= 0; got {horizon!r}")
     horizon = float(horizon)
     history = _check_int(history, "history", 1)
@@ -287,7 +296,7 @@ def eventgrad(topology: Union[Topology, str], optimizer: Union[optax.GradientTra
             if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
                 raise TypeError(f"params must be floating point; got a leaf of dtype {jnp.asarray(x).dtype}")
         t0 = init_trigger(history)
-        per_leaf = lambda v: jax.tree.map(lambda _: v, params)  # noqa: E731
+        per_leaf = lambda v: jax.tree.map(lambda _: v, params)
         return EventGradState(
             step=jnp.zeros((), jnp.int32),
             opt_state=tx.init(params),
@@ -303,13 +312,20 @@ def eventgrad(topology: Union[Topology, str], optimizer: Union[optax.GradientTra
     def prepare(params, state: EventGradState):
         leaves, treedef = jax.tree.flatten(params)
         trig_leaves = [treedef.flatten_up_to(f) for f in state.trigger]
-        sent_leaves = treedef.flatten_up_to(state.sent_copy) if topk is not None else [None] * len(leaves)
-        fires, checks, norms, new_trig, payload, new_sent = [], [], [], [], [], []
+        sent_leaves: list[Any] = treedef.flatten_up_to(state.sent_copy) if topk is not None else [None] * len(leaves)
+        fires, checks, norms, new_trig, payload = [], [], [], [], []
+        new_sent: list[Any] = []  # the last sent copy per leaf (None without top-K)
         for i, x in enumerate(leaves):
             norm = jnp.linalg.norm(x.reshape(-1).astype(jnp.float32))
             ts = TriggerState(*(t[i] for t in trig_leaves))
-            fire, check, ts = trigger(norm, ts, state.step, horizon=horizon, forced_iterations=forced_iterations,
-                                      threshold_rule=threshold_rule)
+            fire, check, ts = trigger(
+                norm,
+                ts,
+                state.step,
+                horizon=horizon,
+                forced_iterations=forced_iterations,
+                threshold_rule=threshold_rule,
+            )
             fires.append(fire)
             checks.append(check)
             norms.append(norm)
@@ -326,7 +342,7 @@ def eventgrad(topology: Union[Topology, str], optimizer: Union[optax.GradientTra
                 values = flat[idx]
                 payload.append((values, idx))
                 new_sent.append(jnp.where(fire, sent.at[idx].set(values), sent).reshape(x.shape))
-        unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
+        unflat = lambda xs: jax.tree.unflatten(treedef, xs)
         state = state._replace(
             trigger=TriggerState(*(unflat([t[f] for t in new_trig]) for f in range(4))),
             norm=unflat(norms),
@@ -357,7 +373,7 @@ def eventgrad(topology: Union[Topology, str], optimizer: Union[optax.GradientTra
         treedef = jax.tree.structure(params)
         rep_leaves = treedef.flatten_up_to(state.replicas)
         index = communicator.index()
-        mask = jnp.asarray(topo.receive_mask) if num_slots else None
+        mask = jnp.asarray(topo.receive_mask) if num_slots else jnp.zeros((0, 0), bool)
         new_slots = []
         for k, perm in enumerate(topo.permutations):
             got_fire, got_payload = communicator.permute((fire, payload), [tuple(p) for p in perm])
@@ -368,15 +384,17 @@ def eventgrad(topology: Union[Topology, str], optimizer: Union[optax.GradientTra
             state = state._replace(replicas=jax.tree.unflatten(treedef, new_rep))
         return finish(params, grads, state)
 
-    return EventGrad(init, step, prepare, receive, finish, topo, horizon, history, forced_iterations,
-                     threshold_rule, topk)
+    return EventGrad(
+        init, step, prepare, receive, finish, topo, horizon, history, forced_iterations, threshold_rule, topk
+    )
 
 
 # --------------------------------------------------------------------------- #
 # message accounting
 # --------------------------------------------------------------------------- #
-def communication_stats(state: EventGradState, topology: Topology, *, topk: Optional[float] = None,
-                        worker: Optional[int] = None) -> dict:
+def communication_stats(
+    state: EventGradState, topology: Topology, *, topk: float | None = None, worker: int | None = None
+) -> dict:
     """Messages and volume sent, against the regular algorithm (D-PSGD), as EventGraD counts them.
 
     Every event of a tensor sends one message to each of the worker's neighbours
@@ -411,9 +429,10 @@ def communication_stats(state: EventGradState, topology: Topology, *, topk: Opti
             raise ValueError(f"state holds {n} workers but the topology has {topology.num_workers}")
     else:
         if worker is None or not 0 <= int(worker) < topology.num_workers:
-            raise ValueError(f"a single worker's state needs worker=<its index in [0, {topology.num_workers})>; "
-                             f"got {worker!r}")
-        deg = deg[int(worker):int(worker) + 1]
+            raise ValueError(
+                f"a single worker's state needs worker=<its index in [0, {topology.num_workers})>; got {worker!r}"
+            )
+        deg = deg[int(worker) : int(worker) + 1]
     events = [e.reshape(-1) for e in events]
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
     cost = [2 * topk_count(s, topk) if topk is not None else s for s in sizes]
@@ -424,7 +443,7 @@ def communication_stats(state: EventGradState, topology: Topology, *, topk: Opti
     reg_elems = deg * steps * int(sum(sizes))
     byte = deg * np.sum([e * c * b for e, c, b in zip(events, cost, itemsizes)], axis=0)
     reg_byte = deg * steps * int(sum(s * b for s, b in zip(sizes, itemsizes)))
-    pct = lambda a, b: float(100.0 * a / b) if b else 0.0  # noqa: E731
+    pct = lambda a, b: float(100.0 * a / b) if b else 0.0
     return {
         "iterations": int(steps.max()),
         "tensors": len(sizes),

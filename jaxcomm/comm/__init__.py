@@ -7,6 +7,19 @@ Every communicator declares the collectives it serves in ``capabilities``, a
 transform uses.
 """
 
+from ._launch import mpirun_env, mpirun_path
+from ._local import Local
+from ._mesh import MeshAxis
+from ._mpi import MPIComm
+from ._packing import all_gather_packed
+from ._partial_mpi import (
+    PARTIAL_MODES,
+    PartialAllreduce,
+    PartialCollectiveError,
+    PartialCollectiveTimeout,
+    PartialResult,
+    majority_initiator,
+)
 from ._protocol import (
     ALL_GATHER,
     ALL_TO_ALL,
@@ -24,20 +37,7 @@ from ._protocol import (
     serves,
     use,
 )
-from ._local import Local
-from ._mesh import MeshAxis
-from ._mpi import MPIComm
-from ._launch import mpirun_env, mpirun_path
-from ._packing import all_gather_packed
 from ._rma import OneSidedEventGrad, RMAExchange
-from ._partial_mpi import (
-    PARTIAL_MODES,
-    PartialAllreduce,
-    PartialCollectiveError,
-    PartialCollectiveTimeout,
-    PartialResult,
-    majority_initiator,
-)
 
 __all__ = [
     "ALL_GATHER",

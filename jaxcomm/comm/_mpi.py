@@ -8,7 +8,7 @@ by jax's effect system), so no data leaves jit through Python.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,16 +20,27 @@ __all__ = ["MPIComm"]
 
 # dtypes mpi4jax (0.9) has an MPI datatype for; others are bit-cast for transport.
 _NATIVE = {
-    "float32", "float64", "complex64", "complex128", "int8", "int16", "int32", "int64",
-    "uint8", "uint16", "uint32", "uint64", "bool",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
 }
 _CARRIER = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
 def _import_mpi():
     try:
-        from mpi4py import MPI
         import mpi4jax
+        from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - depends on the installation
         raise ImportError(
             "MPIComm needs mpi4py and mpi4jax (pip install 'jaxcomm[mpi]', i.e. mpi4py, mpi4jax and an MPI "

@@ -74,7 +74,6 @@ def all_gather_packed(comm, tree: Any) -> Any:
         offsets = np.cumsum([0] + [p.shape[0] for p in parts])
         for j, i in enumerate(packed):
             a = leaves[i]
-            seg = gathered[:, int(offsets[j]):int(offsets[j + 1])]
+            seg = gathered[:, int(offsets[j]) : int(offsets[j + 1])]
             out[i] = _from_bytes(seg, jnp.result_type(a), tuple(jnp.shape(a)))
     return jax.tree_util.tree_unflatten(treedef, out)
-

@@ -61,13 +61,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 # mpi4py is imported on first use: importing mpi4py.MPI initialises MPI, which
 # importing jaxcomm must not do.
-MPI = None
+MPI: Any = None  # the mpi4py.MPI module once _import_mpi() ran
 
 
 def _import_mpi():
@@ -79,6 +80,7 @@ def _import_mpi():
             raise ImportError("PartialAllreduce needs mpi4py (pip install 'jaxcomm[mpi]')") from e
         MPI = _mpi
     return MPI
+
 
 __all__ = [
     "PartialAllreduce",
@@ -223,7 +225,7 @@ class PartialAllreduce:
         timeout: float = 60.0,
         sync_every: int = 0,
         poll_s: float = 1e-3,
-        probe_s: Optional[float] = None,
+        probe_s: float | None = None,
     ):
         if mode not in PARTIAL_MODES:
             raise ValueError(f"mode must be one of {PARTIAL_MODES}; got {mode!r}")
@@ -272,8 +274,8 @@ class PartialAllreduce:
         self._done_rounds = 0  # rounds completed
         self._results: dict = {}
         self._internal_round = -1  # round the application asked to initiate
-        self._waiting: Optional[tuple] = None  # (round, since) while the application waits
-        self._error: Optional[BaseException] = None
+        self._waiting: tuple | None = None  # (round, since) while the application waits
+        self._error: BaseException | None = None
         self._error_reported = False
         self._closing = False
         self._closed = False
@@ -286,8 +288,8 @@ class PartialAllreduce:
         self._recvs: list = []  # outstanding receive requests (for cleanup)
         self._act_in = np.zeros(2, np.int64)
         self._ping_in = np.zeros(1, np.int64)
-        self._act_req = None
-        self._ping_req = None
+        self._act_req: Any = None  # MPI requests once the progress thread starts
+        self._ping_req: Any = None
         self._stats = {"activations_sent": 0, "activations_received": 0, "rounds": 0}
 
         self._thread = threading.Thread(target=self._run, name=f"partial-allreduce-{self.rank}", daemon=True)
@@ -403,9 +405,9 @@ class PartialAllreduce:
 
     def pending_requests(self) -> int:
         """Number of MPI requests still owned by this object (0 after :meth:`close`)."""
-        n = sum(1 for r, _ in self._sends if r != MPI.REQUEST_NULL)
-        n += sum(1 for r in (self._act_req, self._ping_req) if r is not None and r != MPI.REQUEST_NULL)
-        n += sum(1 for r in self._recvs if r != MPI.REQUEST_NULL)
+        n = sum(int(r != MPI.REQUEST_NULL) for r, _ in self._sends)
+        n += sum(int(r is not None and r != MPI.REQUEST_NULL) for r in (self._act_req, self._ping_req))
+        n += sum(int(r != MPI.REQUEST_NULL) for r in self._recvs)
         return n
 
     # ------------------------------------------------------------ internals
@@ -450,7 +452,9 @@ class PartialAllreduce:
                         q.Cancel()
                         q.Test()
                 raise PartialCollectiveTimeout(
-                    self.rank, -1, missing,
+                    self.rank,
+                    -1,
+                    missing,
                     f"these ranks did not construct the PartialAllreduce within {self.timeout:g} s",
                 )
             time.sleep(delay)
@@ -485,7 +489,7 @@ class PartialAllreduce:
                 # closes). Polling faster costs CPU that an oversubscribed machine lacks.
                 self._wake.wait(self.poll_s)
                 self._wake.clear()
-        except BaseException as e:  # noqa: BLE001 - reported to the application thread
+        except BaseException as e:
             with self._cond:
                 if self._error is None:
                     self._error = e
@@ -518,7 +522,7 @@ class PartialAllreduce:
                     self._send(self._state_vector(), src, _TAG_PONG)
                 if self._sends:
                     self._sends = [(q, b) for q, b in self._sends if not q.Test()]
-            except Exception:  # noqa: BLE001 - best effort while failing
+            except Exception:
                 return
             self._wake.wait(self.poll_s)
             self._wake.clear()
@@ -526,8 +530,14 @@ class PartialAllreduce:
     def _state_vector(self) -> np.ndarray:
         with self._cond:
             return np.array(
-                [self.rank, self._calls, self._snap_rounds, self._done_rounds, int(self._closing),
-                 int(self._error is not None)],
+                [
+                    self.rank,
+                    self._calls,
+                    self._snap_rounds,
+                    self._done_rounds,
+                    int(self._closing),
+                    int(self._error is not None),
+                ],
                 np.int64,
             )
 
@@ -664,7 +674,7 @@ class PartialAllreduce:
 
     def _probe(self) -> dict:
         """Ping every other process; return ``{rank: state}`` of those that answered."""
-        answers = {}
+        answers: dict[int, np.ndarray] = {}
         others = [q for q in range(self.size) if q != self.rank]
         pong = np.zeros(6, np.int64)
         for q in others:
@@ -762,5 +772,5 @@ class PartialAllreduce:
                 if not q.Test():
                     q.Cancel()
                     q.Test()
-            except Exception:  # noqa: BLE001 - best effort
+            except Exception:
                 pass

@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from typing import Any, FrozenSet, Iterable, Iterator, Protocol, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import jax
 
@@ -61,14 +62,20 @@ BROADCAST = "broadcast"
 PERMUTE = "permute"
 """``permute(tree, perm)``: send along ``(source, destination)`` pairs."""
 
-CAPABILITIES: FrozenSet[str] = frozenset({SUM, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, PERMUTE})
+CAPABILITIES: frozenset[str] = frozenset({SUM, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, PERMUTE})
 """The vocabulary of collectives a communicator can declare in ``capabilities``."""
 
 # Members every communicator has, whatever it declares.
 _CORE = ("size", "index", "varying")
 # The methods that serve each capability.
-_METHODS = {SUM: (SUM, "mean"), ALL_GATHER: (ALL_GATHER,), REDUCE_SCATTER: (REDUCE_SCATTER,),
-            ALL_TO_ALL: (ALL_TO_ALL,), BROADCAST: (BROADCAST,), PERMUTE: (PERMUTE,)}
+_METHODS = {
+    SUM: (SUM, "mean"),
+    ALL_GATHER: (ALL_GATHER,),
+    REDUCE_SCATTER: (REDUCE_SCATTER,),
+    ALL_TO_ALL: (ALL_TO_ALL,),
+    BROADCAST: (BROADCAST,),
+    PERMUTE: (PERMUTE,),
+}
 
 
 class Communicator(Protocol):
@@ -113,7 +120,8 @@ class Communicator(Protocol):
         (zeros if none).
     """
 
-    capabilities: FrozenSet[str]
+    @property
+    def capabilities(self) -> frozenset[str]: ...
 
     @property
     def size(self) -> int: ...
@@ -137,13 +145,15 @@ class Communicator(Protocol):
     def permute(self, tree: PyTree, perm: Sequence[tuple[int, int]]) -> PyTree: ...
 
 
-def _check_declared(caps, owner) -> FrozenSet[str]:
+def _check_declared(caps, owner) -> frozenset[str]:
     if not isinstance(caps, frozenset):
         raise TypeError(f"{owner}.capabilities must be a frozenset of collective names; got {caps!r}")
     unknown = caps - CAPABILITIES
     if unknown:
-        raise TypeError(f"{owner}.capabilities names unknown collectives {sorted(unknown)}; "
-                        f"the vocabulary is {sorted(CAPABILITIES)}")
+        raise TypeError(
+            f"{owner}.capabilities names unknown collectives {sorted(unknown)}; "
+            f"the vocabulary is {sorted(CAPABILITIES)}"
+        )
     return caps
 
 
@@ -169,7 +179,7 @@ def is_communicator(obj) -> bool:
     return all(hasattr(cls, m) for m in needed)
 
 
-def capabilities_of(comm) -> FrozenSet[str]:
+def capabilities_of(comm) -> frozenset[str]:
     """The collectives ``comm`` declares it serves (``TypeError`` if it declares none)."""
     caps = getattr(comm, "capabilities", None)
     if caps is None:
@@ -230,7 +240,7 @@ def _check_communicator(comm) -> None:
 
 
 @contextlib.contextmanager
-def use(comm: "Communicator") -> Iterator["Communicator"]:
+def use(comm: Communicator) -> Iterator[Communicator]:
     """Make ``comm`` the ambient communicator while tracing a step.
 
     Transforms built without ``axis_name``/``comm`` (e.g. ``compressed_mean(c)``)
@@ -245,7 +255,7 @@ def use(comm: "Communicator") -> Iterator["Communicator"]:
         _CURRENT.reset(token)
 
 
-def current() -> "Communicator":
+def current() -> Communicator:
     """The ambient communicator set by :func:`use`; ``ValueError`` if none is set."""
     comm = _CURRENT.get()
     if comm is None:
@@ -277,7 +287,7 @@ class _Ambient:
         return comm
 
     @property
-    def capabilities(self) -> FrozenSet[str]:
+    def capabilities(self) -> frozenset[str]:
         return capabilities_of(current())
 
     @property

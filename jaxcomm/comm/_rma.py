@@ -41,7 +41,7 @@ The window is freed by :meth:`RMAExchange.free` (collective), also on ``with`` e
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
@@ -100,8 +100,9 @@ class RMAExchange:
         self._buf = np.frombuffer(self.win.tomemory(), dtype=np.uint8)[: self.num_slots * self.slot_bytes]
         # Outgoing real edges: (slot k at the destination, destination rank).
         send_mask = self.topology.send_mask()
-        self.out_edges = [(k, int(self.topology.destinations(k)[self.rank]))
-                          for k in range(self.num_slots) if send_mask[k, self.rank]]
+        self.out_edges = [
+            (k, int(self.topology.destinations(k)[self.rank])) for k in range(self.num_slots) if send_mask[k, self.rank]
+        ]
         self.puts = 0
         self.bytes_put = 0
         self.exchange_seconds = 0.0
@@ -116,7 +117,7 @@ class RMAExchange:
     # ------------------------------------------------------------------ #
     def _view(self, k: int, l: int) -> np.ndarray:
         start = k * self.slot_bytes + int(self.leaf_offsets[l])
-        raw = self._buf[start:start + self.nbytes[l]]
+        raw = self._buf[start : start + self.nbytes[l]]
         return raw.view(self.dtypes[l]).reshape(self.shapes[l])
 
     def _mpi_type(self, dtype):
@@ -171,9 +172,12 @@ class RMAExchange:
         if self.lockstep:
             self.comm.Barrier()  # every put of this iteration is complete at its target
         self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
-        out = [np.stack([self._view(k, l).copy() for k in range(self.num_slots)])
-               if self.num_slots else np.zeros((0,) + self.shapes[l], self.dtypes[l])
-               for l in range(len(self.shapes))]
+        out = [
+            np.stack([self._view(k, l).copy() for k in range(self.num_slots)])
+            if self.num_slots
+            else np.zeros((0,) + self.shapes[l], self.dtypes[l])
+            for l in range(len(self.shapes))
+        ]
         self.win.Unlock(self.rank)
         self.exchange_seconds += time.perf_counter() - t0
         return out
@@ -248,8 +252,9 @@ class OneSidedEventGrad:
     def stats(self, state) -> dict:
         """:func:`~jaxcomm.algorithms.communication_stats` of this worker, plus measured puts and bytes."""
         out = self.algorithm.stats(state, worker=self.rank)
-        out.update(puts=self.exchange.puts, bytes_put=self.exchange.bytes_put,
-                   exchange_seconds=self.exchange.exchange_seconds)
+        out.update(
+            puts=self.exchange.puts, bytes_put=self.exchange.bytes_put, exchange_seconds=self.exchange.exchange_seconds
+        )
         return out
 
     def free(self) -> None:

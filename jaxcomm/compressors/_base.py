@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, ClassVar, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from typing_extensions import dataclass_transform
 
 from .._keys import step_keys
 
@@ -80,6 +82,12 @@ def _leaf_bits(tree) -> int:
     return total
 
 
+def static_field(**kwargs):
+    """A payload field that is static metadata (shape, dtype, capacity)."""
+    return dataclasses.field(metadata={"static": True}, **kwargs)
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, static_field))
 def payload_dataclass(cls):
     """Register ``cls`` as a frozen dataclass pytree.
 
@@ -91,11 +99,6 @@ def payload_dataclass(cls):
     data = [f.name for f in fields if not f.metadata.get("static", False)]
     meta = [f.name for f in fields if f.metadata.get("static", False)]
     return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
-
-
-def static_field(**kwargs):
-    """A payload field that is static metadata (shape, dtype, capacity)."""
-    return dataclasses.field(metadata={"static": True}, **kwargs)
 
 
 @payload_dataclass
@@ -255,9 +258,9 @@ class Compressor:
     unbiased: bool
     strategy: str
     init_state: Callable = _no_state
-    rounds: Optional[Callable] = None
-    decompress_sum: Optional[Callable] = None
-    compression_error: Optional[Callable] = None
+    rounds: Callable | None = None
+    decompress_sum: Callable | None = None
+    compression_error: Callable | None = None
     seed: int = 0
     params: dict = dataclasses.field(default_factory=dict)
 
@@ -284,18 +287,26 @@ class Compressor:
         decompress: Callable,
         unbiased: bool,
         strategy: str,
-        init_state: Optional[Callable] = None,
-        rounds: Optional[Callable] = None,
-        decompress_sum: Optional[Callable] = None,
-        compression_error: Optional[Callable] = None,
+        init_state: Callable | None = None,
+        rounds: Callable | None = None,
+        decompress_sum: Callable | None = None,
+        compression_error: Callable | None = None,
         seed: int = 0,
-        params: Optional[dict] = None,
-    ) -> "Compressor":
+        params: dict | None = None,
+    ) -> Compressor:
         """Build a compressor from its per-array primitives (fields as in the class docstring)."""
         return cls(
-            name=name, compress_fn=compress, decompress_fn=decompress, unbiased=unbiased, strategy=strategy,
-            init_state=init_state or _no_state, rounds=rounds, decompress_sum=decompress_sum,
-            compression_error=compression_error, seed=seed, params=dict(params or {}),
+            name=name,
+            compress_fn=compress,
+            decompress_fn=decompress,
+            unbiased=unbiased,
+            strategy=strategy,
+            init_state=init_state or _no_state,
+            rounds=rounds,
+            decompress_sum=decompress_sum,
+            compression_error=compression_error,
+            seed=seed,
+            params=dict(params or {}),
         )
 
     # -- per-array primitives ---------------------------------------------- #

@@ -27,8 +27,13 @@ def _cast_compressor(name: str, wire_dtype, seed: int) -> Compressor:
         return p.data.astype(p.dtype)
 
     return Compressor.create(
-        name=name, compress=compress, decompress=decompress, unbiased=True,
-        strategy="allreduce", seed=seed, params={},
+        name=name,
+        compress=compress,
+        decompress=decompress,
+        unbiased=True,
+        strategy="allreduce",
+        seed=seed,
+        params={},
     )
 
 

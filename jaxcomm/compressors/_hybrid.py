@@ -112,13 +112,15 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
         cap = min(d, kcap + 2)
         idt = index_dtype(max(d, 1))
         if d == 0:
-            return AdaptivePayload(jnp.zeros((0,), idt), jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.float32),
-                                   shape, x.dtype), state
+            return AdaptivePayload(
+                jnp.zeros((0,), idt), jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.float32), shape, x.dtype
+            ), state
         xf = jnp.ravel(x).astype(jnp.float32)
         k_pos, k_neg = adaptive_counts(xf, ratio)
         slots = jnp.arange(kcap, dtype=jnp.int32)
         sides = []
         for i, (sign, k) in enumerate(((1.0, k_pos), (-1.0, k_neg))):
+
             def keys_of(v, sign=sign):  # magnitude keys of this sign's entries, -1 elsewhere
                 return jnp.where(sign * v > 0, magnitude_keys(v), -1)
 
@@ -132,8 +134,11 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
         from_neg = idx_neg[jnp.clip(j - k_pos, 0, kcap - 1)]
         merged = jnp.where(j < k_pos, from_pos, jnp.where(j < k_pos + k_neg, from_neg, 0))
         payload = AdaptivePayload(
-            indices=merged.astype(idt), counts=jnp.stack([k_pos, k_neg]),
-            means=jnp.stack([mean_pos, mean_neg]).astype(jnp.float32), shape=shape, dtype=x.dtype,
+            indices=merged.astype(idt),
+            counts=jnp.stack([k_pos, k_neg]),
+            means=jnp.stack([mean_pos, mean_neg]).astype(jnp.float32),
+            shape=shape,
+            dtype=x.dtype,
         )
         return payload, state
 
@@ -145,8 +150,13 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
         return scatter_count(vals, p.indices, c0 + c1, p.shape, p.dtype)
 
     return Compressor.create(
-        name="adaptive", compress=compress, decompress=decompress, unbiased=False,
-        strategy="allgather", seed=seed, params=dict(ratio=ratio),
+        name="adaptive",
+        compress=compress,
+        decompress=decompress,
+        unbiased=False,
+        strategy="allgather",
+        seed=seed,
+        params=dict(ratio=ratio),
     )
 
 
@@ -219,8 +229,13 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
         level, sign, norm = quantize(vals, levels, jax.random.fold_in(key, 1))
         packed_levels = pack(level, width) if width else level
         payload = QSparsePayload(
-            indices=idx.astype(index_dtype(max(d, 1))), levels=packed_levels, signs=pack(sign, 1),
-            norm=norm.astype(jnp.float32), shape=tuple(np.shape(x)), dtype=x.dtype, num_levels=levels,
+            indices=idx.astype(index_dtype(max(d, 1))),
+            levels=packed_levels,
+            signs=pack(sign, 1),
+            norm=norm.astype(jnp.float32),
+            shape=tuple(np.shape(x)),
+            dtype=x.dtype,
+            num_levels=levels,
             level_bits=width,
         )
         return payload, state
@@ -242,7 +257,13 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
         return subtract_sparse(x, values(p), p.indices)
 
     return Compressor.create(
-        name="qsparse", compress=compress, decompress=decompress, decompress_sum=decompress_sum,
-        compression_error=compression_error, unbiased=False,
-        strategy="allgather", seed=seed, params=dict(ratio=ratio, levels=levels),
+        name="qsparse",
+        compress=compress,
+        decompress=decompress,
+        decompress_sum=decompress_sum,
+        compression_error=compression_error,
+        unbiased=False,
+        strategy="allgather",
+        seed=seed,
+        params=dict(ratio=ratio, levels=levels),
     )

@@ -135,4 +135,6 @@ def inceptionn(*, error_bound: float = 2.0**-10, seed: int = 0) -> Compressor:
         y = jnp.where(tag == 1, v8, jnp.where(tag == 2, v16, jnp.where(tag == 3, v32, 0.0)))
         return restore(y, p.shape, p.dtype)
 
-    return jitted_compressor("inceptionn", compress, decompress, unbiased=False, seed=seed, params=dict(error_bound=error_bound))
+    return jitted_compressor(
+        "inceptionn", compress, decompress, unbiased=False, seed=seed, params=dict(error_bound=error_bound)
+    )

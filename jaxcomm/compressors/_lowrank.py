@@ -24,7 +24,7 @@ a warm-up schedule), not to the compressor.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +76,7 @@ class PowerSGDPayload(Payload):
     dtype: Any = static_field()
 
 
-def powersgd_plan(shape, rank: int, min_compression_rate: float) -> Optional[tuple[int, int, int]]:
+def powersgd_plan(shape, rank: int, min_compression_rate: float) -> tuple[int, int, int] | None:
     """``(n, m, r)`` if PowerSGD compresses an array of ``shape``, else ``None``.
 
     Arrays of rank < 2 are sent uncompressed, as in PyTorch's hook. Otherwise the
@@ -129,7 +129,7 @@ def orthogonalize(p, epsilon: float = 0.0):
 
 @register("powersgd")
 def powersgd(
-    rank: Optional[int] = None,
+    rank: int | None = None,
     *,
     matrix_approximation_rank: int = 1,
     min_compression_rate: float = 2.0,
@@ -243,9 +243,18 @@ def powersgd(
         return (payload.p @ payload.q.T).reshape(payload.shape).astype(payload.dtype)
 
     return Compressor.create(
-        name="powersgd", compress=compress, decompress=decompress, unbiased=False, strategy="allreduce",
-        init_state=init_state, rounds=rounds, seed=seed,
-        params=dict(matrix_approximation_rank=r_max, min_compression_rate=rate, warm_start=warm_start,
-                    orthogonalization_epsilon=eps),
+        name="powersgd",
+        compress=compress,
+        decompress=decompress,
+        unbiased=False,
+        strategy="allreduce",
+        init_state=init_state,
+        rounds=rounds,
+        seed=seed,
+        params=dict(
+            matrix_approximation_rank=r_max,
+            min_compression_rate=rate,
+            warm_start=warm_start,
+            orthogonalization_epsilon=eps,
+        ),
     )
-

@@ -93,7 +93,7 @@ def quantize(x: jax.Array, levels: int, key: jax.Array, norm: jax.Array | None =
     scaled = jnp.where(jnp.isfinite(scaled), scaled, 0.0)
     low = jnp.floor(scaled)
     up = jax.random.uniform(key, xf.shape) < (scaled - low)
-    level = (low + up).astype(index_dtype(levels + 1))
+    level = (low + up.astype(low.dtype)).astype(index_dtype(levels + 1))
     return level, xf < 0, norm
 
 

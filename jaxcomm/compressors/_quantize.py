@@ -66,12 +66,18 @@ def nan_unless_finite(y, scale):
 def jitted_compressor(
     name: str, compress, decompress, *, unbiased: bool, seed: int, params: dict, init_state=None
 ) -> Compressor:
-    """:meth:`Compressor.create` of a quantizer: ``compress``/``decompress`` wrapped in ``jax.jit``, strategy ``"allgather"``.
+    """:meth:`Compressor.create` of a quantizer: ``compress``/``decompress`` jitted, strategy ``"allgather"``.
 
     ``jax.jit`` compiles one XLA program per input shape and dtype when called
     eagerly, and is inlined under an outer ``jit``.
     """
     return Compressor.create(
-        name=name, compress=jax.jit(compress), decompress=jax.jit(decompress), unbiased=unbiased,
-        strategy="allgather", init_state=init_state, seed=seed, params=params,
+        name=name,
+        compress=jax.jit(compress),
+        decompress=jax.jit(decompress),
+        unbiased=unbiased,
+        strategy="allgather",
+        init_state=init_state,
+        seed=seed,
+        params=params,
     )

@@ -89,6 +89,11 @@ def random_sparsification(*, p: float, seed: int = 0) -> Compressor:
         return _decompress_count(payload)
 
     return Compressor.create(
-        name="random_sparsification", compress=compress, decompress=decompress, unbiased=True,
-        strategy="allgather", seed=seed, params=dict(p=p),
+        name="random_sparsification",
+        compress=compress,
+        decompress=decompress,
+        unbiased=True,
+        strategy="allgather",
+        seed=seed,
+        params=dict(p=p),
     )

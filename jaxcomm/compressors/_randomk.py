@@ -59,8 +59,12 @@ def randomk_indices(key, d: int, k: int) -> Array:
     """
     if k >= d:
         return jnp.arange(d, dtype=jnp.int32)
-    idx, _ = top_indices(uniform_bits(key, d, "murmur3"), k, jax.random.fold_in(_raw_key(key), 1),
-                         keys_of=lambda h: (h >> 1).astype(jnp.int32))
+    idx, _ = top_indices(
+        uniform_bits(key, d, "murmur3"),
+        k,
+        jax.random.fold_in(_raw_key(key), 1),
+        keys_of=lambda h: (h >> 1).astype(jnp.int32),
+    )
     return idx
 
 
@@ -111,6 +115,11 @@ def randomk(*, ratio: float, unbiased: bool = False, seed: int = 0) -> Compresso
         return scatter(p.values, idx, p.shape, p.dtype, p.scale)
 
     return Compressor.create(
-        name="randomk", compress=compress, decompress=decompress, unbiased=unbiased,
-        strategy="allreduce", seed=seed, params=dict(ratio=ratio, unbiased=unbiased),
+        name="randomk",
+        compress=compress,
+        decompress=decompress,
+        unbiased=unbiased,
+        strategy="allreduce",
+        seed=seed,
+        params=dict(ratio=ratio, unbiased=unbiased),
     )

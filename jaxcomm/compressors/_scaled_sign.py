@@ -106,9 +106,7 @@ def scaled_sign(*, seed: int = 0) -> Compressor:
         del key
         xf = jnp.ravel(x).astype(jnp.float32)
         scale = _rms(xf)
-        payload = ScaledSignPayload(
-            bits=pack(xf < 0, 1), scale=scale, shape=tuple(x.shape), dtype=x.dtype
-        )
+        payload = ScaledSignPayload(bits=pack(xf < 0, 1), scale=scale, shape=tuple(x.shape), dtype=x.dtype)
         return payload, state
 
     def decompress(p: ScaledSignPayload):
@@ -126,4 +124,3 @@ def scaled_sign(*, seed: int = 0) -> Compressor:
         seed=seed,
         params={},
     )
-

@@ -156,7 +156,9 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
         y = jnp.where(jnp.isfinite(p.mean_low) & jnp.isfinite(p.mean_high), y, jnp.nan)
         return restore(y, p.shape, p.dtype)
 
-    return jitted_compressor("onebit", compress, decompress, unbiased=False, seed=seed, params=dict(threshold=threshold))
+    return jitted_compressor(
+        "onebit", compress, decompress, unbiased=False, seed=seed, params=dict(threshold=threshold)
+    )
 
 
 @register("signsgd")
@@ -219,7 +221,9 @@ def signum(*, momentum: float = 0.9, seed: int = 0) -> Compressor:
     def decompress(p: SignPayload):
         return restore(_signs(p.signs, p.shape), p.shape, p.dtype)
 
-    return jitted_compressor("signum", compress, decompress, unbiased=False, seed=seed, params=dict(momentum=beta), init_state=init_state)
+    return jitted_compressor(
+        "signum", compress, decompress, unbiased=False, seed=seed, params=dict(momentum=beta), init_state=init_state
+    )
 
 
 @register("efsignsgd")

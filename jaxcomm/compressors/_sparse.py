@@ -147,7 +147,7 @@ def _decompress_sum_count(g: CountSparsePayload, dtype):
         return sum_scatter(g.values, g.indices, g.shape, dtype, g.scale, value_dtype=g.dtype)
     total = jnp.zeros(g.shape, dtype)
     for i in range(n):
-        total = total + _decompress_count(jax.tree.map(lambda a: a[i], g)).astype(dtype)
+        total = total + _decompress_count(jax.tree.map(lambda a, i=i: a[i], g)).astype(dtype)
     return total
 
 

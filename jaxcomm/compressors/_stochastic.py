@@ -79,7 +79,7 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
         scaled = jnp.clip(jnp.abs(xf) * (levels / safe), 0.0, float(levels))
         scaled = jnp.where(jnp.isfinite(scaled), scaled, 0.0)
         low = jnp.floor(scaled)
-        level = low + (uniform_floats(key, xf.size) < scaled - low)
+        level = low + (uniform_floats(key, xf.size) < scaled - low).astype(low.dtype)
         code = jnp.where(xf < 0, levels - level, levels + level).astype(jnp.int32)
         payload = QSGDPayload(codes=pack_codes(code, width), norm=norm, levels=levels, shape=x.shape, dtype=x.dtype)
         return payload, state
@@ -142,7 +142,10 @@ def natural(*, seed: int = 0) -> Compressor:
         r = uniform_bits(key, xf.size, "lowbias32") >> 9
         up = (r < mantissa) & (exponent < 255)
         payload = NaturalPayload(
-            signs=pack(u >> 31, 1), exponents=(exponent + up).astype(jnp.uint8), shape=x.shape, dtype=x.dtype
+            signs=pack(u >> 31, 1),
+            exponents=(exponent + up.astype(exponent.dtype)).astype(jnp.uint8),
+            shape=x.shape,
+            dtype=x.dtype,
         )
         return payload, state
 
@@ -250,7 +253,7 @@ def stochastic_rounding(*, bits: int = 4, seed: int = 0) -> Compressor:
         y = (xf + scale) * (top / (2.0 * jnp.where(scale > 0, scale, 1.0)))
         y = jnp.clip(jnp.where(jnp.isfinite(y), y, 0.0), 0.0, top)
         low = jnp.floor(y)
-        k = jnp.minimum(low + (uniform_floats(key, xf.size) < y - low), top).astype(jnp.int32)
+        k = jnp.minimum(low + (uniform_floats(key, xf.size) < y - low).astype(low.dtype), top).astype(jnp.int32)
         return GridPayload(codes=pack_codes(k, bits), scale=scale, bits=bits, shape=x.shape, dtype=x.dtype), state
 
     def decompress(p: GridPayload):
@@ -258,4 +261,6 @@ def stochastic_rounding(*, bits: int = 4, seed: int = 0) -> Compressor:
         y = p.scale * (k * (2.0 / top) - 1.0)
         return restore(nan_unless_finite(y, p.scale), p.shape, p.dtype)
 
-    return jitted_compressor("stochastic_rounding", compress, decompress, unbiased=True, seed=seed, params=dict(bits=bits))
+    return jitted_compressor(
+        "stochastic_rounding", compress, decompress, unbiased=True, seed=seed, params=dict(bits=bits)
+    )

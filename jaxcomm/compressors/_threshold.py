@@ -68,9 +68,15 @@ def threshold(*, v: float, max_ratio: float = 1.0, seed: int = 0) -> Compressor:
         return CountSparsePayload(values=vals, indices=idx, count=count, shape=tuple(np.shape(x)), dtype=x.dtype), state
 
     return Compressor.create(
-        name="threshold", compress=compress, decompress=_decompress_count, decompress_sum=_decompress_sum_count,
-        compression_error=_error_count, unbiased=False,
-        strategy="allgather", seed=seed, params=dict(v=v, max_ratio=max_ratio),
+        name="threshold",
+        compress=compress,
+        decompress=_decompress_count,
+        decompress_sum=_decompress_sum_count,
+        compression_error=_error_count,
+        unbiased=False,
+        strategy="allgather",
+        seed=seed,
+        params=dict(v=v, max_ratio=max_ratio),
     )
 
 
@@ -212,8 +218,9 @@ def dgc(
             )
 
         def exact_topk():
-            idx, _ = top_indices(imp, k, jax.random.fold_in(key, 1),
-                                 keys_of=lambda v: lax.bitcast_convert_type(v, jnp.int32))
+            idx, _ = top_indices(
+                imp, k, jax.random.fold_in(key, 1), keys_of=lambda v: lax.bitcast_convert_type(v, jnp.int32)
+            )
             return idx, jnp.int32(k) + jnp.zeros_like(count)
 
         def first_k():
@@ -228,8 +235,19 @@ def dgc(
         return CountSparsePayload(values=vals, indices=idx, count=n, shape=shape, dtype=x.dtype), state
 
     return Compressor.create(
-        name="dgc", compress=compress, decompress=_decompress_count, decompress_sum=_decompress_sum_count,
-        compression_error=_error_count, unbiased=False, strategy="allgather",
-        seed=seed, params=dict(ratio=ratio, sample_ratio=sample_ratio, upper_bound=upper_bound,
-                               lower_bound=lower_bound, max_adaptation_iters=max_adaptation_iters),
+        name="dgc",
+        compress=compress,
+        decompress=_decompress_count,
+        decompress_sum=_decompress_sum_count,
+        compression_error=_error_count,
+        unbiased=False,
+        strategy="allgather",
+        seed=seed,
+        params=dict(
+            ratio=ratio,
+            sample_ratio=sample_ratio,
+            upper_bound=upper_bound,
+            lower_bound=lower_bound,
+            max_adaptation_iters=max_adaptation_iters,
+        ),
     )

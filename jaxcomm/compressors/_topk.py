@@ -64,7 +64,13 @@ def topk(*, ratio: float, seed: int = 0) -> Compressor:
         return SparsePayload(values=vals, indices=idx, shape=tuple(np.shape(x)), dtype=x.dtype), state
 
     return Compressor.create(
-        name="topk", compress=compress, decompress=_decompress_sparse, decompress_sum=_decompress_sum_sparse,
-        compression_error=_error_sparse, unbiased=False,
-        strategy="allgather", seed=seed, params=dict(ratio=ratio),
+        name="topk",
+        compress=compress,
+        decompress=_decompress_sparse,
+        decompress_sum=_decompress_sum_sparse,
+        compression_error=_error_sparse,
+        unbiased=False,
+        strategy="allgather",
+        seed=seed,
+        params=dict(ratio=ratio),
     )

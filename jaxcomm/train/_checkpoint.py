@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
@@ -42,8 +41,9 @@ def _manager(directory: Path, max_to_keep: int | None = 3) -> ocp.CheckpointMana
     )
 
 
-def save_checkpoint(directory, step: int, state, *, position=None, metadata: dict | None = None,
-                    max_to_keep: int | None = 3) -> Path:
+def save_checkpoint(
+    directory, step: int, state, *, position=None, metadata: dict | None = None, max_to_keep: int | None = 3
+) -> Path:
     """Save ``state`` (any pytree of arrays) as checkpoint ``step`` under ``directory``.
 
     Args:

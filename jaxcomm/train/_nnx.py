@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,8 @@ class PureModel:
         """
         model = self.module(params, model_state, key=key, train=bool(train))
         out = model(x, **kwargs)
-        _, _, _, new_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+        parts: tuple[Any, ...] = nnx.split(model, nnx.Param, nnx.RngState, ...)  # 4 parts for 3 filters
+        new_state = parts[3]
         return out, new_state
 
     def _rng_state_for(self, key):
@@ -93,7 +95,8 @@ class PureModel:
 
 def split_model(model: nnx.Module) -> PureModel:
     """Split an NNX module into a :class:`PureModel`."""
-    graphdef, params, rng_state, model_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    parts: tuple[Any, ...] = nnx.split(model, nnx.Param, nnx.RngState, ...)  # 4 parts for 3 filters
+    graphdef, params, rng_state, model_state = parts[0], parts[1], parts[2], parts[3]
     return PureModel(graphdef, params, model_state, rng_state)
 
 

@@ -108,8 +108,13 @@ def simulate(
     eval_every = _check_int(eval_every, "eval_every", 0)
     if num_rounds % per_call:
         raise ValueError(f"num_rounds={num_rounds} is not a multiple of rounds_per_call={per_call}")
-    for name, fn in (("step", step), ("inputs", inputs), ("summary", summary), ("eval_fn", eval_fn),
-                     ("on_eval", on_eval)):
+    for name, fn in (
+        ("step", step),
+        ("inputs", inputs),
+        ("summary", summary),
+        ("eval_fn", eval_fn),
+        ("on_eval", on_eval),
+    ):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable{'' if name == 'step' else ' or None'}; got {type(fn).__name__}")
     if inputs is not None and per_call > 1:

@@ -11,12 +11,14 @@ through the ambient communicator that the step installs with
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from ..comm import MeshAxis, use
 
@@ -36,11 +38,12 @@ class TrainState(NamedTuple):
       key: raw ``uint32[2]`` PRNG key of this worker (dropout, stochastic compressors).
     """
 
-    step: jax.Array
+    # Typed Any: a TrainState of PartitionSpecs (state_specs) has the same fields.
+    step: Any
     params: Any
     model_state: Any
     opt_state: Any
-    key: jax.Array
+    key: Any
 
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, dict]]]
@@ -148,19 +151,24 @@ def make_train_step(
 
         return jax.jit(body, donate_argnums=donate_argnums)
 
+    assert mesh is not None  # exactly one of mesh and comm, checked above
     if len(mesh.axis_names) != 1:
         raise ValueError(f"mesh must have exactly one axis; got {mesh.axis_names}")
     axis = mesh.axis_names[0]
     communicator = MeshAxis(axis)
 
     specs = _state_specs(state_specs, axis)
-    per_worker = lambda spec: spec == P(axis)  # noqa: E731
+    per_worker = lambda spec: spec == P(axis)
 
     def squeeze(tree, add: bool):
         return jax.tree.map(
-            lambda spec, sub: jax.tree.map((lambda x: x[None]) if add else (lambda x: x[0]), sub)
-            if per_worker(spec) else sub,
-            specs, tree, is_leaf=lambda x: isinstance(x, P))
+            lambda spec, sub: (
+                jax.tree.map((lambda x: x[None]) if add else (lambda x: x[0]), sub) if per_worker(spec) else sub
+            ),
+            specs,
+            tree,
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     def sharded(state, batch):
         state, batch = squeeze(state, add=False), jax.tree.map(lambda x: x[0], batch)
@@ -171,8 +179,7 @@ def make_train_step(
     # check_vma=True: jax tracks which values vary over the axis, so a replicated (P())
     # leaf that came out different on some worker is a trace-time error, and
     # compressed_mean's guard sees a gradient jax.grad already summed over the axis.
-    f = jax.shard_map(sharded, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P(axis)),
-                      check_vma=True)
+    f = jax.shard_map(sharded, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P(axis)), check_vma=True)
     return jax.jit(f, donate_argnums=donate_argnums)
 
 

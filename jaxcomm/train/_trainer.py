@@ -13,20 +13,28 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ._checkpoint import latest_step, restore_checkpoint, save_checkpoint
 from ._mesh import make_mesh
-from ._nnx import (PureModel, classification_eval, classification_loss, evaluate_classifier, language_model_loss,
-                   split_model)
+from ._nnx import (
+    PureModel,
+    classification_eval,
+    classification_loss,
+    evaluate_classifier,
+    language_model_loss,
+    split_model,
+)
 from ._step import TrainState, init_train_state, make_train_step
 
 __all__ = ["Trainer", "NonFiniteLossError", "to_workers"]
@@ -97,7 +105,7 @@ class Trainer:
     model: nnx.Module
     tx: optax.GradientTransformation
     task: Any = "classification"
-    num_workers: Optional[int] = None
+    num_workers: int | None = None
     comm: Any = None
     seed: int = 0
     replicated_params: bool = False
@@ -112,17 +120,18 @@ class Trainer:
             self.loss_fn = language_model_loss(self.pure)
         else:
             raise ValueError(f"task must be 'classification', 'language_model' or a loss function; got {self.task!r}")
+        self.mesh: Mesh | None = None
         if self.comm is None:
-            self.mesh = make_mesh(self.num_workers)
-            self.num_workers = self.mesh.shape[self.mesh.axis_names[0]]
-            axis = P(self.mesh.axis_names[0])
+            mesh = self.mesh = make_mesh(self.num_workers)
+            self.num_workers = mesh.shape[mesh.axis_names[0]]
+            axis = P(mesh.axis_names[0])
             self.state_specs = TrainState(axis, P() if self.replicated_params else axis, axis, axis, axis)
             self.step_fn = make_train_step(self.loss_fn, self.tx, mesh=self.mesh, state_specs=self.state_specs)
         else:
             if self.replicated_params:
-                raise ValueError("replicated_params applies to a device mesh; with comm=... every process "
-                                 "holds its own copy already")
-            self.mesh = None
+                raise ValueError(
+                    "replicated_params applies to a device mesh; with comm=... every process holds its own copy already"
+                )
             self.num_workers = int(self.comm.size)
             self.step_fn = make_train_step(self.loss_fn, self.tx, comm=self.comm)
         self._eval_fn = classification_eval(self.pure)
@@ -130,7 +139,7 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def init_state(self) -> TrainState:
         """Initial state: identical parameters on every worker, distinct worker keys."""
-        n = self.num_workers
+        n = int(self.num_workers or 1)  # set in __post_init__
         keys = jax.random.split(jax.random.PRNGKey(self.seed), n)
         if self.mesh is None:
             rank = int(self.comm.rank) if hasattr(self.comm, "rank") else 0
@@ -169,9 +178,7 @@ class Trainer:
         For language models ``y`` is ``[N, T]`` token targets and ``perplexity`` is added.
         """
         params = self.params_of(state, average)
-        model_state = (
-            state.model_state if self.mesh is None else jax.tree.map(_first_worker, state.model_state)
-        )
+        model_state = state.model_state if self.mesh is None else jax.tree.map(_first_worker, state.model_state)
         out = evaluate_classifier(self._eval_fn, params, model_state, x, y, batch_size)
         if self.task != "language_model":
             out.pop("perplexity")
@@ -245,7 +252,8 @@ class Trainer:
             if checkpoint_dir is not None and (
                 (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == num_steps
             ):
-                save_checkpoint(checkpoint_dir, step + 1, state,
-                                position=getattr(batches, "position", None), metadata=metadata)
+                save_checkpoint(
+                    checkpoint_dir, step + 1, state, position=getattr(batches, "position", None), metadata=metadata
+                )
         bar.close()
         return state, history

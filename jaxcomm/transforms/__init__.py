@@ -11,6 +11,7 @@ from ._compressed_mean import compressed_mean
 from ._doublesqueeze import DoubleSqueezeState, doublesqueeze
 from ._error_feedback import error_feedback
 from ._gradient_dropping import (
+    DropRatioSchedule,
     PeriodicAverageState,
     average_params,
     dgc_warmup,
@@ -24,6 +25,7 @@ from ._pipeline import FUSE_MAX_BYTES, STRATEGIES, CompressionState, run_rounds
 __all__ = [
     "CompressionState",
     "DoubleSqueezeState",
+    "DropRatioSchedule",
     "FUSE_MAX_BYTES",
     "PeriodicAverageState",
     "STRATEGIES",

@@ -131,7 +131,13 @@ def compressed_mean(
         n = int(comm_obj.size)  # raises ValueError naming the axis where it is not bound
         check_served(comm_obj, chosen, compressor)
         ex, leaves, treedef, new_state, _ = compress_step(
-            comm_obj, updates, state, compressor=compressor, memory=memory, strategy=chosen, fuse=fuse,
+            comm_obj,
+            updates,
+            state,
+            compressor=compressor,
+            memory=memory,
+            strategy=chosen,
+            fuse=fuse,
             owner_step=(lambda keys: owner_step(keys, n)) if chosen == "reduce_scatter" else None,
         )
         bits = new_state.wire_bits

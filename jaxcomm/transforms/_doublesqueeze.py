@@ -179,17 +179,22 @@ def doublesqueeze(
             communicator, updates, state.worker, compressor=compressor, memory=worker_mem, strategy=worker_strategy
         )
         mean = treedef.unflatten(
-            [(m if worker_mem.output_scale == 1.0 else m * worker_mem.output_scale).astype(g.dtype)
-             for m, g in zip(ex.means, leaves)]
+            [
+                (m if worker_mem.output_scale == 1.0 else m * worker_mem.output_scale).astype(g.dtype)
+                for m, g in zip(ex.means, leaves)
+            ]
         )
         # Server half, recomputed identically on every worker: error feedback of the mean (nothing sent).
         sx, s_leaves, _, server_state, _ = compress_step(
             LOCAL, mean, state.server, compressor=server_c, memory=server_mem, strategy=server_c.strategy
         )
-        outs = [(m if server_mem.output_scale == 1.0 else m * server_mem.output_scale).astype(g.dtype)
-                for m, g in zip(sx.means, s_leaves)]
-        server_state = server_state._replace(wire_bits=jnp.zeros_like(server_state.wire_bits),
-                                             messages=jnp.zeros((), jnp.int32))
+        outs = [
+            (m if server_mem.output_scale == 1.0 else m * server_mem.output_scale).astype(g.dtype)
+            for m, g in zip(sx.means, s_leaves)
+        ]
+        server_state = server_state._replace(
+            wire_bits=jnp.zeros_like(server_state.wire_bits), messages=jnp.zeros((), jnp.int32)
+        )
         return treedef.unflatten(outs), DoubleSqueezeState(worker_state, server_state)
 
     def _sharded(updates, state):
@@ -201,8 +206,13 @@ def doublesqueeze(
             return Owner(server_c, server_mem, s_mem, list(s_keys[: len(s_leaves)]))
 
         ex, leaves, treedef, worker_state, _ = compress_step(
-            communicator, updates, state.worker, compressor=compressor, memory=worker_mem,
-            strategy="reduce_scatter", owner_step=owner_step,
+            communicator,
+            updates,
+            state.worker,
+            compressor=compressor,
+            memory=worker_mem,
+            strategy="reduce_scatter",
+            owner_step=owner_step,
         )
         outs = [(m if scale == 1.0 else m * scale).astype(g.dtype) for m, g in zip(ex.means, leaves)]
         server_state = CompressionState(

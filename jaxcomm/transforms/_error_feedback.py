@@ -16,7 +16,9 @@ from ._pipeline import LOCAL, CompressionState, check_compressor, check_memory, 
 __all__ = ["error_feedback"]
 
 
-def error_feedback(compressor: Compressor, memory: memory_lib.Memory | None = None) -> optax.GradientTransformationExtraArgs:
+def error_feedback(
+    compressor: Compressor, memory: memory_lib.Memory | None = None
+) -> optax.GradientTransformationExtraArgs:
     """Error-feedback compression of a gradient tree (EF-SGD; GRACE Algorithm 1 with one node).
 
     Per leaf ``g`` (any shape, floating dtype), with memory state ``m``:

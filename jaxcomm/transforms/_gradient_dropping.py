@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple, Union
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,7 @@ from ..compressors.payloads import DensePayload, SparsePayload
 from ._pipeline import CompressionState, compress_step, count_bits, group_vector, groups_of, init_state, ungroup
 
 __all__ = [
+    "DropRatioSchedule",
     "PeriodicAverageState",
     "gradient_dropping",
     "drop_ratio_warmup",
@@ -70,7 +72,7 @@ COMBINATIONS = ("none", "sum", "partial", "error")
 SCOPES = ("global", "leaf")
 EXCHANGES = ("auto", "sparse", "dense")
 
-DropRatio = Union[float, Callable[[jax.Array], jax.Array]]
+DropRatio = float | Callable[[jax.Array], jax.Array]
 
 
 # --------------------------------------------------------------------------- #
@@ -83,7 +85,22 @@ def _check_drop_ratio(value, name: str) -> float:
     return value
 
 
-def drop_ratio_warmup(drop_ratio: float = 0.99, warmup_steps: int = 1000) -> Callable[[jax.Array], jax.Array]:
+@dataclasses.dataclass(frozen=True)
+class DropRatioSchedule:
+    """A drop-ratio schedule ``count -> R_t`` (float32 scalar, jit-compatible) that knows its final ratio.
+
+    ``final_drop_ratio`` lets :func:`gradient_dropping` switch to the sparse
+    exchange of a fixed ``K`` once the warm-up is over.
+    """
+
+    schedule: Callable[[jax.Array], jax.Array]
+    final_drop_ratio: float
+
+    def __call__(self, count) -> jax.Array:
+        return self.schedule(count)
+
+
+def drop_ratio_warmup(drop_ratio: float = 0.99, warmup_steps: int = 1000) -> DropRatioSchedule:
     """Drop-ratio warm-up ``R_t = R^max(1, T/t)`` (Sec. 5.1 of the local-gradients paper).
 
     The paper uses ``R = 0.99`` and ``T = 1000``: ``R_1 = 0.99^1000 ≈ 4.3e-5``
@@ -113,13 +130,12 @@ def drop_ratio_warmup(drop_ratio: float = 0.99, warmup_steps: int = 1000) -> Cal
         exponent = jnp.maximum(1.0, warmup_steps / t)
         return jnp.exp(exponent * jnp.float32(log_ratio))
 
-    schedule.final_drop_ratio = drop_ratio  # lets gradient_dropping switch to a sparse exchange after warm-up
-    return schedule
+    return DropRatioSchedule(schedule, drop_ratio)
 
 
 def dgc_warmup(
     final_drop_ratio: float = 0.999, steps_per_stage: int = 1000, initial_drop_ratio: float = 0.75
-) -> Callable[[jax.Array], jax.Array]:
+) -> DropRatioSchedule:
     """Deep Gradient Compression's exponential sparsity warm-up (Lin et al. 2018, Sec. 3.4).
 
     The kept density shrinks by the factor ``1 - initial_drop_ratio`` at every
@@ -151,8 +167,7 @@ def dgc_warmup(
         density = jnp.power(jnp.float32(1.0 - initial_drop_ratio), stage.astype(jnp.float32) + 1.0)
         return jnp.minimum(jnp.float32(final_drop_ratio), 1.0 - density)
 
-    schedule.final_drop_ratio = final_drop_ratio
-    return schedule
+    return DropRatioSchedule(schedule, final_drop_ratio)
 
 
 def num_kept(drop_ratio, size: int):
@@ -289,12 +304,11 @@ def gradient_dropping(
             threshold = clip_norm / math.sqrt(n)
             norm = optax.tree.norm(leaves)
             leaves = [
-                jnp.where(norm < threshold, g, (g / norm.astype(g.dtype)) * threshold).astype(g.dtype)
-                for g in leaves
+                jnp.where(norm < threshold, g, (g / norm.astype(g.dtype)) * threshold).astype(g.dtype) for g in leaves
             ]
             updates = treedef.unflatten(leaves)
 
-        ratio = drop_ratio(state.count) if scheduled else drop_ratio
+        ratio = drop_ratio(state.count) if callable(drop_ratio) else drop_ratio
 
         def run(selection, strategy):
             """One exchange: Algorithm 2's lines 3-8 on the pipeline, then the combination C."""
@@ -325,18 +339,21 @@ def gradient_dropping(
             return outs, new_state._replace(memory=treedef.unflatten(residual))
 
         if exchange == "sparse":
-            outs, new_state = run(lambda phi: _topk(ratio, phi), "allgather")
+            outs, new_state = run(lambda phi: _topk(float(ratio), phi), "allgather")
         elif exchange == "dense":
             outs, new_state = run(lambda phi: _threshold_rule(num_kept(ratio, int(np.size(phi)))), "allreduce")
         else:  # switch: dense while some K_t exceeds the final K, then a fixed capacity of K_cap pairs
             sizes = [int(np.size(group_vector(leaves, idx))) for idx in groups_of(len(leaves), scope)]
+            assert final_ratio is not None  # the switch is chosen only for schedules that know it
             caps = [_sparse_capacity(final_ratio, drop_ratio, d) for d in sizes]
             use_sparse = jnp.all(jnp.stack([jnp.asarray(num_kept(ratio, d) <= c) for d, c in zip(sizes, caps)]))
             cap_of = dict(zip(sizes, caps))
 
             def sparse(_):
-                return run(lambda phi: _capacity_topk(num_kept(ratio, int(np.size(phi))), cap_of[int(np.size(phi))]),
-                           "allgather")
+                return run(
+                    lambda phi: _capacity_topk(num_kept(ratio, int(np.size(phi))), cap_of[int(np.size(phi))]),
+                    "allgather",
+                )
 
             def dense(_):
                 return run(lambda phi: _threshold_rule(num_kept(ratio, int(np.size(phi)))), "allreduce")
@@ -376,8 +393,9 @@ def _threshold_rule(k) -> Compressor:
         selected = jnp.where(magnitude >= threshold, flat, jnp.zeros_like(flat))  # lines 5-6
         return DensePayload(data=selected.reshape(jnp.shape(x)), dtype=x.dtype), state
 
-    return Compressor.create(name="threshold_rule", compress=compress, decompress=_dense_data, unbiased=False,
-                             strategy="allreduce")
+    return Compressor.create(
+        name="threshold_rule", compress=compress, decompress=_dense_data, unbiased=False, strategy="allreduce"
+    )
 
 
 def _dense_data(payload):
@@ -397,8 +415,9 @@ def _capacity_topk(k, cap: int) -> Compressor:
         d = flat.shape[0]
         _, index = jax.lax.top_k(jnp.abs(flat), cap)
         values = jnp.where(jnp.arange(cap) < k, flat[index], jnp.zeros((), flat.dtype))  # K_t of K_cap slots
-        return SparsePayload(values=values, indices=index.astype(index_dtype(d)), shape=tuple(jnp.shape(x)),
-                             dtype=x.dtype), state
+        return SparsePayload(
+            values=values, indices=index.astype(index_dtype(d)), shape=tuple(jnp.shape(x)), dtype=x.dtype
+        ), state
 
     base = topk(ratio=1.0)
     return dataclasses.replace(base, name="capacity_topk", compress_fn=compress, params={"capacity": cap})
@@ -431,7 +450,7 @@ class PeriodicAverageState(NamedTuple):
       messages: int32 scalar, collectives in the last step (1 or 0).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax's name for the step count; shadows tuple.count
     wire_bits: jax.Array
     messages: jax.Array
 
@@ -504,8 +523,8 @@ def periodic_average(
             return jax.tree.map(cast_varying, u, axes)
 
         updates = jax.lax.cond(sync, average, keep, updates)
-        leaf_bits = [count_bits(int(np.size(p)) * jnp.dtype(p.dtype).itemsize * 8) for p in jax.tree.leaves(params)]
-        leaf_bits = jnp.stack(leaf_bits) if leaf_bits else jnp.zeros((0,), jnp.int32)
+        sizes = [count_bits(int(np.size(p)) * jnp.dtype(p.dtype).itemsize * 8) for p in jax.tree.leaves(params)]
+        leaf_bits = jnp.stack(sizes) if sizes else jnp.zeros((0,), jnp.int32)
         return updates, PeriodicAverageState(
             count=count,
             wire_bits=jnp.where(sync, leaf_bits, 0),

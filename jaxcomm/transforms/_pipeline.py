@@ -35,7 +35,8 @@ last step, and ``state.messages`` the number of arrays it handed to collectives.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +88,7 @@ class CompressionState(NamedTuple):
         last step (one per MPI call on the MPI backend).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax's name for the step count; shadows tuple.count
     key: jax.Array
     memory: Any
     compressor_states: tuple
@@ -190,6 +191,11 @@ def count_bits(bits):
     return jnp.asarray(bits).astype(jnp.int32)
 
 
+def accumulator(dtype):
+    """The dtype sums over workers run in: float32, or the tensor's own when it is wider (float64)."""
+    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize > 4 else jnp.dtype(jnp.float32)
+
+
 def _array_bits(a) -> int:
     return int(np.size(a)) * jnp.dtype(a.dtype).itemsize * 8
 
@@ -226,8 +232,9 @@ def ungroup(flat, leaves, idx) -> dict:
     return out
 
 
-def init_state(params, compressor: Compressor, memory: memory_lib.Memory, *, scope: str = "leaf",
-               key=None) -> CompressionState:
+def init_state(
+    params, compressor: Compressor, memory: memory_lib.Memory, *, scope: str = "leaf", key=None
+) -> CompressionState:
     """The state for ``params`` (floating leaves): zero memories, fresh compressor states, ``PRNGKey(seed)``."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
     for leaf in leaves:
@@ -246,7 +253,7 @@ def init_state(params, compressor: Compressor, memory: memory_lib.Memory, *, sco
 
 def flatten_updates(updates, state: CompressionState, scope: str = "leaf"):
     """``(leaves, treedef, memory leaves)``; ``ValueError`` if the tree differs from ``init``'s."""
-    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    leaves, treedef = jax.tree.flatten(updates)
     try:
         mem_leaves = treedef.flatten_up_to(state.memory)
     except (ValueError, TypeError) as e:
@@ -395,8 +402,18 @@ def _summable_fields(compressor: Compressor, payload) -> tuple:
     return summable
 
 
-def exchange(comm, phis: list, keys: list, states: list, compressors: list, strategy: str, *,
-             fuse: bool = True, memory: memory_lib.Memory | None = None, owner: Owner | None = None) -> Exchanged:
+def exchange(
+    comm,
+    phis: list,
+    keys: list,
+    states: list,
+    compressors: list,
+    strategy: str,
+    *,
+    fuse: bool = True,
+    memory: memory_lib.Memory | None = None,
+    owner: Owner | None = None,
+) -> Exchanged:
     """Compress every tensor of ``phis``, communicate with ``strategy``, aggregate.
 
     Args:
@@ -413,9 +430,9 @@ def exchange(comm, phis: list, keys: list, states: list, compressors: list, stra
       owner: the owners' step (``"reduce_scatter"`` only).
     """
     n = int(comm.size)
-    index = comm.index() if n > 1 else None
+    index = comm.index()
     want_error = memory is not None and memory.from_error is not None
-    acc = [jnp.promote_types(jnp.result_type(phi), jnp.float32) for phi in phis]
+    acc = [accumulator(jnp.result_type(phi)) for phi in phis]
     if strategy == "reduce_scatter":
         return _reduce_scatter(comm, phis, keys, compressors, acc, memory, owner, n, index)
 
@@ -465,7 +482,8 @@ def exchange(comm, phis: list, keys: list, states: list, compressors: list, stra
             messages += n * len(jax.tree.leaves(payloads[i]))
             totals[i] = total
 
-    errors, own = [], []
+    errors: list[Any] = []
+    own: list[Any] = []
     for phi, payload, c, total in zip(phis, payloads, compressors, totals):
         if c.rounds is not None and rounds:
             # Multi-round methods: the memory keeps the aggregated reconstruction
@@ -515,13 +533,14 @@ def _put_chunk(full, part, n: int, me):
 def _reduce_scatter(comm, phis, keys, compressors, acc, memory, owner: Owner | None, n: int, me) -> Exchanged:
     if owner is None:
         raise ValueError("strategy 'reduce_scatter' needs the owners' step (Owner)")
-    me = comm.index() if me is None else me
     payloads, own, errors, bits, stacked = [], [], [], [], []
     want_error = memory is not None and memory.from_error is not None
     for phi, key, c in zip(phis, keys, compressors):
         # Independent draws per worker, except for summable payloads (their shared fields must agree).
         k = key if c.strategy == "allreduce" else jax.random.fold_in(key, me)
-        chunk_payloads = jax.vmap(lambda x, kk, c=c: c.compress(x, kk, ())[0])(to_chunks(phi, n), jax.random.split(k, n))
+        chunk_payloads = jax.vmap(lambda x, kk, c=c: c.compress(x, kk, ())[0])(
+            to_chunks(phi, n), jax.random.split(k, n)
+        )
         stacked.append(chunk_payloads)
         g_hat = from_chunks(jax.vmap(c.decompress)(chunk_payloads), jnp.shape(phi)).astype(jnp.result_type(phi))
         own.append(None if want_error else g_hat)
@@ -530,7 +549,7 @@ def _reduce_scatter(comm, phis, keys, compressors, acc, memory, owner: Owner | N
 
     # Compressed all-to-all in n - 1 permutation rounds: in round r, chunk (me + r) % n goes to its owner.
     received = [jax.tree.map(lambda a: a[me], stacked)]
-    sent_bits = [0] * len(phis)
+    sent_bits: list[Any] = [0] * len(phis)
     messages = 0
     for r in range(1, n):
         send = jax.tree.map(lambda a, r=r: a[(me + r) % n], stacked)
@@ -573,8 +592,18 @@ def _reduce_scatter(comm, phis, keys, compressors, acc, memory, owner: Owner | N
 # --------------------------------------------------------------------------- #
 # One step of a compressing transformation
 # --------------------------------------------------------------------------- #
-def compress_step(comm, updates, state: CompressionState, *, compressor, memory: memory_lib.Memory,
-                  strategy: str, fuse: bool = True, scope: str = "leaf", owner_step=None):
+def compress_step(
+    comm,
+    updates,
+    state: CompressionState,
+    *,
+    compressor,
+    memory: memory_lib.Memory,
+    strategy: str,
+    fuse: bool = True,
+    scope: str = "leaf",
+    owner_step=None,
+):
     """Compensate → compress → communicate → aggregate → memory update, for a gradient tree.
 
     Args:
@@ -604,15 +633,25 @@ def compress_step(comm, updates, state: CompressionState, *, compressor, memory:
     phis = [group_vector(phi_leaves, idx) for idx in groups]
     compressors = [compressor if isinstance(compressor, Compressor) else compressor(phi) for phi in phis]
     owner = owner_step(keys) if owner_step is not None else None
-    ex = exchange(comm, phis, list(keys[: len(groups)]), list(state.compressor_states), compressors, strategy,
-                  fuse=fuse, memory=memory, owner=owner)
+    ex = exchange(
+        comm,
+        phis,
+        list(keys[: len(groups)]),
+        list(state.compressor_states),
+        compressors,
+        strategy,
+        fuse=fuse,
+        memory=memory,
+        owner=owner,
+    )
 
     new_mem = list(mem_leaves)
+    from_error = memory.from_error
     for idx, err, own in zip(groups, ex.errors, ex.own):
         parts = ungroup(err if err is not None else own, phi_leaves, idx)
         for i, part in parts.items():
-            if err is not None:
-                new_mem[i] = memory.from_error(mem_leaves[i], part)
+            if err is not None and from_error is not None:  # errors come only for such memories
+                new_mem[i] = from_error(mem_leaves[i], part)
             else:
                 new_mem[i] = memory.update(mem_leaves[i], leaves[i], phi_leaves[i], part)
     new_state = CompressionState(

@@ -55,7 +55,8 @@ def main() -> None:
         np.testing.assert_array_equal(np.asarray(v), want, err_msg=f"all_to_all {k}")
     assert a2a_keys.dtype == keys.dtype
     np.testing.assert_array_equal(
-        np.asarray(jax.random.key_data(a2a_keys)), np.asarray(jax.random.key_data(keys[:, r])))
+        np.asarray(jax.random.key_data(a2a_keys)), np.asarray(jax.random.key_data(keys[:, r]))
+    )
 
     # reduce_scatter: this rank owns chunk r, the sum over ranks.
     rows = {k: np.stack([everyone[i][k][r] for i in range(n)]) for k in everyone[r]}
@@ -66,8 +67,9 @@ def main() -> None:
     for k in ("bf16", "f16"):  # summed in float32, cast back once
         assert rs[k].dtype == mine[k].dtype, k
         want = rows[k].astype(np.float32).sum(0).astype(rows[k].dtype).astype(np.float32)
-        np.testing.assert_allclose(np.asarray(rs[k], np.float32), want,
-                                   rtol=float(ml_dtypes.finfo(rows[k].dtype).eps), err_msg=k)
+        np.testing.assert_allclose(
+            np.asarray(rs[k], np.float32), want, rtol=float(ml_dtypes.finfo(rows[k].dtype).eps), err_msg=k
+        )
     # float32 accumulation is visible: 256 + 1 + ... + 1 is 256 in a bfloat16 running sum.
     big = np.ones((n, 2), np.float32)
     if r == 0:
@@ -84,8 +86,9 @@ def main() -> None:
         assert got.dtype == x.dtype, k
         allx = [np.concatenate([e[k].reshape(-1), e[k].reshape(-1)[:5]]) for e in everyone]
         want = np.sum([a.astype(np.float32) for a in allx], axis=0).astype(x.dtype).astype(np.float32)
-        np.testing.assert_allclose(np.asarray(got, np.float32), want,
-                                   rtol=float(ml_dtypes.finfo(x.dtype).eps), err_msg=f"sum {k}")
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), want, rtol=float(ml_dtypes.finfo(x.dtype).eps), err_msg=f"sum {k}"
+        )
     big = np.full(7, 256.0 if r == 0 else 1.0, np.float32)
     got = jax.jit(comm.sum)(jnp.asarray(big, jnp.bfloat16))
     want = np.float32(256.0 + n - 1).astype(ml_dtypes.bfloat16).astype(np.float32)
@@ -97,8 +100,9 @@ def main() -> None:
     for root, out in enumerate(outs):
         for k in ("i32", "bool", "bf16"):
             np.testing.assert_array_equal(np.asarray(out[k]), everyone[root][k], err_msg=f"root {root} {k}")
-        np.testing.assert_array_equal(np.asarray(jax.random.key_data(out["key"])),
-                                      np.asarray(jax.random.key_data(keys[root])))
+        np.testing.assert_array_equal(
+            np.asarray(jax.random.key_data(out["key"])), np.asarray(jax.random.key_data(keys[root]))
+        )
 
     # a leaf without the (n, ...) leading axis is refused, naming the collective
     for f, name in ((comm.reduce_scatter, "reduce_scatter"), (comm.all_to_all, "all_to_all")):

@@ -27,18 +27,20 @@ SHAPES = {"b": (5,), "w": (16, 12)}
 CASES = {
     # allreduce with a shared key: random-k values summed, positions regenerated from the key
     "randomk_allreduce": lambda **where: compressed_mean(
-        jc.compressors.randomk(ratio=0.25), memory=mem.residual(), **where),
+        jc.compressors.randomk(ratio=0.25), memory=mem.residual(), **where
+    ),
     # allgather of a stochastic compressor: per-worker keys fold_in(rank) must match fold_in(axis_index)
-    "qsgd_allgather": lambda **where: compressed_mean(
-        jc.compressors.qsgd(levels=4), memory=mem.residual(), **where),
+    "qsgd_allgather": lambda **where: compressed_mean(jc.compressors.qsgd(levels=4), memory=mem.residual(), **where),
     # two allreduce rounds yielded by the compressor's rounds (P, then Q)
     "powersgd_allreduce": lambda **where: compressed_mean(
-        jc.compressors.powersgd(matrix_approximation_rank=1), memory=mem.residual(), **where),
+        jc.compressors.powersgd(matrix_approximation_rank=1), memory=mem.residual(), **where
+    ),
     # DoubleSqueeze: worker and server error feedback around 1-bit scaled-sign payloads
     "doublesqueeze": lambda **where: doublesqueeze(jc.compressors.scaled_sign(), **where),
     # reduce-scatter: 16-bit chunks to their owners, float32 sums, 16-bit averaged chunks gathered
     "fp16_reduce_scatter": lambda **where: compressed_mean(
-        jc.compressors.fp16(), memory=mem.residual(), strategy="reduce_scatter", **where),
+        jc.compressors.fp16(), memory=mem.residual(), strategy="reduce_scatter", **where
+    ),
 }
 
 # Per-case tolerance of the MPI-vs-mesh comparison (default 1e-6: same float32
@@ -70,7 +72,8 @@ def make_worker_step(tx):
 
 def run_mesh(case: str, n: int = N):
     """Final parameters per worker (leading axis n) on an n-device mesh axis "data"."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
     opt, step = make_worker_step(CASES[case](axis_name="data"))
@@ -116,8 +119,16 @@ def check_protocol(comm) -> None:
     def f(x):
         tree = {"f": x, "u": x.astype(jnp.uint8), "h": x.astype(jnp.bfloat16), "b": x > 1}
         ring = [(i, (i + 1) % n) for i in range(n)]
-        return (comm.sum(tree), comm.mean(x), comm.all_gather(tree), comm.broadcast(tree, 2),
-                comm.permute(x, ring), comm.permute(x, [(0, 1)]), comm.index(), comm.varying(x))
+        return (
+            comm.sum(tree),
+            comm.mean(x),
+            comm.all_gather(tree),
+            comm.broadcast(tree, 2),
+            comm.permute(x, ring),
+            comm.permute(x, [(0, 1)]),
+            comm.index(),
+            comm.varying(x),
+        )
 
     x = jnp.full((4,), float(r + 1))
     s, m, g, b, ring, one, idx, v = f(x)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import numpy as np
+from compressed_mean_common import CASES, check_protocol, run_mpi
+from mpi4py import MPI
 
-from compressed_mean_common import CASES, check_protocol, run_mpi  # noqa: E402
-from jaxcomm.comm import MPIComm  # noqa: E402
+from jaxcomm.comm import MPIComm
 
 
 def main(out: str) -> None:

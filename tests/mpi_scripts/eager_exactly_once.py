@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eager_common import load_partial_mpi  # noqa: E402
+from eager_common import load_partial_mpi
 
 pm = load_partial_mpi()
 from mpi4py import MPI  # noqa: E402
@@ -44,13 +44,27 @@ def main(out: Path, steps: int, seed: int) -> None:
             g = np.zeros(n, np.float32)
             g[rank * steps + t] = 1.0
             res = pa(g)
-            data[t], mask[t], included[t], nap[t], rounds[t] = res.data, res.contributors, res.included, res.nap, res.round
+            data[t], mask[t], included[t], nap[t], rounds[t] = (
+                res.data,
+                res.contributors,
+                res.included,
+                res.nap,
+                res.round,
+            )
         pa.close()
         leftover = pa.leftover()
         np.savez(
             out / f"cfg{ci}_rank{rank}.npz",
-            mode=mode, sync_every=sync_every, data=data, mask=mask, included=included, nap=nap, rounds=rounds,
-            leftover=leftover, threads=threading.active_count(), pending=pa.pending_requests(),
+            mode=mode,
+            sync_every=sync_every,
+            data=data,
+            mask=mask,
+            included=included,
+            nap=nap,
+            rounds=rounds,
+            leftover=leftover,
+            threads=threading.active_count(),
+            pending=pa.pending_requests(),
             initiators=np.array([pa.initiator(t) for t in range(steps)]),
         )
 

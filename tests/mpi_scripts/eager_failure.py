@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eager_common import load_partial_mpi  # noqa: E402
+from eager_common import load_partial_mpi
 
 pm = load_partial_mpi()
 from mpi4py import MPI  # noqa: E402
@@ -61,7 +61,7 @@ def main(out: Path, scenario: str, timeout: float) -> None:
             pa(np.full(4, rank, np.float32))
         pa.close()
         report = {"error": None}
-    except Exception as e:  # noqa: BLE001 - the report is the point
+    except Exception as e:
         report = {
             "error": type(e).__name__,
             "is_timeout": isinstance(e, TimeoutError),

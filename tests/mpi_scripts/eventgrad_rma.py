@@ -35,7 +35,7 @@ def problem(rank):
 
 def init_params():
     rng = np.random.default_rng(0)  # the same initialisation on every worker
-    f = lambda *s: jnp.asarray(0.5 * rng.standard_normal(s), jnp.float32)  # noqa: E731
+    f = lambda *s: jnp.asarray(0.5 * rng.standard_normal(s), jnp.float32)
     return {"w1": f(4, 8), "b1": f(8), "w2": f(8, 3), "b2": f(3)}
 
 
@@ -132,8 +132,9 @@ def main():
         ref_p, ref_s = refs["full"]
         check_against(ref_p, [p for p, _ in g_e], "EventGraD over MPIComm")
         for r, (_, ev) in enumerate(g_e):
-            assert [int(a) for a in jax.tree.leaves(ev)] == [int(np.asarray(b)[r]) for b in jax.tree.leaves(
-                ref_s.events)], r
+            assert [int(a) for a in jax.tree.leaves(ev)] == [
+                int(np.asarray(b)[r]) for b in jax.tree.leaves(ref_s.events)
+            ], r
         report["two_sided"] = "ok"
     # Asynchronous (the real event-driven run): no barriers; counts still exact.
     _, _, stats = one_sided(comm, algs["full"], False)

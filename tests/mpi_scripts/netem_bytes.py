@@ -36,9 +36,7 @@ def main() -> None:
     step = jax.jit(fn)
     y = step(x).block_until_ready()  # compile, connect
     if op == "sum":
-        np.testing.assert_array_equal(
-            np.asarray(y), np.full(x.shape, n * (n + 1) / 2, np.float32)
-        )
+        np.testing.assert_array_equal(np.asarray(y), np.full(x.shape, n * (n + 1) / 2, np.float32))
     elif op == "all_gather":
         np.testing.assert_array_equal(
             np.asarray(y),

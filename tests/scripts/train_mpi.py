@@ -9,8 +9,9 @@ import sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(__file__))
 
-import digits_job  # noqa: E402
-from jaxcomm.comm import MPIComm  # noqa: E402
+import digits_job
+
+from jaxcomm.comm import MPIComm
 
 comm = MPIComm()
 result = digits_job.run(comm.size, comm=comm)

@@ -123,7 +123,7 @@ def _planar_pack(codes, w: int):
         codes = jnp.pad(codes, (0, planes * m - n))
     out = codes[:planes]
     for j in range(1, m):
-        out = out | (codes[j * planes:(j + 1) * planes] << (j * w))
+        out = out | (codes[j * planes : (j + 1) * planes] << (j * w))
     return out
 
 
@@ -174,12 +174,14 @@ def unpack_codes(fields, width: int, n: int) -> Array:
     dtype: int32 for ``width <= 31`` (cheap to convert to float), uint32 for 32.
     """
     out_dtype = jnp.int32 if width <= 31 else jnp.uint32
-    out, offset = None, 0
+    parts, offset = [], 0
     for f, w in zip(fields, _width_fields(width)):
         part = (f if w in _RAW else _planar_unpack(f, w, n)).astype(out_dtype)
-        part = part << offset if offset else part
-        out = part if out is None else out | part
+        parts.append(part << offset if offset else part)
         offset += w
+    out = parts[0]
+    for part in parts[1:]:
+        out = out | part
     return out
 
 

@@ -210,8 +210,8 @@ def _upper_excess(mean, var, z):
     Python floats and traced arrays.
     """
     if isinstance(z, (int, float)) and z < 0:
-        return z * (var ** 0.5)
-    return (z * z / 3.0 + (z ** 4 / 9.0 + 4.0 * z * z * var) ** 0.5) / 2.0
+        return z * (var**0.5)
+    return (z * z / 3.0 + (z**4 / 9.0 + 4.0 * z * z * var) ** 0.5) / 2.0
 
 
 def _sample_plan(d: int, kmax: int, margin: float):
