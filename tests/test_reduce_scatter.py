@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxcomm as jc
@@ -48,6 +48,7 @@ def reference(xs, wire):
 
 
 @pytest.mark.parametrize("name", sorted(WIRE))
+@settings(max_examples=10)  # each (n, d) compiles a new step
 @given(n=st.integers(1, 8), d=st.integers(1, 40), seed=st.integers(0, 2**16))
 def test_matches_numpy(name, n, d, seed):
     xs = np.random.default_rng(seed).normal(size=(n, d)).astype(np.float32) * 100
