@@ -38,6 +38,13 @@ fp32 ResNet-20 (8.6 Mbit) ring allreduce over 8 workers at 10 Gbps the bandwidth
 1.51 ms and one message's latency term 0.35 ms, but sending its 59 tensors as 59 separate
 allreduces (``messages=59``) pays 20.7 ms of latency, which is why tensor fusion exists.
 
+**Bytes of a whole step.** :func:`step_bytes` predicts the total bytes one
+:func:`jaxcomm.compressed_mean` step puts on the wire, summed over the workers, from one
+worker's ``state.wire_bits`` (ring algorithms; the derivations are in its docstring), and
+:func:`step_time` turns them into seconds on a *shared* link (every byte crosses one link of
+the given rate, as on :mod:`jaxcomm.netem`'s emulated network):
+``8 · step_bytes / B + step_latency_rounds · α``.
+
 Every function is plain arithmetic, so ``bits`` may be a Python number, a NumPy array or a
 (possibly traced) JAX array; the result has the same kind and broadcasts over ``bits``.
 """
@@ -66,6 +73,10 @@ __all__ = [
     "comm_time",
     "cumulative_comm_time",
     "estimate_times",
+    "STEP_STRATEGIES",
+    "step_bytes",
+    "step_latency_rounds",
+    "step_time",
 ]
 
 DEFAULT_LATENCY_S = 25e-6
@@ -372,3 +383,120 @@ def estimate_times(
         comm = np.asarray(comm_time(strategy, bits, workers, net, **kwargs), dtype=np.float64)
         out[name] = float(comm.sum() + compute * bits.size)
     return out
+
+
+# --------------------------------------------------------------------------- #
+# Bytes and time of one compressed_mean step
+# --------------------------------------------------------------------------- #
+STEP_STRATEGIES = ("allreduce", "rounds", "allgather", "reduce_scatter", "broadcast")
+"""The strategies :func:`step_bytes` prices: the pipeline's (:data:`jaxcomm.transforms.STRATEGIES`)
+and ``"rounds"``, a multi-round compressor (PowerSGD) under ``"allreduce"``."""
+
+
+def _check_strategy(strategy) -> str:
+    if strategy not in STEP_STRATEGIES:
+        raise ValueError(f"strategy must be one of {STEP_STRATEGIES}; got {strategy!r}")
+    return strategy
+
+
+def step_bytes(strategy: str, payload_bytes, workers: int):
+    """Total bytes one :func:`jaxcomm.compressed_mean` step puts on the wire, summed over workers.
+
+    ``P = payload_bytes`` is one worker's ``state.wire_bits.sum() / 8`` for that strategy (what
+    the pipeline counts, below); ``n = workers``. Collectives are the ring algorithms (Open
+    MPI's ``coll_tuned`` all-reduce and all-gather algorithm 4), the counts are payload bytes
+    (no protocol headers), and ``n = 1`` sends nothing.
+
+    - ``"allreduce"``: ``P`` = the summed fields. A ring all-reduce is a reduce-scatter then
+      an all-gather over ``n`` blocks; each block is sent ``n − 1`` times in each phase, so
+      ``2 (n − 1) P`` bytes in all, whatever the block sizes. (``MPIComm``'s float16/bfloat16
+      sum, an all-to-all then an all-gather of ``c = ceil(d / n)``-entry chunks, sends
+      ``2 (n − 1) n c`` words: the same when ``n`` divides ``d``.)
+    - ``"rounds"`` (PowerSGD): ``P = Σ_j m_j`` over the messages it yields, each summed by
+      its own ring all-reduce: ``Σ_j 2 (n − 1) m_j = 2 (n − 1) P``.
+    - ``"allgather"``: ``P`` = the whole payload (fused or not: fusion only packs the
+      payloads into one buffer). Every worker receives the other ``n − 1`` payloads once:
+      ``n (n − 1) P``.
+    - ``"broadcast"``: each worker's payload broadcast in turn; with a tree or linear
+      broadcast (binomial, pipelined) every other worker receives it once: ``n (n − 1) P``.
+      (A scatter-allgather broadcast sends up to twice that; not measured.)
+    - ``"reduce_scatter"``: a worker sends ``n − 1`` chunk payloads of ``s`` bytes to their
+      owners (``permute``) and its averaged chunk's payload ``a`` goes to the ``n − 1`` others
+      in the ring all-gather: ``n (n − 1) (s + a)`` in all. The pipeline reports
+      ``P = (n − 1) s + a``, and in :func:`jaxcomm.compressed_mean` the owners compress their
+      ``c``-entry chunk with the same compressor, whose payload size depends only on the
+      length, so ``a = s = P / n`` and the total is ``n (n − 1) · 2 P / n = 2 (n − 1) P``.
+      (Not for DoubleSqueeze, whose owners use another compressor and whose ``wire_bits`` is
+      the averaged chunk alone.)
+
+    Args:
+      strategy: one of :data:`STEP_STRATEGIES`.
+      payload_bytes: ``P``, one worker's bytes per step (scalar or array, ``>= 0``).
+      workers: ``n >= 1``.
+    Returns:
+      bytes summed over the workers, same kind as ``payload_bytes``.
+    """
+    strategy = _check_strategy(strategy)
+    n = _check_int(workers, "workers", 1)
+    payload = _check_bits(payload_bytes, "payload_bytes")
+    if strategy in ("allgather", "broadcast"):
+        return n * (n - 1) * payload
+    return 2 * (n - 1) * payload
+
+
+def step_latency_rounds(strategy: str, workers: int, messages: int = 1) -> int:
+    """Sequential message steps of one step, each paying the latency ``α`` once.
+
+    ``messages`` is ``state.messages``, the arrays the worker handed to collectives (one MPI
+    call each). A ring all-reduce takes ``2 (n − 1)`` steps, a ring all-gather ``n − 1``, a
+    binomial broadcast ``ceil(log2 n)``, a ``permute`` one:
+
+    - ``"allreduce"``, ``"rounds"``: ``2 (n − 1) · messages``;
+    - ``"allgather"``: ``(n − 1) · messages``;
+    - ``"broadcast"``: ``ceil(log2 n) · messages``;
+    - ``"reduce_scatter"``: the payload's ``L`` arrays go out in ``n − 1`` permutes and one
+      all-gather each, so ``messages = n L`` and the steps are
+      ``(n − 1) L + (n − 1) L = 2 (n − 1) · messages / n``.
+
+    Args:
+      strategy: one of :data:`STEP_STRATEGIES`; workers: ``n >= 1``;
+      messages: ``>= 0`` (a multiple of ``n`` for ``"reduce_scatter"``).
+    Returns:
+      the number of steps (0 for ``n = 1``).
+    """
+    strategy = _check_strategy(strategy)
+    n = _check_int(workers, "workers", 1)
+    m = _check_int(messages, "messages", 0)
+    if n == 1:
+        return 0
+    if strategy in ("allreduce", "rounds"):
+        return 2 * (n - 1) * m
+    if strategy == "allgather":
+        return (n - 1) * m
+    if strategy == "broadcast":
+        return _lg(n) * m
+    if m % n:
+        raise ValueError(f"messages must be a multiple of workers ({n}) for 'reduce_scatter'; got {m}")
+    return 2 * (n - 1) * (m // n)
+
+
+def step_time(strategy: str, payload_bytes, workers: int, net: Network, *, messages: int = 1):
+    """Seconds of one step's communication on a shared link:
+    ``8 · step_bytes(strategy, P, n) / B + step_latency_rounds(strategy, n, messages) · α``.
+
+    The model of :mod:`jaxcomm.netem`'s emulated network: all workers' bytes cross one link
+    of ``B`` bits per second (a shared medium, or a single bottleneck), so the bandwidth term
+    is the total bytes of :func:`step_bytes`, not one worker's share as in the switched
+    α-β model of :func:`comm_time`; message steps are sequential and each pays ``α``.
+    Computation and protocol headers are left out.
+
+    Args:
+      strategy: one of :data:`STEP_STRATEGIES`; payload_bytes: one worker's
+        ``state.wire_bits.sum() / 8``; workers: ``n >= 1``; net: the :class:`Network`;
+      messages: ``state.messages``.
+    Returns:
+      seconds, same kind as ``payload_bytes``.
+    """
+    net = _check_net(net)
+    total = step_bytes(strategy, payload_bytes, workers)
+    return 8 * total / net.bits_per_s + step_latency_rounds(strategy, workers, messages) * net.latency_s

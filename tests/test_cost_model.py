@@ -183,3 +183,93 @@ def test_bad_input():
         cm.allreduce_time(1.0, 2, 10.0)
     with pytest.raises(ValueError, match="compute_s_per_step"):
         cm.estimate_times("allreduce", [1.0], 2, compute_s_per_step=-1.0)
+
+
+# --------------------------------------------------------------------------- #
+# Bytes and time of one compressed_mean step
+# --------------------------------------------------------------------------- #
+def test_step_bytes_closed_forms():
+    P = 1_000_000.0
+    for n in (1, 2, 3, 4, 8):
+        assert cm.step_bytes("allreduce", P, n) == 2 * (n - 1) * P  # ring: 2(n-1)/n P per worker
+        assert cm.step_bytes("rounds", P, n) == 2 * (n - 1) * P
+        assert cm.step_bytes("allgather", P, n) == n * (n - 1) * P
+        assert cm.step_bytes("broadcast", P, n) == n * (n - 1) * P
+        assert cm.step_bytes("reduce_scatter", P, n) == 2 * (n - 1) * P
+    # n = 4, fp16 on d = 1000 entries, reduce-scatter: chunks of c = 250 entries, s = a = 500 bytes;
+    # each worker reports (n-1) s + a = 2000 bytes; on the wire n(n-1)(s + a) = 12 * 1000.
+    assert cm.step_bytes("reduce_scatter", 2000, 4) == 12_000
+    # PowerSGD rank 2 on (512, 1024): messages of 512*2*4 and 1024*2*4 bytes, each a ring all-reduce.
+    m1, m2 = 512 * 2 * 4, 1024 * 2 * 4
+    assert cm.step_bytes("rounds", m1 + m2, 4) == 6 * m1 + 6 * m2
+    np.testing.assert_array_equal(cm.step_bytes("allgather", np.array([0, 10, 20]), 3), [0, 60, 120])
+
+
+def test_step_latency_rounds_closed_forms():
+    assert cm.step_latency_rounds("allreduce", 4, 3) == 18  # 2(n-1) steps per ring all-reduce
+    assert cm.step_latency_rounds("rounds", 4, 2) == 12
+    assert cm.step_latency_rounds("allgather", 4, 1) == 3
+    assert cm.step_latency_rounds("broadcast", 5, 10) == 30  # ceil(log2 5) = 3 per broadcast
+    # reduce-scatter of a one-array payload over n = 4: messages = 3 permutes + 1 all-gather = 4;
+    # 3 permute steps + 3 all-gather steps.
+    assert cm.step_latency_rounds("reduce_scatter", 4, 4) == 6
+    for s in cm.STEP_STRATEGIES:
+        assert cm.step_latency_rounds(s, 1, 5) == 0
+
+
+def test_step_time_is_bytes_over_rate_plus_latency():
+    net = cm.Network(0.4, 1e-4)  # 400 Mbit/s, 100 µs
+    P = 2 * 1024 * 1024
+    # ring all-reduce over n = 2 on a shared link: 2 P bytes, 2 steps
+    assert cm.step_time("allreduce", P, 2, net) == pytest.approx(8 * 2 * P / 4e8 + 2 * 1e-4)
+    assert cm.step_time("allgather", 41944, 4, net) == pytest.approx(8 * 12 * 41944 / 4e8 + 3 * 1e-4)
+    assert cm.step_time("reduce_scatter", P, 4, net, messages=4) == pytest.approx(8 * 6 * P / 4e8 + 6 * 1e-4)
+    assert cm.step_time("rounds", 12288, 4, net, messages=2) == pytest.approx(8 * 6 * 12288 / 4e8 + 12 * 1e-4)
+    assert cm.step_time("allreduce", P, 1, net) == 0.0
+    traced = jax.jit(lambda b: cm.step_time("allgather", b, 4, cm.Network(1.0, 0.0)))(jnp.float32(1e6))
+    assert float(traced) == pytest.approx(8 * 12e6 / 1e9, rel=1e-6)
+
+
+def _vmapped_state(compressor, strategy, n, shape):
+    """``state`` after one ``compressed_mean`` step over ``n`` workers simulated with ``jax.vmap``."""
+    tx = jc.compressed_mean(compressor, "w", strategy=strategy)
+    g = {"w": jnp.arange(n * math.prod(shape), dtype=jnp.float32).reshape(n, *shape) / 7.0}
+    state = jax.vmap(tx.init)(g)
+    _, state = jax.vmap(tx.update, axis_name="w")(g, state)
+    return int(np.asarray(state.wire_bits)[0].sum()), int(np.asarray(state.messages)[0])
+
+
+@pytest.mark.parametrize(
+    "make, strategy, step_strategy, shape, payload_bytes, total, messages",
+    [
+        # none: 64*32 float32 = 8192 bytes summed; ring all-reduce 2*3*8192.
+        (lambda: jc.compressors.none(), "allreduce", "allreduce", (64, 32), 8192, 6 * 8192, 1),
+        # top-k 1%: k = round(20.48) = 20 float32 values + 20 uint16 indices (d = 2048 < 2**16) = 120 bytes,
+        # gathered to the 3 others.
+        (lambda: jc.compressors.topk(ratio=0.01), "allgather", "allgather", (64, 32), 120, 12 * 120, 1),
+        # fp16 reduce-scatter: chunks of 512 entries (1024 bytes); 3 sent + 1 averaged = 4096 bytes.
+        (lambda: jc.compressors.fp16(), "reduce_scatter", "reduce_scatter", (64, 32), 4096, 12 * 2048, 4),
+        # PowerSGD rank 2: P (64x2) and Q (32x2) in float32 = 512 + 256 bytes, two all-reduces.
+        (lambda: jc.compressors.powersgd(rank=2), "allreduce", "rounds", (64, 32), 768, 6 * 768, 2),
+    ],
+)
+def test_step_bytes_from_the_pipelines_wire_bits(make, strategy, step_strategy, shape, payload_bytes, total, messages):
+    n = 4
+    bits, msgs = _vmapped_state(make(), strategy, n, shape)
+    assert (bits, msgs) == (8 * payload_bytes, messages)
+    assert cm.step_bytes(step_strategy, bits / 8, n) == total
+
+
+def test_step_bad_input():
+    with pytest.raises(ValueError, match="strategy"):
+        cm.step_bytes("alltoall", 1.0, 2)
+    with pytest.raises(ValueError, match="payload_bytes"):
+        cm.step_bytes("allreduce", -1.0, 2)
+    with pytest.raises(TypeError, match="workers"):
+        cm.step_bytes("allreduce", 1.0, 2.0)
+    with pytest.raises(ValueError, match="messages"):
+        cm.step_latency_rounds("reduce_scatter", 4, 3)
+    with pytest.raises(ValueError, match="messages"):
+        cm.step_latency_rounds("allreduce", 4, -1)
+    with pytest.raises(TypeError, match="net"):
+        cm.step_time("allreduce", 1.0, 2, 0.4)

@@ -327,3 +327,77 @@ def test_timeout_ends_every_process(namespaces):
         except OSError:
             pass
     assert alive == []
+
+
+# --------------------------------------------------------------------------- #
+# A whole compressed_mean step: jaxcomm.cost_model's prediction against the link
+# --------------------------------------------------------------------------- #
+STEP_SCRIPT = ROOT / "tests" / "mpi_scripts" / "netem_step_bytes.py"
+
+
+def step_expectations(case: str, n: int, rows: int, cols: int) -> dict:
+    """For one case of ``netem_step_bytes.py``: the wire bits one worker must report, the
+    cost model's strategy, and the Open MPI protocol bound ``M`` of the step's messages.
+
+    ``d = rows · cols`` float32 entries (``n`` divides ``d``). Messages (ring algorithms):
+    ``none``: one all-reduce of ``P`` (``2n(n−1)`` messages of ``P/n``); ``topk``: one fused
+    all-gather of ``P`` (``n(n−1)`` messages of ``P``); ``fp16`` reduce-scatter: ``n(n−1)``
+    sendrecvs of a ``P/n`` chunk and ``n(n−1)`` all-gather messages of the ``P/n`` averaged
+    chunk; ``powersgd`` rank 2: two all-reduces, of ``m_1 = 8·rows`` and ``m_2 = 8·cols`` bytes.
+    """
+    d = rows * cols
+    if case == "none":
+        bits, strategy = 32 * d, "allreduce"
+        bound = _protocol_bound(2 * n * (n - 1), 4 * d // n)
+    elif case == "topk":
+        k = max(1, round(0.01 * d))
+        bits, strategy = k * (32 + 32), "allgather"  # float32 values, int32 indices (d > 2**16)
+        bound = _protocol_bound(n * (n - 1), k * 8)
+    elif case == "fp16":
+        bits, strategy = 16 * d, "reduce_scatter"  # (n − 1) chunks of d/n entries + the averaged chunk
+        bound = _protocol_bound(2 * n * (n - 1), 2 * d // n)
+    elif case == "powersgd":
+        bits, strategy = 32 * 2 * (rows + cols), "rounds"
+        bound = _protocol_bound(2 * n * (n - 1), 8 * rows // n) + _protocol_bound(2 * n * (n - 1), 8 * cols // n)
+    else:
+        raise ValueError(f"case: unknown {case!r}")
+    return {"wire_bits": bits, "strategy": strategy, "bound": bound}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, rows", [(2, 512), (4, 1024)])  # 2 MiB and 4 MiB float32 gradients
+def test_compressed_mean_step_bytes_match_cost_model(namespaces, tmp_path, n, rows):
+    from jaxcomm import cost_model
+
+    out = tmp_path / "steps.json"
+    env = {**os.environ, **RING, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, str(STEP_SCRIPT), str(rows), str(out)]
+    res = netem.launch(n, cmd, bandwidth="400mbit", env=env, timeout=300, capture_output=True, cwd=ROOT)
+    assert res.returncode == 0, (res.stderr or "")[-3000:]
+    report = json.loads(out.read_text())
+    assert report["n"] == n and report["shape"] == [rows, 1024]
+    assert set(report["cases"]) == {"none", "topk", "fp16", "powersgd"}
+    rate, burst = res.settings["bandwidth_bps"], res.settings["burst_bytes"]
+    hdr = netem.HEADER_BYTES
+    for case, c in report["cases"].items():
+        want = step_expectations(case, n, rows, 1024)
+        win, bar = c["window"], c["barriers"]
+        assert win["drops"] == 0 and bar["drops"] == 0 and win["qdisc"] == "tbf"
+        # A retransmitted segment crosses the link twice; the script measures again until a
+        # window has none (a tail loss probe after a delayed ACK added ~4 KB to a 25 KB window).
+        assert win["retransmitted"] == 0 and bar["retransmitted"] == 0, (case, c)
+        # (b) the pipeline's own count, against the compressor's closed form
+        assert c["wire_bits"] == want["wire_bits"], (case, c)
+        assert c["messages"] == {"none": 1, "topk": 1, "fp16": n, "powersgd": 2}[case], (case, c)
+        # (a) the cost model's prediction from wire_bits, against the kernel's count
+        predicted = cost_model.step_bytes(want["strategy"], c["wire_bits"] / 8, n)
+        measured = (win["bytes"] - hdr * win["packets"]) - (bar["bytes"] - hdr * bar["packets"])
+        assert predicted <= measured <= predicted + want["bound"], (case, measured, predicted, want, c)
+        # The link passes at most burst + rate · t / 8 bytes in t seconds (token bucket); the
+        # timed part of the window excludes one barrier, so its bytes (W_b at most) are taken off.
+        assert win["wall_s"] >= 8 * (win["bytes"] - bar["bytes"] - burst) / rate, (case, c)
+        # step_time with α = 0 is the time that many bytes take at the link's rate.
+        t = cost_model.step_time(
+            want["strategy"], c["wire_bits"] / 8, n, cost_model.Network(rate / 1e9, 0.0), messages=c["messages"]
+        )
+        assert t == pytest.approx(8 * predicted / rate)
