@@ -67,17 +67,7 @@ def threshold(*, v: float, max_ratio: float = 1.0, seed: int = 0) -> Compressor:
         vals, idx = _sparse_payload(x, pos, count)
         return CountSparsePayload(values=vals, indices=idx, count=count, shape=tuple(np.shape(x)), dtype=x.dtype), state
 
-    return Compressor.create(
-        name="threshold",
-        compress=compress,
-        decompress=_decompress_count,
-        decompress_sum=_decompress_sum_count,
-        compression_error=_error_count,
-        unbiased=False,
-        strategy="allgather",
-        seed=seed,
-        params=dict(v=v, max_ratio=max_ratio),
-    )
+    return _count_sparse("threshold", compress, seed, dict(v=v, max_ratio=max_ratio))
 
 
 class DGCPlan(NamedTuple):
@@ -234,8 +224,25 @@ def dgc(
         vals, idx = _sparse_payload(x, idx, n)
         return CountSparsePayload(values=vals, indices=idx, count=n, shape=shape, dtype=x.dtype), state
 
+    return _count_sparse(
+        "dgc",
+        compress,
+        seed,
+        dict(
+            ratio=ratio,
+            sample_ratio=sample_ratio,
+            upper_bound=upper_bound,
+            lower_bound=lower_bound,
+            max_adaptation_iters=max_adaptation_iters,
+        ),
+    )
+
+
+def _count_sparse(name: str, compress, seed: int, params: dict) -> Compressor:
+    """A biased all-gather compressor whose payload is a :class:`CountSparsePayload` (a fixed-capacity
+    buffer and its count), with that payload's decoder, gathered sum and in-place error."""
     return Compressor.create(
-        name="dgc",
+        name=name,
         compress=compress,
         decompress=_decompress_count,
         decompress_sum=_decompress_sum_count,
@@ -243,11 +250,5 @@ def dgc(
         unbiased=False,
         strategy="allgather",
         seed=seed,
-        params=dict(
-            ratio=ratio,
-            sample_ratio=sample_ratio,
-            upper_bound=upper_bound,
-            lower_bound=lower_bound,
-            max_adaptation_iters=max_adaptation_iters,
-        ),
+        params=params,
     )
