@@ -6,6 +6,7 @@
     jaxcomm run EXPERIMENT [--smoke] [--devices N] [--set key=value ...] [--out DIR]
     jaxcomm demo [--devices N]                    # every compressor on a real model's gradients
     jaxcomm launch -n N [--bandwidth 200mbit] [--latency 0.1ms] [--report FILE] -- CMD ARGS...
+    jaxcomm launch --check                        # can this machine emulate a network?
 
 ``--devices N`` simulates N CPU devices (it sets ``XLA_FLAGS`` before jax is
 imported). Each run writes ``results.json`` and PNG plots into ``--out``
@@ -13,7 +14,8 @@ imported). Each run writes ``results.json`` and PNG plots into ``--out``
 
 ``launch`` runs ``mpirun -n N CMD ARGS...`` on an emulated network (a private
 network namespace whose loopback is throttled; :mod:`jaxcomm.netem`) and prints
-the bytes the kernel sent through it; it needs root.
+the bytes the kernel sent through it; it needs root. ``launch --check`` tries to
+make such a namespace and exits 0 if it can, else 1 with the reason.
 """
 
 from __future__ import annotations
@@ -112,6 +114,13 @@ def _cmd_demo(args) -> int:
 def _cmd_launch(args) -> int:
     from . import netem
 
+    if args.check:
+        why = netem.unavailable()
+        print(why or "jaxcomm launch: network emulation is available here", file=sys.stderr)
+        return 0 if why is None else 1
+    if args.n is None:
+        print("error: launch: give the number of processes, -n N", file=sys.stderr)
+        return 2
     command = list(args.cmd)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -167,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         description="Run mpirun -n N CMD in a private network namespace whose loopback is throttled "
         "(Open MPI over TCP only), and report the bytes the kernel sent through it.",
     )
-    p_launch.add_argument("-n", type=int, required=True, help="number of MPI processes")
+    p_launch.add_argument("-n", type=int, default=None, help="number of MPI processes")
+    p_launch.add_argument(
+        "--check", action="store_true", help="only check that this machine can emulate a network (exit 0 or 1)"
+    )
     p_launch.add_argument("--bandwidth", default="unlimited", help="shared link rate: 200mbit, 1gbit, ... or unlimited")
     p_launch.add_argument("--latency", default="0", help="delay added per packet: 0.1ms, 50us, ... (needs sch_netem)")
     p_launch.add_argument("--burst", default="256kb", help="token bucket size (default 256kb)")

@@ -74,6 +74,7 @@ __all__ = [
     "cumulative_comm_time",
     "estimate_times",
     "STEP_STRATEGIES",
+    "TOPOLOGIES",
     "step_bytes",
     "step_latency_rounds",
     "step_time",
@@ -480,23 +481,41 @@ def step_latency_rounds(strategy: str, workers: int, messages: int = 1) -> int:
     return 2 * (n - 1) * (m // n)
 
 
-def step_time(strategy: str, payload_bytes, workers: int, net: Network, *, messages: int = 1):
-    """Seconds of one step's communication on a shared link:
-    ``8 · step_bytes(strategy, P, n) / B + step_latency_rounds(strategy, n, messages) · α``.
+TOPOLOGIES = ("shared", "switched")
+"""The networks :func:`step_time` models: one link shared by all workers, or one full-duplex
+link per worker to a non-blocking switch."""
 
-    The model of :mod:`jaxcomm.netem`'s emulated network: all workers' bytes cross one link
-    of ``B`` bits per second (a shared medium, or a single bottleneck), so the bandwidth term
-    is the total bytes of :func:`step_bytes`, not one worker's share as in the switched
-    α-β model of :func:`comm_time`; message steps are sequential and each pays ``α``.
-    Computation and protocol headers are left out.
+
+def step_time(strategy: str, payload_bytes, workers: int, net: Network, *, messages: int = 1, topology: str = "shared"):
+    """Seconds of one step's communication:
+    ``8 · step_bytes(strategy, P, n) / (L · B) + step_latency_rounds(strategy, n, messages) · α``.
+
+    - ``topology="shared"`` (``L = 1``): the model of :mod:`jaxcomm.netem`'s emulated
+      network: all workers' bytes cross one link of ``B`` bits per second (a shared medium,
+      or a single bottleneck), so the bandwidth term is the total bytes of :func:`step_bytes`.
+    - ``topology="switched"`` (``L = n``): every worker has its own full-duplex link of ``B``
+      bits per second to a non-blocking switch (a cluster). The ring collectives, the
+      reduce-scatter route and the all-gather spread :func:`step_bytes` evenly over the ``n``
+      senders, which send at once: ``2 (n − 1) P / n`` bytes per worker for a ring
+      all-reduce, ``(n − 1) P`` for an all-gather (the α-β times of
+      :func:`allreduce_time` and :func:`allgather_time`). A broadcast's root sends more than
+      its share, so ``"broadcast"`` is priced only on a shared link.
+
+    Message steps are sequential and each pays ``α``. Computation and protocol headers are
+    left out.
 
     Args:
       strategy: one of :data:`STEP_STRATEGIES`; payload_bytes: one worker's
         ``state.wire_bits.sum() / 8``; workers: ``n >= 1``; net: the :class:`Network`;
-      messages: ``state.messages``.
+      messages: ``state.messages``; topology: one of :data:`TOPOLOGIES`.
     Returns:
       seconds, same kind as ``payload_bytes``.
     """
     net = _check_net(net)
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {TOPOLOGIES}; got {topology!r}")
+    if topology == "switched" and strategy == "broadcast":
+        raise ValueError("topology='switched' does not price 'broadcast' (its root sends more than its share)")
     total = step_bytes(strategy, payload_bytes, workers)
-    return 8 * total / net.bits_per_s + step_latency_rounds(strategy, workers, messages) * net.latency_s
+    links = _check_int(workers, "workers", 1) if topology == "switched" else 1
+    return 8 * total / (links * net.bits_per_s) + step_latency_rounds(strategy, workers, messages) * net.latency_s

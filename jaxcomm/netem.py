@@ -62,12 +62,14 @@ __all__ = [
     "LinkSettings",
     "NetemError",
     "NetemUnavailable",
+    "RING_COLLECTIVES",
     "all_gather_bytes",
     "launch",
     "link_bytes",
     "link_counters",
     "link_settings",
     "missing_requirements",
+    "measure_window",
     "mpirun_netem_env",
     "parse_qdisc_stats",
     "parse_rate",
@@ -75,6 +77,8 @@ __all__ = [
     "parse_time",
     "qdisc_commands",
     "ring_allreduce_bytes",
+    "tcp_retransmissions",
+    "unavailable",
 ]
 
 HEADER_BYTES = 66
@@ -83,6 +87,15 @@ HEADER_BYTES = 66
 
 LOOPBACK_MTU = 65536
 """The Linux loopback's default MTU in bytes (IPv4 packet size, Ethernet header excluded)."""
+
+RING_COLLECTIVES = {
+    "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
+    "OMPI_MCA_coll_tuned_allreduce_algorithm": "4",
+    "OMPI_MCA_coll_tuned_allgather_algorithm": "4",
+}
+"""Environment that makes Open MPI's tuned collectives use the ring all-reduce (algorithm 4) and
+the ring all-gather (algorithm 4), the algorithms :mod:`jaxcomm.cost_model`'s step formulas
+describe (pass it in ``env`` of :func:`launch`)."""
 
 _TBF_QUEUE_LATENCY = "400ms"  # tbf's bound on queueing time (its `latency`), not a delay
 _CAP_NET_ADMIN = 12
@@ -447,6 +460,73 @@ def link_bytes(dev: str = "lo") -> int:
     return link_counters(dev).bytes
 
 
+def tcp_retransmissions() -> int:
+    """Segments TCP retransmitted in this network namespace (``RetransSegs`` of ``/proc/net/snmp``).
+
+    A retransmitted segment (a tail loss probe after a delayed ACK, say) crosses the link twice,
+    so a window that had one counts more bytes than its messages carry.
+    """
+    with open("/proc/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    return int(rows[1][rows[0].index("RetransSegs")])
+
+
+def measure_window(world, run: Callable[[], Any], tries: int = 5, dev: str = "lo") -> dict | None:
+    """The link's counters around ``run()`` in an MPI job, from inside the job (every rank calls it).
+
+    Two windows, each opened and closed by ``MPI_Barrier``: one with the barriers alone, then
+    one with ``run()``; rank 0 reads :func:`link_counters` and :func:`tcp_retransmissions` at
+    their edges. The bytes of ``run()`` alone are ``window - barriers``. A window in which TCP
+    retransmitted a segment is measured again (``run()`` included), up to ``tries`` times; the
+    earlier attempts are kept under ``"retried"``.
+
+    Args:
+      world: an mpi4py communicator (``MPI.COMM_WORLD``).
+      run: what to measure; it must return after its collectives have completed (block on
+        its outputs).
+      tries: attempts while a window had a retransmission (>= 1).
+      dev: the interface whose root qdisc is read.
+    Returns:
+      on rank 0 ``{"barriers": W_b, "window": W, "retried": [...]}``, each window a dict of
+      ``bytes``, ``packets``, ``drops``, ``qdisc``, ``wall_s`` (barrier to barrier) and
+      ``retransmitted``; ``None`` on the other ranks.
+    """
+    rank = world.Get_rank()
+
+    def window(fn):
+        world.Barrier()
+        c0 = link_counters(dev) if rank == 0 else None
+        x0 = tcp_retransmissions() if rank == 0 else 0
+        world.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        world.Barrier()
+        wall = time.perf_counter() - t0
+        c1 = link_counters(dev) if rank == 0 else None
+        if c0 is None or c1 is None:
+            return None
+        c = c1 - c0
+        return {
+            "bytes": c.bytes,
+            "packets": c.packets,
+            "drops": c.drops,
+            "qdisc": c.kind,
+            "wall_s": wall,
+            "retransmitted": tcp_retransmissions() - x0,
+        }
+
+    retried: list = []
+    for _ in range(max(1, int(tries))):
+        base = window(lambda: None)
+        meas = window(run)
+        again = world.bcast(rank == 0 and (base["retransmitted"] > 0 or meas["retransmitted"] > 0), root=0)
+        if not again:
+            break
+        if rank == 0:
+            retried.append({"barriers": base, "window": meas})
+    return {"barriers": base, "window": meas, "retried": retried} if rank == 0 else None
+
+
 def ring_allreduce_bytes(n: int, payload_bytes: int) -> int:
     """Payload bytes a ring all-reduce of ``P`` bytes per worker sends, summed over ``n`` workers.
 
@@ -521,6 +601,30 @@ def mpirun_netem_env(base: dict | None = None, single_thread: bool = True) -> di
     env["OMPI_MCA_oob_tcp_if_include"] = "lo"
     env["PRTE_MCA_oob_tcp_if_include"] = "lo"
     return env
+
+
+def unavailable(timeout: float = 30.0) -> str | None:
+    """``None`` if this machine can run :func:`launch`, else one sentence saying why not.
+
+    Checks :func:`missing_requirements`, then tries it: a child process makes a private
+    network namespace and installs a token-bucket qdisc on its loopback (a container may
+    grant the capabilities and still refuse namespaces or qdiscs). Nothing outside that
+    namespace is touched.
+    """
+    missing = missing_requirements()
+    if missing:
+        return "network namespaces are not available here: lacks " + "; ".join(missing)
+    probe = "ip link set lo up && tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 400ms"
+    try:
+        proc = subprocess.run(
+            ["sh", "-c", probe], preexec_fn=_enter_private_netns, capture_output=True, text=True,
+            timeout=timeout, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"cannot make a private network namespace here: {err}"
+    if proc.returncode != 0:
+        return f"cannot shape a private loopback here: {proc.stderr.strip() or proc.returncode}"
+    return None
 
 
 def _enter_private_netns() -> None:

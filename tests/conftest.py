@@ -37,3 +37,26 @@ def _dtype_promotion(request):
         strict = False
     with jax.numpy_dtype_promotion("strict" if strict else "standard"):
         yield
+
+
+# --------------------------------------------------------------------------- #
+# Emulated networks (jaxcomm.netem): tests that need a private network namespace
+# --------------------------------------------------------------------------- #
+_CAN: list = []
+
+
+def _can_make_namespaces() -> str | None:
+    """``None`` if this machine can make a private network namespace with a qdisc, else why not."""
+    if not _CAN:
+        from jaxcomm import netem
+
+        _CAN.append(netem.unavailable())
+    return _CAN[0]
+
+
+@pytest.fixture
+def namespaces():
+    """Skip the test where no private network namespace with a shaped loopback can be made."""
+    why = _can_make_namespaces()
+    if why:
+        pytest.skip(why)

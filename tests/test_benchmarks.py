@@ -208,3 +208,35 @@ def test_fusion_mpi_benchmark_tiny(tmp_path):
     assert r["fused_ratio"] == pytest.approx(r["fused_ms"] / r["none_ms"])
     with pytest.raises(SystemExit):
         bench.main(["--procs", "1"])
+
+
+@pytest.mark.mpi
+def test_scaling_benchmark_smoke(namespaces, tmp_path):
+    """scaling.py --smoke on the emulated link (n = 2, 4): every case's bytes within the protocol's
+    overhead of the cost model, the projection's closed forms, and the figure."""
+    from jaxcomm import cost_model
+
+    bench = _load("scaling")
+    out = tmp_path / "scaling.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    measured = saved["measured"]
+    assert sorted({(r["n"], r["case"]) for r in measured}) == sorted((n, c) for n in (2, 4) for c in bench.CASES)
+    for r in measured:
+        assert r["predicted_bytes"] == cost_model.step_bytes(r["strategy"], r["wire_bytes_per_worker"], r["n"])
+        # headers are taken off; Open MPI's own headers stay: at most 128 bytes per message
+        wire_messages = 2 * r["n"] * (r["n"] - 1) * r["messages"]
+        assert r["predicted_bytes"] <= r["measured_bytes"] <= r["predicted_bytes"] + 256 * wire_messages, r
+    dense = {r["n"]: r for r in saved["projected"] if r["case"] == "none"}
+    topk = {r["n"]: r for r in saved["projected"] if r["case"] == "topk"}
+    assert sorted(dense) == list(bench.PROJECT_N)
+    # switched ring all-reduce: 2 (n − 1)/n of the gradient per worker and 2 (n − 1) latencies;
+    # the all-gather's bytes and latencies both grow with n − 1
+    args = saved["args"]
+    B, alpha = 1e9 * args["project_gbps"], args["project_latency"]
+    for n, row in dense.items():
+        P = row["payload_bytes"]
+        assert pytest.approx(4 * args["project_params"]) == P
+        assert row["predicted_s"] == pytest.approx(8 * 2 * (n - 1) * P / (n * B) + 2 * (n - 1) * alpha)
+    assert topk[1024]["predicted_s"] / topk[2]["predicted_s"] == pytest.approx(1023)
+    assert Path(saved["figure"]).stat().st_size > 10_000

@@ -251,3 +251,13 @@ def test_eager_worker_is_a_module_with_a_usage_line():
         timeout=120,
     )
     assert proc.returncode != 0 and "usage: python -m jaxcomm.experiments.eager.worker" in proc.stderr
+
+
+def test_list_overrides_take_comma_separated_items():
+    cfg = get_experiment("time-to-accuracy").config(smoke=True)
+    assert apply_overrides(cfg, {"methods": "topk-1%+EF"})["methods"] == ["topk-1%+EF"]
+    assert apply_overrides(cfg, {"methods": "none, fp16"})["methods"] == ["none", "fp16"]
+    assert apply_overrides(cfg, {"seeds": "0,1,2"})["seeds"] == [0, 1, 2]
+    assert apply_overrides(cfg, {"seeds": "[3]"})["seeds"] == [3]
+    with pytest.raises(ValueError, match=r"could not parse .x. as int"):
+        apply_overrides(cfg, {"seeds": "1,x"})

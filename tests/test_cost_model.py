@@ -230,6 +230,31 @@ def test_step_time_is_bytes_over_rate_plus_latency():
     assert float(traced) == pytest.approx(8 * 12e6 / 1e9, rel=1e-6)
 
 
+@pytest.mark.parametrize("n", [2, 4, 16, 1024])
+def test_switched_step_time_is_the_alpha_beta_collectives(n):
+    """On a switched network each worker sends its share at once: the ring all-reduce and the
+    all-gather of the α-β model (Thakur et al. 2005) with one latency per message step."""
+    net = cm.Network(10.0, 5e-6)
+    P = 100e6  # bytes
+    assert cm.step_time("allreduce", P, n, net, topology="switched") == pytest.approx(
+        cm.allreduce_time(8 * P, n, net)
+    )
+    assert cm.step_time("allgather", P / 100, n, net, topology="switched") == pytest.approx(
+        cm.allgather_time(8 * P / 100, n, net)
+    )
+    # reduce-scatter route: n - 1 chunk sends and an all-gather of the averaged chunk, P / n each
+    rs = cm.step_time("reduce_scatter", P / 2, n, net, messages=n, topology="switched")
+    assert rs == pytest.approx(8 * 2 * (n - 1) * (P / 2) / n / 1e10 + 2 * (n - 1) * 5e-6)
+    # the shared link carries n times the switched network's per-link bytes
+    assert cm.step_time("allgather", P, n, cm.Network(10.0, 0.0)) == pytest.approx(
+        n * cm.step_time("allgather", P, n, cm.Network(10.0, 0.0), topology="switched")
+    )
+    with pytest.raises(ValueError, match="topology"):
+        cm.step_time("allreduce", P, n, net, topology="torus")
+    with pytest.raises(ValueError, match="broadcast"):
+        cm.step_time("broadcast", P, n, net, topology="switched")
+
+
 def _vmapped_state(compressor, strategy, n, shape):
     """``state`` after one ``compressed_mean`` step over ``n`` workers simulated with ``jax.vmap``."""
     tx = jc.compressed_mean(compressor, "w", strategy=strategy)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -43,11 +42,7 @@ from jaxcomm import cli, netem
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "mpi_scripts" / "netem_bytes.py"
-RING = {  # Open MPI's tuned collectives: ring all-reduce (4) and ring all-gather (4)
-    "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
-    "OMPI_MCA_coll_tuned_allreduce_algorithm": "4",
-    "OMPI_MCA_coll_tuned_allgather_algorithm": "4",
-}
+RING = netem.RING_COLLECTIVES  # Open MPI's ring all-reduce and ring all-gather
 
 
 # --------------------------------------------------------------------------- #
@@ -195,35 +190,24 @@ def test_cli_reports_missing_privileges(monkeypatch, capsys):
     assert "--bandwidth" in capsys.readouterr().err
 
 
+def test_check_says_why_not(monkeypatch, capsys):
+    monkeypatch.setattr(netem, "missing_requirements", lambda: ["root or CAP_SYS_ADMIN (to create)"])
+    assert netem.unavailable() == "network namespaces are not available here: lacks root or CAP_SYS_ADMIN (to create)"
+    assert cli.main(["launch", "--check"]) == 1
+    assert "CAP_SYS_ADMIN" in capsys.readouterr().err
+    assert cli.main(["launch", "--", "true"]) == 2
+    assert "-n N" in capsys.readouterr().err
+
+
+def test_check_passes_where_namespaces_work(namespaces, capsys):
+    assert netem.unavailable() is None
+    assert cli.main(["launch", "--check"]) == 0
+    assert "available" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- #
 # On the emulated network (root)
 # --------------------------------------------------------------------------- #
-_CAN = None
-
-
-def _can_make_namespaces() -> str | None:
-    """``None`` if this machine can make a private network namespace with a qdisc, else why not."""
-    global _CAN
-    if _CAN is None:
-        missing = netem.missing_requirements()
-        if missing:
-            _CAN = "cannot create network namespaces here: lacks " + "; ".join(missing)
-        else:
-            proc = subprocess.run(
-                ["sh", "-c", "ip link set lo up && tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 400ms"],
-                preexec_fn=netem._enter_private_netns, capture_output=True, text=True, timeout=30, check=False,
-            )  # fmt: skip
-            _CAN = "" if proc.returncode == 0 else f"cannot shape a private loopback here: {proc.stderr.strip()}"
-    return _CAN or None
-
-
-@pytest.fixture
-def namespaces():
-    why = _can_make_namespaces()
-    if why:
-        pytest.skip(why)
-
-
 def _protocol_bound(messages: int, size: int) -> int:
     return messages * (128 + 64 * math.ceil(size / 65536))
 

@@ -272,3 +272,24 @@ def test_simulate_loop_rounds_inputs_history_and_errors():
         simulate(step, jnp.zeros(3), 2, on_eval="print")
     with pytest.raises(ValueError, match="num_rounds"):
         simulate(step, jnp.zeros(3), 0)
+
+
+def test_process_trainer_state_does_not_alias_the_model():
+    """With a communicator (one worker per process) the step donates its state; the model's own
+    arrays must survive it: a second ``init_state`` starts from the same, intact parameters."""
+    from jaxcomm.comm import Local
+
+    train = data.load_digits()
+    model = models.MLP(in_features=64, hidden=(8,), num_classes=10, rngs=nnx.Rngs(0))
+    trainer = Trainer(model, optax.sgd(0.1), comm=Local())
+    first = trainer.init_state()
+    before = jax.tree.map(np.asarray, first.params)
+    batches = data.WorkerBatches([train], 16, jax.random.PRNGKey(0))
+    trained, _ = trainer.fit(first, batches, 2, progress=False)
+    again = trainer.init_state()
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(again.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    moved = [
+        not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trained.params))
+    ]
+    assert any(moved)

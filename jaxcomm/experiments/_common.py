@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-__all__ = ["load_image_task", "train_data_parallel", "estimated_comm_time", "plot_curves"]
+__all__ = ["load_image_task", "method_transform", "train_data_parallel", "estimated_comm_time", "plot_curves"]
 
 NETWORKS_GBPS = (1.0, 10.0, 25.0)
 
@@ -55,6 +55,26 @@ def build_model(name: str, train, seed: int):
     if name == "resnet20":
         return models.ResNet20(num_classes=train.num_classes, in_channels=shape[-1], rngs=rngs)
     raise ValueError(f"model must be mlp, eventgrad_cnn or resnet20; got {name!r}")
+
+
+def method_transform(methods: dict, label: str, learning_rate: float, momentum: float):
+    """``(tx, compressor)`` for a method label of ``methods`` (label -> ``(compressor name, kwargs)``).
+
+    ``tx = optax.chain(compressed_mean(c, memory=m), optax.sgd(learning_rate, momentum))``, with
+    ``m`` the residual memory (GRACE Eq. 4) when the label ends in ``+EF``, else no memory.
+    The communicator is the trainer's (``compressed_mean`` is built without one).
+    """
+    import optax
+
+    from .. import compressors, memory
+    from ..transforms import compressed_mean
+
+    if label not in methods:
+        raise ValueError(f"unknown method {label!r}; valid: {list(methods)}")
+    name, kwargs = methods[label]
+    c = compressors.make(name, **kwargs)
+    mem = memory.residual() if label.endswith("+EF") else memory.none()
+    return optax.chain(compressed_mean(c, memory=mem), optax.sgd(learning_rate, momentum=momentum)), c
 
 
 def estimated_comm_time(bits_per_worker_per_step: list[float], workers: int, strategy: str) -> dict:

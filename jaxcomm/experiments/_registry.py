@@ -213,6 +213,9 @@ def _coerce(key: str, text: Any, like: Any):
         except json.JSONDecodeError:
             if like is None:
                 return text
+            if isinstance(like, list):  # a,b,c: each item parsed like the default's items
+                item = like[0] if like else ""
+                return [_coerce(key, part.strip(), item) for part in text.split(",") if part.strip()]
             raise ValueError(f"--set {key}: could not parse {text!r} as {type(like).__name__}") from None
         if isinstance(like, float) and isinstance(value, int):
             value = float(value)
@@ -246,7 +249,7 @@ def write_results(out_dir: Path, results: dict) -> Path:
 
 
 # One package per paper: jaxcomm/experiments/<paper>/__init__.py registers its experiments.
-_PAPERS = ("quickstart", "grace", "doublesqueeze", "gradient_dropping", "eventgrad", "eager")
+_PAPERS = ("quickstart", "network", "grace", "doublesqueeze", "gradient_dropping", "eventgrad", "eager")
 
 
 def _load_all() -> None:

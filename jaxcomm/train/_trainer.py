@@ -143,7 +143,10 @@ class Trainer:
         keys = jax.random.split(jax.random.PRNGKey(self.seed), n)
         if self.mesh is None:
             rank = int(self.comm.rank) if hasattr(self.comm, "rank") else 0
-            return init_train_state(self.pure.params, self.pure.model_state, self.tx, keys[rank])
+            # Copies: the step donates its state, and the model's own arrays must outlive it
+            # (a second init_state, evaluation of the initial model).
+            params, model_state = jax.tree.map(jnp.copy, (self.pure.params, self.pure.model_state))
+            return init_train_state(params, model_state, self.tx, keys[rank])
 
         def one(key):
             return init_train_state(self.pure.params, self.pure.model_state, self.tx, key)

@@ -15,7 +15,8 @@ class GraceConfig:
       dataset: ``"mnist"``, ``"fashion_mnist"``, ``"mnist5k"`` or ``"digits"``.
       model: ``"mlp"``, ``"eventgrad_cnn"`` or ``"resnet20"``.
       devices: data-parallel workers (simulated CPU devices).
-      batch_size: examples per worker and step.
+      batch_size: examples per step over all workers (the global batch; each worker gets
+        ``batch_size / devices``).
       steps: optimizer steps per run.
       eval_every: steps between test evaluations.
       learning_rate, momentum: of ``optax.sgd``.

@@ -14,22 +14,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import optax
-
-from .._common import load_image_task, plot_curves, train_data_parallel
+from .._common import load_image_task, method_transform, plot_curves, train_data_parallel
 from .config import METHODS
 
 
 def _transform(method: str, lr: float, momentum: float):
-    from ... import compressors, memory
-    from ...transforms import compressed_mean
-
-    name, kwargs = METHODS[method]
-    c = compressors.make(name, **kwargs)
     # QSGD is unbiased and needs no feedback (with it, training diverged in our runs, as
-    # GRACE also reports for QSGD + EF); the biased ones get the residual memory.
-    mem = memory.residual() if method.endswith("+EF") else memory.none()
-    return optax.chain(compressed_mean(c, memory=mem), optax.sgd(lr, momentum=momentum)), c.strategy
+    # GRACE also reports for QSGD + EF); the biased ones get the residual memory ("+EF").
+    tx, c = method_transform(METHODS, method, lr, momentum)
+    return tx, c.strategy
 
 
 def run(config: dict, out_dir: Path) -> dict:
