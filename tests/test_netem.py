@@ -276,6 +276,8 @@ def test_collective_bytes_match_formula(namespaces, tmp_path, n, op, payload):
     assert w["n"] == n and w["payload_bytes"] == payload and w["window"]["qdisc"] == "tbf"
     win, bar = w["window"], w["barriers"]
     assert win["drops"] == 0 and bar["drops"] == 0
+    # measure_window measured again while a window held a TCP retransmission
+    assert win["retransmitted"] == 0 and bar["retransmitted"] == 0
     if op == "sum":
         formula = netem.ring_allreduce_bytes(n, payload)
         bound = _protocol_bound(2 * n * (n - 1), payload // n)

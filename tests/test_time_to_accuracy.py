@@ -41,7 +41,7 @@ def test_bad_config_names_the_field_before_anything_runs(tmp_path, key, value, m
     assert not (tmp_path / "out").exists()
 
 
-def _run(method, reached_s, step_s, compute_s, bits, messages=1, strategy="allreduce", seed=0):
+def _run(method, reached_s, step_s, compute_s, bits, messages=4, strategy="allreduce", seed=0):
     return {
         "method": method,
         "seed": seed,
@@ -119,7 +119,8 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         # headers and Open MPI's protocol add at most 1 KiB per message on the wire, and each
         # evaluation window holds two barriers (at most 4 KiB).
         predicted = float(cost_model.step_bytes(r["strategy"], r["wire_bits_per_step"] / 8, n))
-        wire_messages = (2 if r["strategy"] in ("allreduce", "rounds") else 1) * n * (n - 1) * r["messages_per_step"]
+        per_worker = r["messages_per_step"] / n  # the trainer's metric counts all workers
+        wire_messages = (2 if r["strategy"] in ("allreduce", "rounds") else 1) * n * (n - 1) * per_worker
         measured = r["link_bytes_per_step"]
         assert predicted <= measured <= predicted + 1024 * wire_messages + 4096 / every, (r["method"], measured)
         # A token bucket passes at most burst + rate · t / 8 bytes in t seconds (per window).

@@ -3,13 +3,14 @@
 Usage: ``python tests/mpi_scripts/netem_bytes.py OP NBYTES OUT.json`` with OP ``sum`` (allreduce
 by ``MPIComm().sum``), ``all_gather`` (``MPIComm().all_gather``) or ``none``. Each rank holds a
 float32 array of NBYTES bytes. The op is compiled with ``jax.jit`` and run once before measuring
-(so TCP connections and compilation are done). Rank 0 then reads the loopback qdisc's counters
-(:func:`jaxcomm.netem.link_counters`) around two windows, each closed by barriers:
+(so TCP connections and compilation are done). :func:`jaxcomm.netem.measure_window` then reads
+the loopback qdisc's counters on rank 0 around two windows, each closed by barriers:
 
 - ``barriers``: barrier, read, barrier, barrier, read  -- the cost of the barriers alone;
 - ``window``:   barrier, read, barrier, OP, barrier, read.
 
-and writes both (bytes, packets, drops) to OUT.json; every rank checks the op's result.
+Rank 0 writes both (bytes, packets, drops, retransmissions) to OUT.json; every rank checks the
+op's result.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from jaxcomm.comm import MPIComm
-from jaxcomm.netem import link_counters
+from jaxcomm.netem import measure_window
 
 
 def main() -> None:
@@ -43,27 +44,9 @@ def main() -> None:
             np.repeat(np.arange(1, n + 1, dtype=np.float32)[:, None], x.size, 1),
         )
 
-    def window(run):
-        world.Barrier()
-        c0 = link_counters() if r == 0 else None
-        world.Barrier()
-        run()
-        world.Barrier()
-        c1 = link_counters() if r == 0 else None
-        return c1 - c0 if r == 0 else None
-
-    base = window(lambda: None)
-    meas = window(lambda: step(x).block_until_ready())
-    if r == 0:
-        rows = {
-            k: {
-                "bytes": c.bytes,
-                "packets": c.packets,
-                "drops": c.drops,
-                "qdisc": c.kind,
-            }
-            for k, c in (("barriers", base), ("window", meas))
-        }
+    w = measure_window(world, lambda: step(x).block_until_ready())
+    if w is not None:  # rank 0
+        rows = {k: w[k] for k in ("barriers", "window")}
         rows.update(n=n, payload_bytes=x.size * 4, collective=op)
         with open(out, "w") as f:
             json.dump(rows, f)

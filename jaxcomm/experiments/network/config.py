@@ -54,7 +54,7 @@ class TimeToAccuracyConfig:
     learning_rate: float = 0.02
     momentum: float = 0.9
     target_accuracy: float = 0.75
-    max_steps: int = 1500
+    max_steps: int = 1000
     eval_every: int = 25
     eval_examples: int = 1000
     train_examples: int = 0

@@ -10,7 +10,7 @@ on the link and the step without its communication.
 
 Beside each measurement, the prediction of :func:`jaxcomm.cost_model.step_time` for a shared
 link: ``8 · step_bytes(strategy, P, n) / B + step_latency_rounds(strategy, n, m) · α`` with the
-pipeline's own ``P`` (``wire_bits / 8``) and ``m`` (``messages``) per step, ``B`` the link's
+pipeline's own ``P`` (``wire_bits / 8``) and ``m`` (one worker's ``messages``) per step, ``B`` the link's
 rate (for ``"unlimited"``, the throughput measured at the start of the job) and ``α`` the
 measured latency. Predicted step = measured compute + predicted communication.
 
@@ -80,7 +80,7 @@ def _predicted_comm_s(run: dict, n: int, rate_bps: float, latency_s: float) -> f
     net = cost_model.Network(rate_bps / 1e9, latency_s)
     return float(
         cost_model.step_time(
-            run["strategy"], run["wire_bits_per_step"] / 8, n, net, messages=int(round(run["messages_per_step"]))
+            run["strategy"], run["wire_bits_per_step"] / 8, n, net, messages=int(round(run["messages_per_step"] / n))
         )
     )
 

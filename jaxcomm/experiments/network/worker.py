@@ -3,7 +3,7 @@
 ``python -m jaxcomm.experiments.network.worker DIR`` (started by
 :func:`jaxcomm.experiments.network.run.run` through :func:`jaxcomm.netem.launch`) reads
 ``DIR/config.json`` (the :class:`~.config.TimeToAccuracyConfig` fields and ``bandwidth``) and
-rank 0 writes ``DIR/results.json``:
+rank 0 writes ``DIR/results.json`` (again after every run, ``"complete"`` once all are done):
 
 * ``link``: the latency ``α`` (s) and throughput (bit/s) of the link as Open MPI sees it,
   measured first: ``α`` = the median time of an 8-byte ``MPI_Allreduce`` over its ``2 (n − 1)``
@@ -19,8 +19,9 @@ rank 0 writes ``DIR/results.json``:
     counted), ``accuracy`` (test accuracy over ``eval_examples``, evaluated in parallel),
     ``link_bytes`` (bytes the kernel's qdisc passed during those steps, all ranks) and
     ``wire_bits`` (the pipeline's count for one worker);
-  - ``step_s``: median step time; ``wire_bits_per_step`` and ``messages_per_step`` (one
-    worker, from the optimizer state).
+  - ``step_s``: median step time; ``wire_bits_per_step`` (one worker's, from the optimizer
+    state) and ``messages_per_step`` (the collectives' arrays of all workers together, the
+    trainer's ``messages`` metric).
 
 The job trains until the test accuracy reaches ``target_accuracy`` or ``max_steps``; every rank
 makes the same decision (the accuracy is all-reduced). Rank 0 shows one progress bar per run
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["main", "measure_link"]
+__all__ = ["compute_step_time", "main", "measure_link"]
 
 
 def measure_link(world, repeats: int = 20, payload_bytes: int = 4 << 20) -> dict:
@@ -87,17 +88,47 @@ def _compile(trainer, state, batches, world, rank: int) -> None:
 
 def _idle_barrier(world, poll_s: float = 0.02) -> None:
     """``MPI_Barrier`` that sleeps while it waits, leaving the shared cores to the ranks at work
-    (Open MPI's blocking barrier polls)."""
+    (Open MPI's blocking barrier polls). No-op without ``world``."""
+    if world is None:
+        return
     request = world.Ibarrier()
     while not request.Test():
         time.sleep(poll_s)
 
 
-def _compute_time(model, tx, train, cfg: dict, seed: int, world, rank: int) -> float:
-    """Median step time of ``tx`` with a one-worker communicator: the step without communication.
+def compute_step_time(
+    *,
+    model: str = "resnet20",
+    dataset: str = "fashion_mnist",
+    batch_size: int = 8,
+    method: str = "none",
+    learning_rate: float = 0.02,
+    momentum: float = 0.9,
+    steps: int = 20,
+    seed: int = 0,
+    train=None,
+    world=None,
+) -> float:
+    """Median seconds of one training step of ``method`` on this process's default device,
+    without communication: the same optimizer with a one-worker communicator
+    (:class:`jaxcomm.comm.Local`), i.e. forward, backward, compression and decoding.
 
-    Every rank times its own steps at the same time (after a barrier), so the processes share
-    the cores as they do in training.
+    This is the compute side of the balance that ``jaxcomm run time-to-accuracy`` measures:
+    run it on a GPU and on this CPU, and ``N = T_cpu / T_gpu`` maps a link of ``X`` bit/s
+    here to one of ``N X`` bit/s beside that GPU (see docs/network.md).
+
+    Args:
+      model, dataset: as :class:`~jaxcomm.experiments.network.config.TimeToAccuracyConfig`.
+      batch_size: examples per step (one worker's batch).
+      method: a label of :data:`~jaxcomm.experiments.network.config.METHODS`.
+      learning_rate, momentum: of ``optax.sgd``.
+      steps: steps timed after two untimed ones (compilation), ``>= 1``.
+      seed: initialisation and data order.
+      train: the training :class:`~jaxcomm.data.Dataset` (default: loaded from ``dataset``).
+      world: an mpi4py communicator: every rank times its own steps at once (after a
+        barrier), so that processes sharing the cores share them as in training.
+    Returns:
+      the median step time in seconds (compilation excluded).
     """
     import jax
 
@@ -105,13 +136,23 @@ def _compute_time(model, tx, train, cfg: dict, seed: int, world, rank: int) -> f
     from jaxcomm.comm import Local
     from jaxcomm.train import Trainer
 
-    trainer = Trainer(model, tx, comm=Local(), seed=seed)
-    batches = data.WorkerBatches([train], int(cfg["batch_size"]), jax.random.PRNGKey(seed + 7))
+    from .._common import build_model, load_image_task, method_transform
+    from .config import METHODS
+
+    if int(steps) < 1:
+        raise ValueError(f"steps: must be >= 1; got {steps}")
+    if train is None:
+        train, _ = load_image_task(dataset, 0, 1)
+    tx, _ = method_transform(METHODS, method, learning_rate, momentum)
+    trainer = Trainer(build_model(model, train, seed), tx, comm=Local(), seed=seed)
+    batches = data.WorkerBatches([train], int(batch_size), jax.random.PRNGKey(seed + 7))
     state = trainer.init_state()
+    rank = 0 if world is None else world.Get_rank()
     _compile(trainer, state, batches, world, rank)
     state, _ = trainer.fit(state, batches, 2, progress=False)
-    world.Barrier()
-    state, hist = trainer.fit(state, batches, 2 + int(cfg["compute_steps"]), progress=False)
+    if world is not None:
+        world.Barrier()
+    state, hist = trainer.fit(state, batches, 2 + int(steps), progress=False)
     return float(np.median([row["step_time"] for row in hist]))
 
 
@@ -131,7 +172,17 @@ def _train(method: str, seed: int, cfg: dict, train, test_shard, world, rank: in
     lr, momentum = float(cfg["learning_rate"]), float(cfg["momentum"])
     tx, compressor = method_transform(METHODS, method, lr, momentum)
     world.Barrier()
-    compute_s = _compute_time(build_model(cfg["model"], train, seed), tx, train, cfg, seed, world, rank)
+    compute_s = compute_step_time(
+        model=cfg["model"],
+        batch_size=int(cfg["batch_size"]),
+        method=method,
+        learning_rate=lr,
+        momentum=momentum,
+        steps=int(cfg["compute_steps"]),
+        seed=seed,
+        train=train,
+        world=world,
+    )
     compute_s = float(np.max(world.allgather(compute_s)))  # the slowest rank paces the step
 
     trainer = Trainer(build_model(cfg["model"], train, seed), tx, comm=MPIComm(), seed=seed)
@@ -218,20 +269,23 @@ def main(argv: list[str] | None = None) -> None:
     per = int(cfg["eval_examples"]) // n
     test_shard = test.take(np.arange(rank * per, (rank + 1) * per))
     link = measure_link(world)
-    runs = []
+    runs: list[dict] = []
     t0 = time.perf_counter()
     for seed in cfg["seeds"]:
         for method in cfg["methods"]:
             runs.append(_train(method, int(seed), cfg, train, test_shard, world, rank))
-    if rank == 0:
-        result = {
-            "bandwidth": cfg["bandwidth"],
-            "procs": n,
-            "link": link,
-            "runs": runs,
-            "job_s": time.perf_counter() - t0,
-        }
-        (out / "results.json").write_text(json.dumps(result, indent=1))
+            if rank == 0:  # after every run, so that an interrupted job keeps what it measured
+                result = {
+                    "bandwidth": cfg["bandwidth"],
+                    "procs": n,
+                    "link": link,
+                    "runs": runs,
+                    "job_s": time.perf_counter() - t0,
+                    "complete": len(runs) == len(cfg["seeds"]) * len(cfg["methods"]),
+                }
+                partial = out / "results.json.partial"
+                partial.write_text(json.dumps(result, indent=1))
+                partial.replace(out / "results.json")
 
 
 if __name__ == "__main__":
