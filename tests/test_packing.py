@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from counted_bytes import expected_sent
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
@@ -142,16 +143,6 @@ def _rows_payload(rng, n, spec):
     return garbage, Rows(arr(head), arr(values), arr(tags), counts[0], arr(other), counts[1], (cap,))
 
 
-def _bytes_of(p, w):
-    """NumPy: (valid bytes, capacity bytes, count entries) of worker ``w``'s Rows payload."""
-    v = lambda a: np.asarray(a)[w]
-    row = lambda a: a.nbytes // a.shape[0] if a.shape[0] else 0
-    c, s = int(v(p.count)), int(v(p.pair).sum())
-    fixed = v(p.head).nbytes
-    rows = c * (row(v(p.values)) + row(v(p.tags))) + s * row(v(p.other))
-    return fixed + rows, fixed + v(p.values).nbytes + v(p.tags).nbytes + v(p.other).nbytes, 3
-
-
 def _same_bits(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
     view = lambda x: np.asarray(x) if x.dtype == jnp.bool_ else np.asarray(x).view(np.uint8)
@@ -188,19 +179,12 @@ def test_counted_gather_equals_all_gather(specs, with_plain, n, seed):
     for a, b in zip(jax.tree.leaves(res.items), jax.tree.leaves(plain)):
         _same_bits(a, b)
     # the bytes: NumPy from the counts
-    per = [[_bytes_of(p, w) if isinstance(p, Rows) else (24, 24, 0) for p in items] for w in range(n)]
-    longest = max(sum(v for v, _, _ in row) for row in per)
-    capacity = sum(s for _, s, _ in per[0])
-    sizes = bucket_sizes(capacity, minimum)
-    bucket = min(b for b in sizes if b >= longest)
+    bucket, expect = expected_sent([[jax.tree.map(lambda a, w=w: a[w], p) for p in items] for w in range(n)], minimum)
     np.testing.assert_array_equal(np.asarray(res.bucket_bytes), [bucket] * n)
-    entries = sum(e for _, _, e in per[0])
     sent = np.stack([np.asarray(s) for s in res.sent_bytes], axis=1)  # (n, items)
-    for w in range(n):
-        expect = [v + 4 * e for v, _, e in per[w]]
-        expect[0] += bucket - sum(v for v, _, _ in per[w])
-        assert sent[w].tolist() == expect, (w, sent[w], expect)
-        assert sent[w].sum() == 4 * entries + bucket
+    assert sent.tolist() == expect
+    entries = 3 * sum(isinstance(p, Rows) for p in items)  # count and pair: 3 int32 per Rows payload
+    assert (sent.sum(axis=1) == 4 * entries + bucket).all()
     assert np.asarray(res.messages).tolist() == [2] * n  # a Python int, broadcast by vmap
 
 

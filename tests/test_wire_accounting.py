@@ -13,13 +13,13 @@ collectives plus the smallest bucket ``>= max_w L_w``, and how they split per te
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from counted_bytes import expected_sent, layout
 from hlo_collectives import collectives
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -77,27 +77,6 @@ def payloads(c, init):
     ]
 
 
-def layout(p):
-    """NumPy: (valid bytes in the data buffer, capacity bytes, count entries) of one payload."""
-    counted = dict(type(p).counted)
-    counts = set(counted.values())
-    valid = capacity = entries = 0
-    for f in dataclasses.fields(p):
-        if f.metadata.get("static", False):
-            continue
-        a = np.asarray(getattr(p, f.name))
-        if f.name in counts:
-            entries += a.size
-        elif f.name in counted:
-            rows = int(np.asarray(getattr(p, counted[f.name])).sum())
-            valid += rows * a.nbytes // a.shape[0]
-            capacity += a.nbytes
-        else:
-            valid += a.nbytes
-            capacity += a.nbytes
-    return valid, capacity, entries
-
-
 @pytest.mark.parametrize("name", jc.compressors.names())
 def test_wire_bits_are_the_compiled_collectives(name):
     c = build(name)
@@ -118,7 +97,8 @@ def test_wire_bits_are_the_compiled_collectives(name):
         assert totals[0] == 8 * fixed, (bits, found)
         return
     # The variable-length all-gather: a count gather, then the valid bytes in one bucket.
-    per = [[layout(p) for p in row] for row in payloads(c, init)]  # [worker][tensor]
+    sent_payloads = payloads(c, init)  # [worker][tensor]
+    per = [[layout(p) for p in row] for row in sent_payloads]
     longest = max(sum(v for v, _, _ in row) for row in per)
     capacity = sum(s for _, s, _ in per[0])
     entries = sum(e for _, _, e in per[0])
@@ -135,10 +115,7 @@ def test_wire_bits_are_the_compiled_collectives(name):
     assert totals[0] == 8 * (fixed + bucket), (bits, found, longest)
     assert messages.tolist() == [2] * N
     # Per tensor: valid bytes and counts; the first tensor also carries the bucket padding.
-    for w, row in enumerate(per):
-        expect = [8 * (v + 4 * e) for v, _, e in row]
-        expect[0] += 8 * (bucket - sum(v for v, _, _ in row))
-        assert bits[w].tolist() == expect, (w, bits[w], expect)
+    assert expected_sent(sent_payloads) == (bucket, (bits // 8).tolist()), bits
 
 
 @pytest.mark.parametrize("name", ["threshold", "adaptive", "dgc", "inceptionn", "random_sparsification"])
