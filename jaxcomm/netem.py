@@ -60,6 +60,7 @@ __all__ = [
     "LaunchResult",
     "LinkCounters",
     "LinkSettings",
+    "Measured",
     "NetemError",
     "NetemUnavailable",
     "all_gather_bytes",
@@ -67,6 +68,8 @@ __all__ = [
     "link_bytes",
     "link_counters",
     "link_settings",
+    "measure",
+    "measure_window",
     "missing_requirements",
     "mpirun_netem_env",
     "parse_qdisc_stats",
@@ -75,6 +78,8 @@ __all__ = [
     "parse_time",
     "qdisc_commands",
     "ring_allreduce_bytes",
+    "tcp_retransmissions",
+    "Window",
 ]
 
 HEADER_BYTES = 66
@@ -445,6 +450,120 @@ def link_counters(dev: str = "lo") -> LinkCounters:
 def link_bytes(dev: str = "lo") -> int:
     """Bytes sent through ``dev``'s root qdisc so far (:func:`link_counters` ``.bytes``)."""
     return link_counters(dev).bytes
+
+
+def tcp_retransmissions() -> int:
+    """Segments TCP retransmitted in this process's network namespace (``RetransSegs`` of
+    ``/proc/net/snmp``). A retransmitted segment (a tail loss probe after a delayed ACK, say)
+    crosses the link twice, so a window in which this grew counts some payload twice."""
+    with open("/proc/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    return int(rows[1][rows[0].index("RetransSegs")])
+
+
+@dataclass(frozen=True)
+class Window:
+    """What the link carried while one function ran on every rank (:func:`measure_window`).
+
+    Attributes:
+      bytes, packets, drops, qdisc: the root qdisc's counters over the window (:class:`LinkCounters`).
+      wall_s: seconds from the barrier before the function to the barrier after it.
+      retransmitted: TCP segments retransmitted in the window (:func:`tcp_retransmissions`).
+    """
+
+    bytes: int
+    packets: int
+    drops: int
+    qdisc: str
+    wall_s: float
+    retransmitted: int
+
+    @property
+    def payload_bytes(self) -> int:
+        """TCP payload of the window: ``bytes − HEADER_BYTES · packets``."""
+        return self.bytes - HEADER_BYTES * self.packets
+
+
+def measure_window(run: Callable[[], Any], world, root: int = 0) -> Window | None:
+    """Run ``run()`` on every rank between barriers; rank ``root`` reads the link's counters around it.
+
+    ``world`` is an ``mpi4py`` communicator (every rank calls this). Barrier, counters, barrier,
+    ``run()``, barrier, counters: no rank's traffic of before or after falls inside, but the
+    last two barriers do (measure a window with ``run = lambda: None`` and subtract it, as
+    :func:`measure` does).
+
+    Returns:
+      the :class:`Window` on rank ``root``, ``None`` on the others.
+    """
+    me = world.Get_rank()
+    world.Barrier()
+    c0 = link_counters() if me == root else None
+    x0 = tcp_retransmissions() if me == root else 0
+    world.Barrier()
+    t0 = time.perf_counter()
+    run()
+    world.Barrier()
+    wall = time.perf_counter() - t0
+    if me != root or c0 is None:
+        return None
+    c = link_counters() - c0
+    return Window(c.bytes, c.packets, c.drops, c.kind, wall, tcp_retransmissions() - x0)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A function's bytes on the link, barriers subtracted (:func:`measure`).
+
+    Attributes:
+      window: the window with the function (:func:`measure_window`).
+      barriers: a window with the barriers alone, just before.
+      retried: earlier ``(barriers, window)`` pairs dropped because TCP retransmitted in them.
+    """
+
+    window: Window
+    barriers: Window
+    retried: list
+
+    @property
+    def payload_bytes(self) -> int:
+        """The function's TCP payload: ``window.payload_bytes − barriers.payload_bytes``."""
+        return self.window.payload_bytes - self.barriers.payload_bytes
+
+    def to_json(self) -> dict:
+        """``{"window", "barriers", "retried", "payload_bytes"}`` with the windows as dicts."""
+        return {
+            "window": asdict(self.window),
+            "barriers": asdict(self.barriers),
+            "retried": [{"barriers": asdict(b), "window": asdict(w)} for b, w in self.retried],
+            "payload_bytes": self.payload_bytes,
+        }
+
+
+def measure(run: Callable[[], Any], world, *, tries: int = 5, root: int = 0) -> Measured | None:
+    """The bytes ``run()`` puts on the link: a barriers-only window, then a window with ``run()``.
+
+    Measured again, up to ``tries`` times in all, while TCP retransmitted a segment in either
+    window (such a segment crosses the link twice); each try calls ``run()`` once. Every rank
+    calls this with the same arguments.
+
+    Returns:
+      the :class:`Measured` on rank ``root`` (its ``window.retransmitted`` is 0 unless every try
+      had a retransmission), ``None`` on the others.
+    """
+    retried: list = []
+    for attempt in range(tries):
+        base = measure_window(lambda: None, world, root)
+        meas = measure_window(run, world, root)
+        again = world.bcast(
+            base is not None and meas is not None and (base.retransmitted > 0 or meas.retransmitted > 0), root=root
+        )
+        if world.Get_rank() == root and base is not None and meas is not None:
+            if not again or attempt == tries - 1:
+                return Measured(meas, base, retried)
+            retried.append((base, meas))
+        if not again:
+            break
+    return None
 
 
 def ring_allreduce_bytes(n: int, payload_bytes: int) -> int:
