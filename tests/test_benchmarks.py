@@ -208,3 +208,34 @@ def test_fusion_mpi_benchmark_tiny(tmp_path):
     assert r["fused_ratio"] == pytest.approx(r["fused_ms"] / r["none_ms"])
     with pytest.raises(SystemExit):
         bench.main(["--procs", "1"])
+
+
+def test_payload_bytes_benchmark_smoke(tmp_path, capsys):
+    """payload_bytes.py --smoke on the emulated link (root): per compressor, the link's bytes are
+    the cost model's prediction from state.wire_bits plus Open MPI's protocol bytes (at most
+    128 + 64 per message of at most 64 KiB, n (n - 1) messages per all-gather; the all-reduce of
+    none: 2 n (n - 1)), and the table comes out of the JSON."""
+    from test_netem import _can_make_namespaces
+
+    why = _can_make_namespaces()
+    if why:
+        pytest.skip(why)
+    bench = _load("payload_bytes")
+    out = tmp_path / "payload.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    n = saved["meta"]["processes"]
+    assert n == 2 and saved["meta"]["shape"] == [64, 32]
+    rows = saved["results"]
+    assert set(rows) == {"none", "topk", "threshold", "inceptionn"}
+    for name, r in rows.items():
+        per_message = 2 if name == "none" else 1
+        bound = 192 * per_message * n * (n - 1) * r["messages"]
+        assert r["predicted_bytes"] <= r["measured_bytes"] <= r["predicted_bytes"] + bound, (name, r)
+        assert r["window"]["retransmitted"] == 0 and r["window"]["drops"] == 0
+    assert rows["threshold"]["messages"] == 2 and rows["threshold"]["format_bytes"] < rows["threshold"]["whole_bytes"]
+    assert rows["none"]["predicted_bytes"] == 2 * (n - 1) * 64 * 32 * 4
+    text = capsys.readouterr().out
+    assert "| `threshold` | allgather |" in text
+    bench.main(["--markdown", str(out)])
+    assert "measured / predicted" in capsys.readouterr().out
