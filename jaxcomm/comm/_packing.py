@@ -276,8 +276,8 @@ def all_gather_counted(
     rows are zero. Counts larger than a field's capacity are clipped to it.
 
     Each worker sends ``4 m + B`` bytes, ``m`` the count entries, with
-    ``B < growth · max_w L_w + 1`` whenever ``max_w L_w > minimum`` (at most ``max(S, minimum)``
-    otherwise): a buffer of at most ``minimum`` bytes is gathered whole, without a switch. Leaves
+    ``B < growth · max_w L_w + 1`` whenever ``max_w L_w > minimum`` (``B <= minimum`` otherwise):
+    a buffer of at most ``minimum`` bytes is gathered whole, without a switch. Leaves
     that cannot be bit-cast (typed PRNG keys, complex) are gathered on their own; a tree without
     counted fields is one packed all-gather of ``S`` bytes.
 
