@@ -417,7 +417,10 @@ def step_bytes(strategy: str, payload_bytes, workers: int):
       its own ring all-reduce: ``Σ_j 2 (n − 1) m_j = 2 (n − 1) P``.
     - ``"allgather"``: ``P`` = the whole payload (fused or not: fusion only packs the
       payloads into one buffer). Every worker receives the other ``n − 1`` payloads once:
-      ``n (n − 1) P``.
+      ``n (n − 1) P``. For count-based payloads (:func:`jaxcomm.comm.all_gather_counted`)
+      ``P`` is what the pipeline reports: the int32 counts (the count gather) plus the bucket
+      ``B`` of the data gather (valid rows and padding). Both are all-gathers, so the total is
+      still ``n (n − 1) P``, and ``state.messages`` counts both.
     - ``"broadcast"``: each worker's payload broadcast in turn; with a tree or linear
       broadcast (binomial, pipelined) every other worker receives it once: ``n (n − 1) P``.
       (A scatter-allgather broadcast sends up to twice that; not measured.)

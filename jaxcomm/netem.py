@@ -60,6 +60,7 @@ __all__ = [
     "LaunchResult",
     "LinkCounters",
     "LinkSettings",
+    "Measured",
     "NetemError",
     "NetemUnavailable",
     "RING_COLLECTIVES",
@@ -68,8 +69,9 @@ __all__ = [
     "link_bytes",
     "link_counters",
     "link_settings",
-    "missing_requirements",
+    "measure",
     "measure_window",
+    "missing_requirements",
     "mpirun_netem_env",
     "parse_qdisc_stats",
     "parse_rate",
@@ -79,6 +81,7 @@ __all__ = [
     "ring_allreduce_bytes",
     "tcp_retransmissions",
     "unavailable",
+    "Window",
 ]
 
 HEADER_BYTES = 66
@@ -461,70 +464,117 @@ def link_bytes(dev: str = "lo") -> int:
 
 
 def tcp_retransmissions() -> int:
-    """Segments TCP retransmitted in this network namespace (``RetransSegs`` of ``/proc/net/snmp``).
-
-    A retransmitted segment (a tail loss probe after a delayed ACK, say) crosses the link twice,
-    so a window that had one counts more bytes than its messages carry.
-    """
+    """Segments TCP retransmitted in this process's network namespace (``RetransSegs`` of
+    ``/proc/net/snmp``). A retransmitted segment (a tail loss probe after a delayed ACK, say)
+    crosses the link twice, so a window in which this grew counts some payload twice."""
     with open("/proc/net/snmp") as f:
         rows = [line.split() for line in f if line.startswith("Tcp:")]
     return int(rows[1][rows[0].index("RetransSegs")])
 
 
-def measure_window(world, run: Callable[[], Any], tries: int = 5, dev: str = "lo") -> dict | None:
-    """The link's counters around ``run()`` in an MPI job, from inside the job (every rank calls it).
+@dataclass(frozen=True)
+class Window:
+    """What the link carried while one function ran on every rank (:func:`measure_window`).
 
-    Two windows, each opened and closed by ``MPI_Barrier``: one with the barriers alone, then
-    one with ``run()``; rank 0 reads :func:`link_counters` and :func:`tcp_retransmissions` at
-    their edges. The bytes of ``run()`` alone are ``window - barriers``. A window in which TCP
-    retransmitted a segment is measured again (``run()`` included), up to ``tries`` times; the
-    earlier attempts are kept under ``"retried"``.
-
-    Args:
-      world: an mpi4py communicator (``MPI.COMM_WORLD``).
-      run: what to measure; it must return after its collectives have completed (block on
-        its outputs).
-      tries: attempts while a window had a retransmission (>= 1).
-      dev: the interface whose root qdisc is read.
-    Returns:
-      on rank 0 ``{"barriers": W_b, "window": W, "retried": [...]}``, each window a dict of
-      ``bytes``, ``packets``, ``drops``, ``qdisc``, ``wall_s`` (barrier to barrier) and
-      ``retransmitted``; ``None`` on the other ranks.
+    Attributes:
+      bytes, packets, drops, qdisc: the root qdisc's counters over the window (:class:`LinkCounters`).
+      wall_s: seconds from the barrier before the function to the barrier after it.
+      retransmitted: TCP segments retransmitted in the window (:func:`tcp_retransmissions`).
     """
-    rank = world.Get_rank()
 
-    def window(fn):
-        world.Barrier()
-        c0 = link_counters(dev) if rank == 0 else None
-        x0 = tcp_retransmissions() if rank == 0 else 0
-        world.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        world.Barrier()
-        wall = time.perf_counter() - t0
-        c1 = link_counters(dev) if rank == 0 else None
-        if c0 is None or c1 is None:
-            return None
-        c = c1 - c0
+    bytes: int
+    packets: int
+    drops: int
+    qdisc: str
+    wall_s: float
+    retransmitted: int
+
+    @property
+    def payload_bytes(self) -> int:
+        """TCP payload of the window: ``bytes − HEADER_BYTES · packets``."""
+        return self.bytes - HEADER_BYTES * self.packets
+
+
+def measure_window(run: Callable[[], Any], world, root: int = 0) -> Window | None:
+    """Run ``run()`` on every rank between barriers; rank ``root`` reads the link's counters around it.
+
+    ``world`` is an ``mpi4py`` communicator (every rank calls this). Barrier, counters, barrier,
+    ``run()``, barrier, counters: no rank's traffic of before or after falls inside, but the
+    last two barriers do (measure a window with ``run = lambda: None`` and subtract it, as
+    :func:`measure` does).
+
+    Returns:
+      the :class:`Window` on rank ``root``, ``None`` on the others.
+    """
+    me = world.Get_rank()
+    world.Barrier()
+    c0 = link_counters() if me == root else None
+    x0 = tcp_retransmissions() if me == root else 0
+    world.Barrier()
+    t0 = time.perf_counter()
+    run()
+    world.Barrier()
+    wall = time.perf_counter() - t0
+    if me != root or c0 is None:
+        return None
+    c = link_counters() - c0
+    return Window(c.bytes, c.packets, c.drops, c.kind, wall, tcp_retransmissions() - x0)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A function's bytes on the link, barriers subtracted (:func:`measure`).
+
+    Attributes:
+      window: the window with the function (:func:`measure_window`).
+      barriers: a window with the barriers alone, just before.
+      retried: earlier ``(barriers, window)`` pairs dropped because TCP retransmitted in them.
+    """
+
+    window: Window
+    barriers: Window
+    retried: list
+
+    @property
+    def payload_bytes(self) -> int:
+        """The function's TCP payload: ``window.payload_bytes − barriers.payload_bytes``."""
+        return self.window.payload_bytes - self.barriers.payload_bytes
+
+    def to_json(self) -> dict:
+        """``{"window", "barriers", "retried", "payload_bytes"}`` with the windows as dicts."""
         return {
-            "bytes": c.bytes,
-            "packets": c.packets,
-            "drops": c.drops,
-            "qdisc": c.kind,
-            "wall_s": wall,
-            "retransmitted": tcp_retransmissions() - x0,
+            "window": asdict(self.window),
+            "barriers": asdict(self.barriers),
+            "retried": [{"barriers": asdict(b), "window": asdict(w)} for b, w in self.retried],
+            "payload_bytes": self.payload_bytes,
         }
 
+
+def measure(run: Callable[[], Any], world, *, tries: int = 5, root: int = 0) -> Measured | None:
+    """The bytes ``run()`` puts on the link: a barriers-only window, then a window with ``run()``.
+
+    Measured again, up to ``tries`` times in all, while TCP retransmitted a segment in either
+    window (such a segment crosses the link twice); each try calls ``run()`` once. Every rank
+    calls this with the same arguments.
+
+    Returns:
+      the :class:`Measured` on rank ``root`` (its ``window.retransmitted`` is 0 unless every try
+      had a retransmission), ``None`` on the others.
+    """
     retried: list = []
-    for _ in range(max(1, int(tries))):
-        base = window(lambda: None)
-        meas = window(run)
-        again = world.bcast(rank == 0 and (base["retransmitted"] > 0 or meas["retransmitted"] > 0), root=0)
+    for attempt in range(tries):
+        base = measure_window(lambda: None, world, root)
+        meas = measure_window(run, world, root)
+        again = world.bcast(
+            base is not None and meas is not None and (base.retransmitted > 0 or meas.retransmitted > 0), root=root
+        )
+        if world.Get_rank() == root and base is not None and meas is not None:
+            if not again or attempt == tries - 1:
+                return Measured(meas, base, retried)
+            retried.append((base, meas))
         if not again:
             break
-        if rank == 0:
-            retried.append({"barriers": base, "window": meas})
-    return {"barriers": base, "window": meas, "retried": retried} if rank == 0 else None
+    return None
 
 
 def ring_allreduce_bytes(n: int, payload_bytes: int) -> int:

@@ -240,3 +240,30 @@ def test_scaling_benchmark_smoke(namespaces, tmp_path):
         assert row["predicted_s"] == pytest.approx(8 * 2 * (n - 1) * P / (n * B) + 2 * (n - 1) * alpha)
     assert topk[1024]["predicted_s"] / topk[2]["predicted_s"] == pytest.approx(1023)
     assert Path(saved["figure"]).stat().st_size > 10_000
+
+
+@pytest.mark.mpi
+def test_payload_bytes_benchmark_smoke(namespaces, tmp_path, capsys):
+    """payload_bytes.py --smoke on the emulated link (root): per compressor, the link's bytes are
+    the cost model's prediction from state.wire_bits plus Open MPI's protocol bytes (at most
+    128 + 64 per message of at most 64 KiB, n (n - 1) messages per all-gather; the all-reduce of
+    none: 2 n (n - 1)), and the table comes out of the JSON."""
+    bench = _load("payload_bytes")
+    out = tmp_path / "payload.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    n = saved["meta"]["processes"]
+    assert n == 2 and saved["meta"]["shape"] == [64, 32]
+    rows = saved["results"]
+    assert set(rows) == {"none", "topk", "threshold", "inceptionn"}
+    for name, r in rows.items():
+        per_message = 2 if name == "none" else 1
+        bound = 192 * per_message * n * (n - 1) * r["messages"]
+        assert r["predicted_bytes"] <= r["measured_bytes"] <= r["predicted_bytes"] + bound, (name, r)
+        assert r["window"]["retransmitted"] == 0 and r["window"]["drops"] == 0
+    assert rows["threshold"]["messages"] == 2 and rows["threshold"]["format_bytes"] < rows["threshold"]["whole_bytes"]
+    assert rows["none"]["predicted_bytes"] == 2 * (n - 1) * 64 * 32 * 4
+    text = capsys.readouterr().out
+    assert "| `threshold` | allgather |" in text
+    bench.main(["--markdown", str(out)])
+    assert "measured / predicted" in capsys.readouterr().out

@@ -530,7 +530,9 @@ def test_fusion_packs_only_payloads_up_to_the_threshold(monkeypatch):
 @pytest.mark.parametrize("name", ["topk", "qsgd", "onebit", "dgc", "randomk", "powersgd", "sketchml"])
 def test_fuse_does_not_change_the_numbers(name):
     """fuse=True and fuse=False give bit-identical means, memories and wire bits (float32 and bfloat16
-    leaves in one tree; the packed gather itself is checked for every dtype in tests/test_packing.py)."""
+    leaves in one tree; the packed gather itself is checked for every dtype in tests/test_packing.py).
+    Count-based payloads (dgc) are the exception for wire bits: each variable-length gather pads to
+    its own bucket, so the padding depends on the grouping (tests/test_wire_accounting.py checks it)."""
     c = jc.compressors.make(name, **KWARGS.get(name, {}))
     n = 3
     g = {
@@ -541,7 +543,8 @@ def test_fuse_does_not_change_the_numbers(name):
     st0 = stacked(txs[0].init(jax.tree.map(lambda v: v[0], g)), n)
     out = jax.jit(jax.vmap(lambda g, s: [tx.update(g, s) for tx in txs], axis_name="i"))(g, st0)
     # Only the count of collectives differs (state.messages): one packed all-gather against one per array.
-    out = [(mean, state._replace(messages=None)) for mean, state in out]
+    counted = name == "dgc"
+    out = [(mean, state._replace(messages=None, wire_bits=None if counted else state.wire_bits)) for mean, state in out]
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 

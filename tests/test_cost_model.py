@@ -236,9 +236,7 @@ def test_switched_step_time_is_the_alpha_beta_collectives(n):
     all-gather of the α-β model (Thakur et al. 2005) with one latency per message step."""
     net = cm.Network(10.0, 5e-6)
     P = 100e6  # bytes
-    assert cm.step_time("allreduce", P, n, net, topology="switched") == pytest.approx(
-        cm.allreduce_time(8 * P, n, net)
-    )
+    assert cm.step_time("allreduce", P, n, net, topology="switched") == pytest.approx(cm.allreduce_time(8 * P, n, net))
     assert cm.step_time("allgather", P / 100, n, net, topology="switched") == pytest.approx(
         cm.allgather_time(8 * P / 100, n, net)
     )

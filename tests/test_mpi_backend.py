@@ -2,7 +2,8 @@
 
 One ``mpirun -n 4`` runs every case of ``tests/mpi_scripts/compressed_mean_common.CASES``
 (compressed_mean with random-k over allreduce with a shared key, QSGD over
-allgather with per-rank keys, PowerSGD's two allreduce rounds, and DoubleSqueeze)
+allgather with per-rank keys, Threshold-v's variable-length all-gather, PowerSGD's
+two allreduce rounds, and DoubleSqueeze)
 after checking every MPIComm collective; this process runs the same worker code
 inside ``jax.shard_map`` on 4 of its 8 simulated devices and compares.
 """

@@ -29,6 +29,7 @@ algorithm sends more (recursive doubling's all-reduce sends ``n log2(n) P``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -36,9 +37,11 @@ import sys
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxcomm import cli, netem
+from jaxcomm.comm import bucket_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "mpi_scripts" / "netem_bytes.py"
@@ -276,7 +279,7 @@ def test_collective_bytes_match_formula(namespaces, tmp_path, n, op, payload):
     assert w["n"] == n and w["payload_bytes"] == payload and w["window"]["qdisc"] == "tbf"
     win, bar = w["window"], w["barriers"]
     assert win["drops"] == 0 and bar["drops"] == 0
-    # measure_window measured again while a window held a TCP retransmission
+    # netem.measure measured again while a window held a TCP retransmission
     assert win["retransmitted"] == 0 and bar["retransmitted"] == 0
     if op == "sum":
         formula = netem.ring_allreduce_bytes(n, payload)
@@ -321,18 +324,38 @@ def test_timeout_ends_every_process(namespaces):
 STEP_SCRIPT = ROOT / "tests" / "mpi_scripts" / "netem_step_bytes.py"
 
 
+def _step_script():
+    """``tests/mpi_scripts/netem_step_bytes.py`` as a module (its ``gradient``, ``THRESHOLD_V``)."""
+    spec = importlib.util.spec_from_file_location("netem_step_bytes", STEP_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def step_expectations(case: str, n: int, rows: int, cols: int) -> dict:
     """For one case of ``netem_step_bytes.py``: the wire bits one worker must report, the
     cost model's strategy, and the Open MPI protocol bound ``M`` of the step's messages.
 
     ``d = rows · cols`` float32 entries (``n`` divides ``d``). Messages (ring algorithms):
     ``none``: one all-reduce of ``P`` (``2n(n−1)`` messages of ``P/n``); ``topk``: one fused
-    all-gather of ``P`` (``n(n−1)`` messages of ``P``); ``fp16`` reduce-scatter: ``n(n−1)``
+    all-gather of ``P`` (``n(n−1)`` messages of ``P``); ``threshold``: the count gather
+    (``n(n−1)`` messages of 4 bytes) and the data gather of ``B`` bytes (``n(n−1)`` messages),
+    ``B`` the smallest bucket of ``bucket_sizes(8 d)`` at least ``8 max_r c_r``, ``c_r`` rank
+    ``r``'s entries with ``|g| >= v`` (float32 value and int32 index each: ``d > 2**16``), from
+    the script's gradients in NumPy; ``fp16`` reduce-scatter: ``n(n−1)``
     sendrecvs of a ``P/n`` chunk and ``n(n−1)`` all-gather messages of the ``P/n`` averaged
     chunk; ``powersgd`` rank 2: two all-reduces, of ``m_1 = 8·rows`` and ``m_2 = 8·cols`` bytes.
     """
     d = rows * cols
-    if case == "none":
+    if case == "threshold":
+        script = _step_script()
+        assert cols == script.COLS
+        v = np.float32(script.THRESHOLD_V)
+        counts = [int((np.abs(np.asarray(script.gradient(r, rows)["w"])) >= v).sum()) for r in range(n)]
+        bucket = min(b for b in bucket_sizes(8 * d) if b >= 8 * max(counts))
+        bits, strategy = 8 * (bucket + 4), "allgather"
+        bound = _protocol_bound(n * (n - 1), 4) + _protocol_bound(n * (n - 1), bucket)
+    elif case == "none":
         bits, strategy = 32 * d, "allreduce"
         bound = _protocol_bound(2 * n * (n - 1), 4 * d // n)
     elif case == "topk":
@@ -362,7 +385,7 @@ def test_compressed_mean_step_bytes_match_cost_model(namespaces, tmp_path, n, ro
     assert res.returncode == 0, (res.stderr or "")[-3000:]
     report = json.loads(out.read_text())
     assert report["n"] == n and report["shape"] == [rows, 1024]
-    assert set(report["cases"]) == {"none", "topk", "fp16", "powersgd"}
+    assert set(report["cases"]) == {"none", "topk", "threshold", "fp16", "powersgd"}
     rate, burst = res.settings["bandwidth_bps"], res.settings["burst_bytes"]
     hdr = netem.HEADER_BYTES
     for case, c in report["cases"].items():
@@ -374,7 +397,7 @@ def test_compressed_mean_step_bytes_match_cost_model(namespaces, tmp_path, n, ro
         assert win["retransmitted"] == 0 and bar["retransmitted"] == 0, (case, c)
         # (b) the pipeline's own count, against the compressor's closed form
         assert c["wire_bits"] == want["wire_bits"], (case, c)
-        assert c["messages"] == {"none": 1, "topk": 1, "fp16": n, "powersgd": 2}[case], (case, c)
+        assert c["messages"] == {"none": 1, "topk": 1, "threshold": 2, "fp16": n, "powersgd": 2}[case], (case, c)
         # (a) the cost model's prediction from wire_bits, against the kernel's count
         predicted = cost_model.step_bytes(want["strategy"], c["wire_bits"] / 8, n)
         measured = (win["bytes"] - hdr * win["packets"]) - (bar["bytes"] - hdr * bar["packets"])

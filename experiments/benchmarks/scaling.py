@@ -3,7 +3,7 @@
 For each ``n`` of ``--procs``, one job of ``n`` MPI processes on a ``--bandwidth`` shared link
 (:func:`jaxcomm.netem.launch`, Open MPI's ring collectives) times one ``compressed_mean`` step
 per case on a ``(rows, 1024)`` float32 gradient, between barriers
-(:func:`jaxcomm.netem.measure_window`; ``--repeats`` windows, the median kept):
+(:func:`jaxcomm.netem.measure`; ``--repeats`` windows, the median kept):
 
 =================  =================  ===========================================
 case               strategy           bytes on the wire, all workers
@@ -53,7 +53,7 @@ def _worker(rows: int, repeats: int, out: str) -> None:
 
     import jaxcomm as jc
     from jaxcomm.comm import MPIComm
-    from jaxcomm.netem import measure_window
+    from jaxcomm.netem import measure
 
     comm, world = MPIComm(), MPI.COMM_WORLD
     n, r = comm.size, comm.rank
@@ -74,14 +74,14 @@ def _worker(rows: int, repeats: int, out: str) -> None:
             jax.block_until_ready((u, s))
             holder["state"] = s
 
-        windows = [measure_window(world, one) for _ in range(repeats)]
+        windows = [measure(one, world) for _ in range(repeats)]
         if r == 0:
             s = holder["state"]
             report["cases"][name] = {
                 "strategy": strategy,
                 "wire_bits": int(np.asarray(s.wire_bits, np.int64).sum()),
                 "messages": int(s.messages),
-                "windows": windows,
+                "windows": [m.to_json() for m in windows],
             }
     if r == 0:
         Path(out).write_text(json.dumps(report))
@@ -113,14 +113,9 @@ def _measure(args) -> list[dict]:
 def _row(name: str, c: dict, n: int, rate_bps: float) -> dict:
     import numpy as np
 
-    from jaxcomm import cost_model, netem
+    from jaxcomm import cost_model
 
-    hdr = netem.HEADER_BYTES
-    payload = [
-        (w["window"]["bytes"] - hdr * w["window"]["packets"])
-        - (w["barriers"]["bytes"] - hdr * w["barriers"]["packets"])
-        for w in c["windows"]
-    ]
+    payload = [w["payload_bytes"] for w in c["windows"]]
     wall = [w["window"]["wall_s"] - w["barriers"]["wall_s"] for w in c["windows"]]
     P = c["wire_bits"] / 8
     net = cost_model.Network(rate_bps / 1e9, 0.0)

@@ -11,7 +11,15 @@ from ._launch import mpirun_env, mpirun_path
 from ._local import Local
 from ._mesh import MeshAxis
 from ._mpi import MPIComm
-from ._packing import all_gather_packed
+from ._packing import (
+    BUCKET_GROWTH,
+    MIN_BUCKET_BYTES,
+    CountedGather,
+    all_gather_counted,
+    all_gather_packed,
+    bucket_sizes,
+    has_counted_fields,
+)
 from ._partial_mpi import (
     PARTIAL_MODES,
     PartialAllreduce,
@@ -47,7 +55,13 @@ __all__ = [
     "PERMUTE",
     "REDUCE_SCATTER",
     "SUM",
+    "all_gather_counted",
     "all_gather_packed",
+    "bucket_sizes",
+    "BUCKET_GROWTH",
+    "CountedGather",
+    "has_counted_fields",
+    "MIN_BUCKET_BYTES",
     "Communicator",
     "Local",
     "MeshAxis",

@@ -63,12 +63,27 @@ class Payload:
     model. ``summable`` names the fields that an ``allreduce`` strategy may sum
     element-wise across workers (the others must be identical on every
     worker, e.g. a shared PRNG key).
+
+    ``counted`` declares count-prefixed fields, pairs ``(field, count_field)``:
+    only the first ``sum(count_field)`` rows (axis 0) of ``field`` are
+    meaningful and the rest are zero, as in a fixed-capacity buffer of a
+    variable number of entries. ``count_field`` is an int32 array (a scalar, or
+    a few counts whose sum is the rows). The pipeline's all-gather
+    (:func:`jaxcomm.comm.all_gather_counted`) then sends only the valid rows,
+    and the counts in a small all-gather of their own.
+
+    :meth:`wire_bits` is the format's own bit count, the one the compressor
+    tables and papers quote: what a receiver needs, counts it can infer from
+    the rest (tags, a mask) left out. What a step really sends -- counts,
+    padding, unused capacity where a buffer crosses whole -- is counted by the
+    pipeline (``CompressionState.wire_bits``).
     """
 
     summable: ClassVar[tuple[str, ...]] = ()
+    counted: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def wire_bits(self):
-        """Exact bits on the wire; default: every array leaf at its dtype width."""
+        """Exact bits of the format; default: every array leaf at its dtype width."""
         return _leaf_bits(self)
 
 

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,8 @@ class AdaptivePayload(Payload):
       shape, dtype: original shape and dtype (static, not sent).
 
     Wire bits: ``(counts[0] + counts[1]) * bits(index dtype) + 2*32 + 2*32`` (a traced int32).
+    ``indices`` is a counted field (its valid slots: ``counts[0] + counts[1]``):
+    the pipeline's all-gather sends only those.
     """
 
     indices: Array
@@ -52,6 +54,7 @@ class AdaptivePayload(Payload):
     means: Array
     shape: tuple = static_field()
     dtype: Any = static_field()
+    counted: ClassVar[tuple[tuple[str, str], ...]] = (("indices", "counts"),)
 
     def wire_bits(self):
         ib = jnp.dtype(self.indices.dtype).itemsize * 8

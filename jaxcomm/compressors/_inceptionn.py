@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +23,9 @@ class InceptionnPayload(Payload):
 
     Entry ``i`` of class ``c`` is the ``r``-th entry of that class in flat
     order; its value sits at position ``r`` of the class buffer. Only the first
-    ``n_c`` slots of each buffer are sent; the receiver recovers the counts
-    ``n_c`` from the tags.
+    ``n_c`` slots of each buffer are meaningful (the rest are 0): the buffers
+    are counted fields, and the pipeline's all-gather sends those slots and the
+    three counts (which a receiver could also recover from the tags).
 
     Attributes:
       tags: uint8 ``(ceil(d/4),)``, packed 2-bit class per entry (0: dropped,
@@ -32,6 +33,8 @@ class InceptionnPayload(Payload):
       q8: uint8 ``(d,)`` buffer, ``sign << 7 | q`` with ``1 <= q < 2^7``.
       q16: uint16 ``(d,)`` buffer, ``sign << 15 | q`` with ``2^7 <= q < 2^15``.
       raw: float32 ``(d,)`` buffer of entries sent as they are.
+      n8, n16, n32: int32 scalars, the entries of class 1, 2 and 3 (the valid
+        slots of ``q8``, ``q16`` and ``raw``).
       quantum: delta, the fixed-point step (static, a power of two).
       shape, dtype: static.
     """
@@ -40,17 +43,20 @@ class InceptionnPayload(Payload):
     q8: Array
     q16: Array
     raw: Array
+    n8: Array
+    n16: Array
+    n32: Array
     quantum: float = static_field()
     shape: tuple = static_field()
     dtype: Any = static_field()
+    counted: ClassVar[tuple[tuple[str, str], ...]] = (("q8", "n8"), ("q16", "n16"), ("raw", "n32"))
 
     def class_counts(self) -> Array:
-        """``(n8, n16, n32)`` as int32 ``(3,)``, computed from the tags."""
-        tags = unpack(self.tags, 2, size_of(self.shape))
-        return jnp.stack([jnp.sum(tags == c, dtype=jnp.int32) for c in (1, 2, 3)])
+        """``(n8, n16, n32)`` as int32 ``(3,)``."""
+        return jnp.stack([self.n8, self.n16, self.n32]).astype(jnp.int32)
 
     def wire_bits(self) -> Array:
-        """``8 ceil(d/4) + 8 n8 + 16 n16 + 32 n32`` (traced int32)."""
+        """``8 ceil(d/4) + 8 n8 + 16 n16 + 32 n32`` (traced int32; the counts are implied by the tags)."""
         n = self.class_counts()
         return jnp.int32(8 * packed_size(size_of(self.shape), 2)) + 8 * n[0] + 16 * n[1] + 32 * n[2]
 
@@ -115,6 +121,9 @@ def inceptionn(*, error_bound: float = 2.0**-10, seed: int = 0) -> Compressor:
             q8=buf[:d].astype(jnp.uint8),
             q16=buf[d : 2 * d].astype(jnp.uint16),
             raw=jax.lax.bitcast_convert_type(buf[2 * d :], jnp.float32),
+            n8=jnp.sum(tag == 1, dtype=jnp.int32),
+            n16=jnp.sum(tag == 2, dtype=jnp.int32),
+            n32=jnp.sum(tag == 3, dtype=jnp.int32),
             quantum=quantum,
             shape=x.shape,
             dtype=x.dtype,

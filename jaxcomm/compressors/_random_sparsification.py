@@ -80,7 +80,9 @@ def random_sparsification(*, p: float, seed: int = 0) -> Compressor:
         vals, idx = _sparse_payload(x, pos, count)
         if encoding == "mask":
             mask = pack(keep, 1)
-            return MaskSparsePayload(mask=mask, values=vals, shape=shape, dtype=x.dtype, scale=scale), state
+            return MaskSparsePayload(
+                mask=mask, values=vals, count=count, shape=shape, dtype=x.dtype, scale=scale
+            ), state
         return CountSparsePayload(values=vals, indices=idx, count=count, shape=shape, dtype=x.dtype, scale=scale), state
 
     def decompress(payload):

@@ -28,14 +28,14 @@ This module holds the sparse payload formats and their codecs.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._base import Payload, payload_dataclass, static_field
-from ._kernels.bitpack import bytes_to_words, popcount, unpack
+from ._kernels.bitpack import bytes_to_words, unpack
 from ._kernels.scatter import scatter, scatter_count, scatters_whole_buffer, subtract_sparse, sum_scatter
 from ._kernels.select import SMALL, compact, compact_words
 from ._primitives import bits_of, index_dtype
@@ -80,7 +80,8 @@ class CountSparsePayload(Payload):
       scale: multiplier applied on decompression (static; ``1/p`` for random sparsification).
 
     Wire bits: ``count * (bits(dtype) + bits(index dtype)) + 32`` (the count
-    itself is sent); a traced int32.
+    itself is sent); a traced int32. ``values`` and ``indices`` are counted
+    fields: the pipeline's all-gather sends only their first ``count`` slots.
     """
 
     values: Array
@@ -89,6 +90,7 @@ class CountSparsePayload(Payload):
     shape: tuple = static_field()
     dtype: Any = static_field()
     scale: float = static_field(default=1.0)
+    counted: ClassVar[tuple[tuple[str, str], ...]] = (("values", "count"), ("indices", "count"))
 
     def wire_bits(self):
         per = bits_of(self.values.dtype) + bits_of(self.indices.dtype)
@@ -103,22 +105,26 @@ class MaskSparsePayload(Payload):
       mask: uint8 ``(ceil(d/8),)``, bit ``i % 8`` of byte ``i // 8`` set iff entry
         ``i`` is sent (the :func:`pack` layout).
       values: ``(cap,)`` the sent entries in index order (input dtype); slots
-        past the number of set bits are 0.
+        ``>= count`` are 0.
+      count: int32 scalar, ``min(popcount(mask), cap)``, the valid slots of ``values``.
       shape, dtype, scale: as :class:`CountSparsePayload`.
 
-    Wire bits: ``8 * ceil(d/8) + min(popcount(mask), cap) * bits(dtype)`` (the
-    count is implied by the mask and not sent); a traced int32.
+    Wire bits: ``8 * ceil(d/8) + count * bits(dtype)`` (the count is implied by
+    the mask, so the format leaves it out); a traced int32. ``values`` is a
+    counted field: the pipeline's all-gather sends its first ``count`` slots
+    and the count in its count gather (32 bits more on the wire).
     """
 
     mask: Array
     values: Array
+    count: Array
     shape: tuple = static_field()
     dtype: Any = static_field()
     scale: float = static_field(default=1.0)
+    counted: ClassVar[tuple[tuple[str, str], ...]] = (("values", "count"),)
 
     def wire_bits(self):
-        count = jnp.minimum(jnp.sum(popcount(self.mask.astype(jnp.uint32))), self.values.shape[0])
-        return self.mask.shape[0] * 8 + count * bits_of(self.values.dtype)
+        return self.mask.shape[0] * 8 + self.count.astype(jnp.int32) * bits_of(self.values.dtype)
 
 
 def _decompress_sparse(p: SparsePayload):
@@ -170,11 +176,11 @@ def _decompress_mask(p: MaskSparsePayload):
     if d == 0 or cap == 0:
         return jnp.zeros(p.shape, p.dtype)
     if d <= SMALL:
-        pos, total = compact(unpack(p.mask, 1, d).astype(bool), cap)
+        pos, _ = compact(unpack(p.mask, 1, d).astype(bool), cap)
     else:
-        pos, total = compact_words(bytes_to_words(p.mask), cap)
-    vals = jnp.where(jnp.arange(cap) < total, p.values.astype(jnp.float32), 0.0)
-    return scatter_count(vals, pos, total, p.shape, p.dtype, p.scale)
+        pos, _ = compact_words(bytes_to_words(p.mask), cap)
+    # the first min(set bits, cap) == p.count slots of p.values are the sent entries
+    return scatter_count(p.values.astype(jnp.float32), pos, p.count, p.shape, p.dtype, p.scale)
 
 
 def _sparse_payload(x, idx, k_valid=None):

@@ -30,6 +30,16 @@ feedback: nothing is sent and ``Σ`` is the worker's own reconstruction.
 Wire accounting happens here and only here: ``state.wire_bits[j]`` is the exact
 number of bits this worker put on the wire for tensor (or group) ``j`` in the
 last step, and ``state.messages`` the number of arrays it handed to collectives.
+It counts what the collectives carry: under ``"allreduce"`` the summed fields;
+under ``"allgather"`` every array of a fixed-size payload, and for a payload
+with count-prefixed fields (``Payload.counted``: threshold, DGC, adaptive,
+INCEPTIONN, random sparsification) what :func:`~jaxcomm.comm.all_gather_counted`
+sent for it -- its valid rows, its other arrays, its int32 counts, and, for the
+first payload of a fused group, the group's bucket padding -- so that
+``state.wire_bits.sum()`` is the bytes of the step's collectives times 8;
+``"broadcast"`` and ``"reduce_scatter"`` send payloads whole, capacity buffers
+included, and count them whole. With one worker nothing is sent, and
+``wire_bits`` is the payload's own format count (:func:`~jaxcomm.compressors.wire_bits`).
 """
 
 from __future__ import annotations
@@ -45,7 +55,17 @@ import numpy as np
 from .. import memory as memory_lib
 from .._keys import step_keys
 from .._vma import varying_axes
-from ..comm import ALL_GATHER, BROADCAST, PERMUTE, SUM, Local, all_gather_packed, require
+from ..comm import (
+    ALL_GATHER,
+    BROADCAST,
+    PERMUTE,
+    SUM,
+    Local,
+    all_gather_counted,
+    all_gather_packed,
+    has_counted_fields,
+    require,
+)
 from ..compressors._base import Compressor, check_float_input, wire_bits
 
 __all__ = [
@@ -82,8 +102,9 @@ class CompressionState(NamedTuple):
       compressor_states: tuple, the compressor's state per compressed tensor
         (per leaf, or per group where leaves are compressed together).
       wire_bits: ``int32[num_tensors]``: exact bits this worker put on the wire
-        per compressed tensor at the last step. ``int(state.wire_bits.sum())``
-        is the step's volume per worker.
+        per compressed tensor at the last step (the arrays handed to the
+        collectives; see the module docstring for count-prefixed payloads).
+        ``int(state.wire_bits.sum())`` is the step's volume per worker.
       messages: int32 scalar, arrays this worker handed to collectives at the
         last step (one per MPI call on the MPI backend).
     """
@@ -351,14 +372,43 @@ def run_rounds(compressor: Compressor, x, key, state, comm):
     return payload, new_state, sent
 
 
-def _gather_payloads(comm, payloads: list, fuse: bool) -> tuple[list, int]:
-    """``[comm.all_gather(p) for p in payloads]`` and the arrays gathered; with ``fuse`` the payloads of
-    at most :data:`FUSE_MAX_BYTES` share one :func:`~jaxcomm.comm.all_gather_packed` collective."""
+def _gather_payloads(comm, payloads: list, fuse: bool) -> tuple[list, list, int]:
+    """``[comm.all_gather(p) for p in payloads]``, the bits this worker sent per payload, and the
+    collectives run.
+
+    Fixed-size payloads: with ``fuse``, those of at most :data:`FUSE_MAX_BYTES` share one
+    :func:`~jaxcomm.comm.all_gather_packed` collective; the others are gathered leaf by leaf.
+    Their bits are their arrays' bits. Payloads with count-prefixed fields (``counted``) go
+    through :func:`~jaxcomm.comm.all_gather_counted` (a count gather, then only the valid
+    rows in the smallest bucket that holds every worker's): with ``fuse`` those of at most
+    :data:`FUSE_MAX_BYTES` of capacity share one, each other one has its own. Their bits are
+    what that gather sent for them, the group's bucket padding charged to its first payload
+    (the lowest tensor index), so the bits sum to the collectives' bytes times 8.
+    """
     sizes = [sum(map(_array_bits, jax.tree.leaves(p))) for p in payloads]
+    bits: list[Any] = [count_bits(b) for b in sizes]
+    counted = [i for i, p in enumerate(payloads) if has_counted_fields(p)]
     small = [i for i, b in enumerate(sizes) if fuse and b <= 8 * FUSE_MAX_BYTES]
-    packed = dict(zip(small, all_gather_packed(comm, [payloads[i] for i in small]))) if small else {}
-    messages = (1 if small else 0) + sum(len(jax.tree.leaves(p)) for i, p in enumerate(payloads) if i not in packed)
-    return [packed[i] if i in packed else comm.all_gather(p) for i, p in enumerate(payloads)], messages
+    small_fixed = [i for i in small if i not in counted]
+    small_counted = [i for i in small if i in counted]
+    out = dict(zip(small_fixed, all_gather_packed(comm, [payloads[i] for i in small_fixed]))) if small_fixed else {}
+    messages = 1 if small_fixed else 0
+    groups = ([small_counted] if small_counted else []) + [[i] for i in counted if i not in small_counted]
+    for group in groups:
+        res = all_gather_counted(comm, [payloads[i] for i in group])
+        messages += res.messages
+        for i, gathered, sent in zip(group, res.items, res.sent_bytes):
+            out[i], bits[i] = gathered, count_bits(8 * sent)
+    for i, p in enumerate(payloads):
+        if i not in out:
+            out[i] = comm.all_gather(p)
+            messages += len(jax.tree.leaves(p))
+    return [out[i] for i in range(len(payloads))], bits, messages
+
+
+def _sent_bits(payload):
+    """Bits of every array of ``payload``: what crosses when it is sent whole (broadcast, permute)."""
+    return count_bits(sum(map(_array_bits, jax.tree.leaves(payload))))
 
 
 def _sum_decompressed(compressor: Compressor, gathered, n: int, acc_dtype):
@@ -470,17 +520,19 @@ def exchange(
         for i, s in zip(pending, sums):
             totals[i] = compressors[i].decompress(dataclasses.replace(payloads[i], **s)).astype(acc[i])
     elif pending and strategy == "allgather":
-        gathered, m = _gather_payloads(comm, [payloads[i] for i in pending], fuse)
+        gathered, sent, m = _gather_payloads(comm, [payloads[i] for i in pending], fuse)
         messages += m
-        for i, gp in zip(pending, gathered):
+        for i, gp, b in zip(pending, gathered, sent):
             totals[i] = _sum_decompressed(compressors[i], gp, n, acc[i])
-    elif pending:  # broadcast: root r's payload to everyone, for r = 0..n-1
+            bits[i] = b
+    elif pending:  # broadcast: root r's payload to everyone, for r = 0..n-1; the whole payload crosses
         for i in pending:
             total = jnp.zeros(jnp.shape(phis[i]), acc[i])
             for r in range(n):
                 total = total + compressors[i].decompress(comm.broadcast(payloads[i], r)).astype(acc[i])
             messages += n * len(jax.tree.leaves(payloads[i]))
             totals[i] = total
+            bits[i] = _sent_bits(payloads[i])
 
     errors: list[Any] = []
     own: list[Any] = []
@@ -553,7 +605,7 @@ def _reduce_scatter(comm, phis, keys, compressors, acc, memory, owner: Owner | N
     messages = 0
     for r in range(1, n):
         send = jax.tree.map(lambda a, r=r: a[(me + r) % n], stacked)
-        sent_bits = [b + wire_bits(p) for b, p in zip(sent_bits, send)]
+        sent_bits = [b + _sent_bits(p) for b, p in zip(sent_bits, send)]  # whole: capacity buffers included
         messages += len(jax.tree.leaves(send))
         received.append(comm.permute(send, [(s, (s + r) % n) for s in range(n)]))
 
@@ -576,7 +628,7 @@ def _reduce_scatter(comm, phis, keys, compressors, acc, memory, owner: Owner | N
         new_m = owner.memory.update(m, mean, v, q)
         owner_mems.append(jax.tree.map(lambda full, part: _put_chunk(full, part, n, me), full_mem, new_m))
         owner_payloads.append(payload)
-        owner_bits.append(count_bits(wire_bits(payload)))
+        owner_bits.append(_sent_bits(payload))
 
     gathered = comm.all_gather(owner_payloads)
     messages += len(jax.tree.leaves(owner_payloads))

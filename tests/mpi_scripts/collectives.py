@@ -3,10 +3,14 @@
 Usage: ``mpirun -n N python tests/mpi_scripts/collectives.py`` (N >= 2). Every
 rank builds every rank's input from a seed, so each computes the NumPy reference
 of its own result locally and asserts it; a failed assertion exits non-zero.
-Rank 0 prints ``collectives ok on N processes`` when every rank passed.
+Rank 0 prints ``collectives ok on N processes`` when every rank passed. Also
+:func:`jaxcomm.comm.all_gather_counted` on count-based payloads (:func:`check_counted_gather`).
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +18,11 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from jaxcomm.comm import CAPABILITIES, REDUCE_SCATTER, MPIComm, is_communicator, require
+import jaxcomm as jc
+from jaxcomm.comm import CAPABILITIES, REDUCE_SCATTER, MPIComm, all_gather_counted, is_communicator, require
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the NumPy byte counts
+from counted_bytes import expected_sent
 
 
 def inputs(n: int, w: int) -> dict:
@@ -28,6 +36,41 @@ def inputs(n: int, w: int) -> dict:
         "bf16": rng.normal(size=(n, 6)).astype(ml_dtypes.bfloat16),
         "f16": rng.normal(size=(n, 6)).astype(np.float16),
     }
+
+
+COUNT_BASED = [
+    jc.compressors.threshold(v=1.5),
+    jc.compressors.threshold(v=1e9),  # every count 0: the smallest bucket
+    jc.compressors.adaptive(ratio=0.05),
+    jc.compressors.inceptionn(error_bound=2.0**-4),
+    jc.compressors.random_sparsification(p=0.01),  # an index list at this size
+]
+
+
+@jax.jit
+def counted_payloads(w):
+    """Worker ``w``'s payloads of :data:`COUNT_BASED` for 3000 entries whose scale grows with ``w``
+    (so the counts differ between workers)."""
+    x = jax.random.normal(jax.random.key(2000), (3000,)) * (1.0 + w.astype(jnp.float32)) + w.astype(jnp.float32)
+    return [c.compress(x, jax.random.fold_in(jax.random.key(1), w))[0] for c in COUNT_BASED]
+
+
+def check_counted_gather(comm, n: int, r: int) -> None:
+    """all_gather_counted inside jit over MPI (a lax.switch of MPI_Allgather branches): equal to
+    comm.all_gather bit for bit, the bucket and the bytes sent per payload as NumPy computes them
+    from every worker's counts; alone, for the payloads whose counts are all 0, and together."""
+    everyone = [counted_payloads(jnp.int32(w)) for w in range(n)]
+    gather = jax.jit(lambda t: (all_gather_counted(comm, t), comm.all_gather(t)))
+    for pick in ([0], [1], [2], [3], [4], [0, 2, 3, 4]):
+        mine = [everyone[r][i] for i in pick]
+        res, plain = gather(mine)
+        for a, b in zip(jax.tree.leaves(res.items), jax.tree.leaves(plain)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        bucket, sent = expected_sent([[row[i] for i in pick] for row in everyone])
+        assert int(res.bucket_bytes) == bucket, (pick, int(res.bucket_bytes), bucket)
+        assert [int(s) for s in res.sent_bytes] == sent[r], (pick, res.sent_bytes, sent[r])
+        assert res.messages == 2
 
 
 def main() -> None:
@@ -112,6 +155,8 @@ def main() -> None:
             assert name in str(e) and f"length {n}" in str(e), e
         else:
             raise AssertionError(f"{name}: expected ValueError")
+
+    check_counted_gather(comm, n, r)
 
     ok = MPI.COMM_WORLD.allreduce(1, op=MPI.SUM) == n
     if r == 0 and ok:

@@ -31,6 +31,10 @@ CASES = {
     ),
     # allgather of a stochastic compressor: per-worker keys fold_in(rank) must match fold_in(axis_index)
     "qsgd_allgather": lambda **where: compressed_mean(jc.compressors.qsgd(levels=4), memory=mem.residual(), **where),
+    # count-based payloads: a count gather, then a lax.switch of bucket-sized all-gathers
+    "threshold_allgather": lambda **where: compressed_mean(
+        jc.compressors.threshold(v=0.5), memory=mem.residual(), **where
+    ),
     # two allreduce rounds yielded by the compressor's rounds (P, then Q)
     "powersgd_allreduce": lambda **where: compressed_mean(
         jc.compressors.powersgd(matrix_approximation_rank=1), memory=mem.residual(), **where

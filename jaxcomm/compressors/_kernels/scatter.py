@@ -34,13 +34,16 @@ def scatters_whole_buffer(cap: int, d: int) -> bool:
 def scatter_count(values, indices, count, shape, dtype, scale=1.0):
     """:func:`scatter` of the first ``count`` slots of a fixed-capacity buffer.
 
-    A scatter costs per slot, valid or not; when the buffer is large
-    (``cap > d / 16``) and the count small, only the first ``d / 16`` slots
-    are scattered (``lax.cond``).
+    Slots ``>= count`` are not part of the payload: their values are read as 0
+    whatever the buffer holds (so a decoder never depends on how the sender
+    filled its unused capacity). A scatter costs per slot, valid or not; when
+    the buffer is large (``cap > d / 16``) and the count small, only the first
+    ``d / 16`` slots are scattered (``lax.cond``).
     """
     d = int(np.prod(shape, dtype=np.int64))
     cap = values.shape[0]
     small = d // 16
+    values = jnp.where(jnp.arange(cap) < count, values, jnp.zeros((), values.dtype))
     if scatters_whole_buffer(cap, d):
         return scatter(values, indices, shape, dtype, scale)
     return lax.cond(
