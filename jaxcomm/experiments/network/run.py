@@ -162,22 +162,23 @@ def _plot(jobs: list[dict], rows: list[dict], config: dict, out_dir: Path) -> No
             first = r["method"] not in seen
             seen.add(r["method"])
             ax.plot(
-                [0.0] + [p["time_s"] for p in c],
-                [0.1] + [p["accuracy"] for p in c],
+                [p["time_s"] for p in c],
+                [p["accuracy"] for p in c],
                 color=colors[r["method"]],
                 lw=1.6 if first else 0.8,
                 alpha=1.0 if first else 0.6,
                 label=r["method"] if first else None,
             )
         ax.axhline(target, color="0.5", ls=":", lw=1)
-        ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlim(left=0.0)
         ax.set_title(f"link {job['bandwidth']} (measured)")
         ax.set_xlabel("training wall-clock (s, measured)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("test accuracy")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center right")
     fig.suptitle(f"Time to accuracy: {what}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
     fig.savefig(out_dir / "accuracy_vs_time.png", dpi=120)
     plt.close(fig)
 
@@ -207,7 +208,7 @@ def _plot(jobs: list[dict], rows: list[dict], config: dict, out_dir: Path) -> No
     fig.savefig(out_dir / "accuracy_vs_bytes.png", dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(5.4, 4.4))
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
     markers = "osD^v<>"
     bws = [j["bandwidth"] for j in jobs]
     for row in rows:
@@ -216,25 +217,24 @@ def _plot(jobs: list[dict], rows: list[dict], config: dict, out_dir: Path) -> No
             row["step_s"],
             color=colors[row["method"]],
             marker=markers[bws.index(row["bandwidth"]) % len(markers)],
-            s=36,
+            s=40,
+            zorder=3,
         )
-    lo = min(min(r["step_s"], r["step_predicted_s"]) for r in rows) * 0.7
-    hi = max(max(r["step_s"], r["step_predicted_s"]) for r in rows) * 1.4
-    ax.plot([lo, hi], [lo, hi], color="0.3", lw=1)
-    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="0.85", label="±15 %")
+    hi = max(max(r["step_s"], r["step_predicted_s"]) for r in rows) * 1.1
+    ax.plot([0, hi], [0, hi], color="0.3", lw=1)
+    ax.fill_between([0, hi], [0, hi * 0.85], [0, hi * 1.15], color="0.88", label="±15 %")
     for m in methods:
         ax.scatter([], [], color=colors[m], marker="o", label=m)
     for i, b in enumerate(bws):
         ax.scatter([], [], color="0.4", marker=markers[i % len(markers)], label=f"link {b}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.set_aspect("equal")
     ax.set_xlabel("predicted step (s): measured compute + cost_model.step_time")
     ax.set_ylabel("measured step (s, median)")
-    ax.set_title(f"Step time, measured vs predicted: {what}", fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=6, ncol=2, loc="upper left")
+    ax.set_title(f"Step time, measured vs predicted\n{what}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(out_dir / "step_time_model.png", dpi=120)
     plt.close(fig)
