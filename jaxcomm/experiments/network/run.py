@@ -14,8 +14,9 @@ pipeline's own ``P`` (``wire_bits / 8``) and ``m`` (one worker's ``messages``) p
 rate (for ``"unlimited"``, the throughput measured at the start of the job) and ``α`` the
 measured latency. Predicted step = measured compute + predicted communication.
 
-Outputs in the run folder: ``results.json`` (every curve and measurement), ``link-*/`` (each
-job's files), ``accuracy_vs_time.png`` (one panel per bandwidth), ``accuracy_vs_bytes.png`` and
+Outputs in the run folder: ``link-*/`` (each job's configuration, launch report and
+``results.json`` with every curve and measurement; ``jaxcomm run`` adds the whole study's
+``results.json``), ``accuracy_vs_time.png`` (one panel per bandwidth), ``accuracy_vs_bytes.png`` and
 ``step_time_model.png`` (measured against predicted step time).
 """
 
