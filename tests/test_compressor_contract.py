@@ -1,7 +1,12 @@
 """The contract battery (jaxcomm.testing) over every registered compressor."""
 
+import dataclasses
+
 import jax
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxcomm as jc
 from jaxcomm import testing
@@ -94,3 +99,145 @@ def test_sparse_compressors_have_the_fast_hooks(name):
     # The step-overhead benchmark depends on these: one scatter per sum, in-place error.
     c = build(name)
     assert c.decompress_sum is not None and c.compression_error is not None
+
+
+# --------------------------------------------------------------------------- #
+# The battery's power: it rejects what is wrong, naming the check and compressor
+# --------------------------------------------------------------------------- #
+UNBIASED = [n for n in jc.compressors.names() if build(n).unbiased and n != "none"]
+
+
+def _wrap(c, *, decode=None, name="bad", **fields):
+    """``c`` with its decode post-processed by ``decode`` (and other Compressor fields replaced)."""
+    return jc.compressors.Compressor.create(
+        name=name,
+        compress=c.compress_fn,
+        decompress=(lambda p: decode(c.decompress(p))) if decode else c.decompress,
+        unbiased=fields.pop("unbiased", c.unbiased),
+        strategy=fields.pop("strategy", c.strategy),
+        init_state=c.init_state,
+        **fields,
+    )
+
+
+@pytest.mark.parametrize("name", UNBIASED)
+def test_battery_catches_a_one_percent_relative_bias(name):
+    # E[Q(x)] = 1.01 x: the power the docstring of check_unbiased states (>= 95 % at 1 %).
+    with pytest.raises(AssertionError, match="biased"):
+        testing.check_unbiased(_wrap(build(name), decode=lambda y: y * 1.01, unbiased=True))
+
+
+def test_battery_catches_an_offset_of_the_mean():
+    # E[Q(x)] = x + 0.04 on every entry (the bias that passed the old per-coordinate test).
+    with pytest.raises(AssertionError, match="biased"):
+        testing.check_unbiased(_wrap(build("stochastic_rounding"), decode=lambda y: y + 0.04, unbiased=True))
+
+
+@pytest.mark.parametrize("name", UNBIASED)
+def test_unbiased_compressors_pass_at_the_stated_power(name):
+    testing.check_unbiased(build(name))
+
+
+def test_battery_catches_a_false_contraction():
+    # top-k keeps k of d entries: δ = k/d is tight on a flat vector, so declaring 2k/d is false.
+    c = build("topk")
+    bad = dataclasses.replace(c, contraction=lambda d: 2 * c.delta(d), bound="wrong on purpose")
+    with pytest.raises(AssertionError, match="violated on the 'flat' input"):
+        testing.check_error_bound(bad)
+
+
+def test_battery_catches_a_false_variance_factor():
+    # random sparsification at p = 0.5 has ω = 1 exactly; declaring 0.5 is false.
+    c = build("random_sparsification")
+    with pytest.raises(AssertionError, match="violated"):
+        testing.check_error_bound(dataclasses.replace(c, variance_factor=0.5))
+
+
+def test_battery_catches_unsummable_payloads_declared_allreduce():
+    # Packed sign bits summed as integers do not decode to the sum of the signs.
+    sign = jc.compressors.signsgd()
+    bad = jc.compressors.Compressor.create(
+        name="bad",
+        compress=sign.compress_fn,
+        decompress=sign.decompress,
+        unbiased=False,
+        strategy="allreduce",
+    )
+    with pytest.raises(AssertionError, match=r"summable|sum of payloads"):
+        testing.check_strategy(bad)
+
+
+def test_battery_names_the_check_and_compressor_of_any_exception():
+    # A Python `if` on a traced value inside a candidate compressor fails under jit.
+    base = jc.compressors.none()
+
+    def compress(x, key, state):
+        if x.sum() > 0:  # not jit-compatible
+            return base.compress_fn(x, key, state)
+        return base.compress_fn(-x, key, state)
+
+    bad = jc.compressors.Compressor.create(
+        name="candidate", compress=compress, decompress=base.decompress, unbiased=True, strategy="allreduce"
+    )
+    with pytest.raises(AssertionError, match=r"\[jit_shapes_dtypes\] candidate: TracerBoolConversionError"):
+        testing.check_compressor(bad)
+
+
+@pytest.mark.parametrize("name", jc.compressors.names())
+def test_every_builtin_declares_its_bound_or_why_not(name):
+    c = build(name)
+    assert c.bound, f"{name} declares no bound text"
+    if c.unbiased:
+        assert c.variance_factor is not None and c.contraction is None
+    else:
+        assert c.variance_factor is None
+        if c.contraction is None:
+            assert c.bound.startswith("no bound declared")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    name=st.sampled_from(["qsgd", "terngrad", "random_sparsification", "stochastic_rounding", "natural"]),
+    d=st.integers(1, 5000),
+)
+def test_contractive_declares_delta_one_over_one_plus_omega(name, d):
+    c = build(name)
+    wrapped = jc.compressors.contractive(c)
+    assert not wrapped.unbiased and wrapped.strategy == c.strategy
+    assert wrapped.delta(d) == pytest.approx(1.0 / (1.0 + c.omega(d)))
+
+
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "random_sparsification", "stochastic_rounding"])
+def test_contractive_passes_the_battery(name):
+    wrapped = jc.compressors.contractive(build(name))
+    for check in ("error_bound", "error_feedback", "jit_shapes_dtypes", "wire_bits", "vmap_shard_map"):
+        testing.contract_checks()[check](wrapped)
+
+
+def test_contractive_keeps_the_wire_format():
+    c = build("random_sparsification")
+    x = jax.random.normal(jax.random.PRNGKey(0), (500,))
+    p_inner, _ = c.compress(x, jax.random.PRNGKey(1))
+    p_outer, _ = jc.compressors.contractive(c).compress(x, jax.random.PRNGKey(1))
+    assert int(jc.wire_bits(p_inner)) == int(jc.wire_bits(p_outer))
+    np.testing.assert_allclose(
+        np.asarray(jc.compressors.contractive(c).decompress(p_outer)),
+        0.5 * np.asarray(c.decompress(p_inner)),
+        rtol=1e-6,
+    )
+
+
+def test_contractive_rejects_what_it_cannot_scale():
+    with pytest.raises(ValueError, match="declares no variance factor"):
+        jc.compressors.contractive(build("topk"))
+    with pytest.raises(TypeError, match="Compressor"):
+        jc.compressors.contractive("qsgd")
+
+
+def test_register_overwrite():
+    name = "test-overwrite-compressor"
+    jc.compressors.register(name)(lambda: jc.compressors.none())
+    with pytest.raises(ValueError, match="overwrite=True"):
+        jc.compressors.register(name)(lambda: jc.compressors.fp16())
+    jc.compressors.register(name, overwrite=True)(lambda: jc.compressors.fp16())
+    assert jc.compressors.make(name).name == "fp16"

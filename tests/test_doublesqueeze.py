@@ -208,9 +208,9 @@ def test_memsgd_and_uncompressed_server():
 # --------------------------------------------------------------------------- #
 # Nothing lost, for any compressor (stochastic ones included)
 # --------------------------------------------------------------------------- #
-COMPRESSORS = {
-    "qsgd": lambda: jc.compressors.make("qsgd", levels=2),
-    "terngrad": lambda: jc.compressors.make("terngrad"),
+COMPRESSORS = {  # stochastic; error feedback needs them scaled into contractions (ω ≥ 1 here)
+    "qsgd": lambda: jc.compressors.contractive(jc.compressors.make("qsgd", levels=2)),
+    "terngrad": lambda: jc.compressors.contractive(jc.compressors.make("terngrad")),
 }
 
 

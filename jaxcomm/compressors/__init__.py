@@ -15,6 +15,7 @@ from . import payloads
 from ._base import Compressor, CompressorState, make, names, register, wire_bits
 from ._basic import bf16, fp16, none
 from ._clipping import clipping
+from ._contractive import contractive
 from ._eightbit import eightbit
 from ._hybrid import adaptive, qsparse
 from ._inceptionn import inceptionn
@@ -63,6 +64,7 @@ __all__ = [
     "inceptionn",
     "sketchml",
     "clipping",
+    "contractive",
     "stochastic_rounding",
     "randomk",
     "topk",

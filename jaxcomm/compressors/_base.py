@@ -18,9 +18,10 @@ leaf, so ``optax.chain(jaxcomm.compressors.topk(ratio=0.01), optax.sgd(0.1))`` w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -220,6 +221,26 @@ def _no_state(x):
     return ()
 
 
+def _bound_fn(value, name: str):
+    """A declared bound as ``d -> float``: ``None``, a callable, or a non-negative number (constant)."""
+    if value is None or callable(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a callable d -> float, a number or None; got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and >= 0; got {value}")
+    return lambda d, _v=value: _v
+
+
+def _finite_or_none(value) -> float | None:
+    """A declared bound's value at one size; ``None`` (or NaN) means no bound at that size."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
 def _check_hook(value, name: str):
     if value is not None and not callable(value):
         raise TypeError(f"{name} must be callable or None; got {type(value).__name__}")
@@ -265,6 +286,16 @@ class Compressor:
         the pipeline computes the difference.
       seed: seed of the optax transformation's key (``PRNGKey(seed)``).
       params: the hyper-parameters the factory was called with.
+      variance_factor: for an unbiased compressor, ``d -> ω``: the declared bound
+        ``E‖Q(x) − x‖² ≤ ω ‖x‖²`` for every ``x`` of ``d`` entries (a float is a
+        constant ``ω``). ``None``: not declared.
+      contraction: for a biased compressor, ``d -> δ`` in ``(0, 1]``: the declared
+        bound ``E‖Q(x) − x‖² ≤ (1 − δ) ‖x‖²`` for every ``x`` of ``d`` entries (a
+        float is a constant ``δ``). ``None``: not a contraction, or not declared.
+      bound: where the declared bound comes from (paper, lemma, derivation), or
+        why there is none. :mod:`jaxcomm.testing` checks the declared bounds, and
+        error feedback refuses an unbiased compressor whose ``ω ≥ 1``
+        (:func:`jaxcomm.compressors.contractive` rescales it).
     """
 
     name: str
@@ -278,6 +309,9 @@ class Compressor:
     compression_error: Callable | None = None
     seed: int = 0
     params: dict = dataclasses.field(default_factory=dict)
+    variance_factor: Callable[[int], float] | float | None = None
+    contraction: Callable[[int], float] | float | None = None
+    bound: str = ""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -292,6 +326,35 @@ class Compressor:
         object.__setattr__(self, "unbiased", bool(self.unbiased))
         object.__setattr__(self, "seed", check_positive_int(self.seed, "seed", minimum=0))
         object.__setattr__(self, "params", dict(self.params or {}))
+        for field in ("variance_factor", "contraction"):
+            object.__setattr__(self, field, _bound_fn(getattr(self, field), field))
+        if self.variance_factor is not None and not self.unbiased:
+            raise ValueError(
+                "variance_factor (ω) is declared for unbiased compressors; a biased one declares contraction (δ)"
+            )
+        if not isinstance(self.bound, str):
+            raise TypeError(
+                f"bound must be a string (the source of the declared bound); got {type(self.bound).__name__}"
+            )
+
+    def omega(self, d: int) -> float | None:
+        """The declared variance factor ω for a tensor of ``d`` entries (``None`` if not declared)."""
+        if self.variance_factor is None:
+            return None
+        return _finite_or_none(cast(Callable[[int], float], self.variance_factor)(int(d)))
+
+    def delta(self, d: int) -> float | None:
+        """The declared contraction δ for a tensor of ``d`` entries (``None`` if not declared).
+
+        An unbiased compressor with ``ω < 1`` is a contraction with ``δ = 1 − ω``
+        (``E‖Q(x) − x‖² ≤ ω ‖x‖²``), and that is returned when no δ is declared.
+        """
+        fn = cast(Callable[[int], float] | None, self.contraction)
+        delta = None if fn is None else _finite_or_none(fn(int(d)))
+        if delta is not None:
+            return delta
+        omega = self.omega(d)
+        return 1.0 - omega if omega is not None and omega < 1.0 else None
 
     @classmethod
     def create(
@@ -308,6 +371,9 @@ class Compressor:
         compression_error: Callable | None = None,
         seed: int = 0,
         params: dict | None = None,
+        variance_factor: Callable[[int], float] | float | None = None,
+        contraction: Callable[[int], float] | float | None = None,
+        bound: str = "",
     ) -> Compressor:
         """Build a compressor from its per-array primitives (fields as in the class docstring)."""
         return cls(
@@ -322,6 +388,9 @@ class Compressor:
             compression_error=compression_error,
             seed=seed,
             params=dict(params or {}),
+            variance_factor=variance_factor,
+            contraction=contraction,
+            bound=bound,
         )
 
     # -- per-array primitives ---------------------------------------------- #
@@ -391,14 +460,37 @@ class Compressor:
 _REGISTRY: dict[str, Callable[..., Compressor]] = {}
 
 
-def register(name: str):
-    """Decorator: register a compressor factory under ``name``."""
+def register(name: str, *, overwrite: bool = False):
+    """Decorator: register a compressor factory under ``name``.
+
+    The registered factory attaches the declared error bound of ``name``
+    (``jaxcomm.compressors._bounds.BOUNDS``, for the built-in names) to every
+    compressor it builds, unless the factory declared one itself.
+
+    Args:
+      name: the registry name (``make(name, ...)``).
+      overwrite: replace a factory already registered under ``name`` (e.g. when a
+        notebook cell that registers it runs again); ``False`` raises instead.
+    Raises:
+      ValueError: ``name`` is already registered and ``overwrite`` is false.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string; got {name!r}")
 
     def deco(factory):
-        if name in _REGISTRY:
-            raise ValueError(f"compressor {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
+        if name in _REGISTRY and not overwrite:
+            raise ValueError(
+                f"compressor {name!r} is already registered; pass register({name!r}, overwrite=True) to replace it"
+            )
+
+        @functools.wraps(factory)
+        def build(*args, **kwargs):
+            from ._bounds import declare
+
+            return declare(factory(*args, **kwargs))
+
+        _REGISTRY[name] = build
+        return build
 
     return deco
 

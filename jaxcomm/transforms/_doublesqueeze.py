@@ -137,6 +137,12 @@ def doublesqueeze(
       maps each worker's gradient tree to ``Q_s(v)``.
 
     Raises:
+
+      ValueError: at ``init``, a memory that feeds back (any but ``none``) around an
+
+        unbiased compressor whose variance factor is ``ω ≥ 1`` at a tensor's size (it would
+
+        diverge; :func:`jaxcomm.compressors.contractive` scales it into a contraction).
       TypeError: ``compressor``/``server_compressor`` not a Compressor, a
         memory not a Memory, ``comm`` not a Communicator.
       ValueError: a compressor strategy the communicator cannot serve, a

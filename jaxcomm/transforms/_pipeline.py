@@ -129,6 +129,31 @@ def check_compressor(compressor, name: str = "compressor") -> Compressor:
     return compressor
 
 
+def check_feedback(compressor: Compressor, memory: memory_lib.Memory, sizes) -> None:
+    """Refuse error feedback around an unbiased compressor whose variance factor is ``ω ≥ 1``.
+
+    With a memory that feeds the error back (every memory but ``none``), the
+    error ``e' = v − Q(v)`` of such a compressor has ``E‖e'‖² = ω ‖v‖²`` (random
+    sparsification: exactly), so once the memory dominates ``v = g + e`` it grows
+    by a factor ``ω`` per step. ``sizes`` are the entries of each compressed tensor.
+
+    Raises:
+      ValueError: naming the compressor, ``ω``, the tensor size and the fix
+        (:func:`jaxcomm.compressors.contractive`).
+    """
+    if memory.name == "none" or compressor.variance_factor is None:
+        return
+    for d in sizes:
+        omega = compressor.omega(d)
+        if omega is not None and omega >= 1.0:
+            raise ValueError(
+                f"error feedback ({memory!r}) needs a contraction, E‖Q(x) − x‖² ≤ (1 − δ)‖x‖² with δ > 0, but "
+                f"{compressor!r} is unbiased with variance factor ω = {omega:.4g} ≥ 1 on a tensor of {d} entries "
+                f"({compressor.bound}); its memory would grow by a factor ω per step. Use "
+                f"jaxcomm.compressors.contractive({compressor!r}), which scales it by 1/(1 + ω), or no memory"
+            )
+
+
 def check_memory(memory, name: str = "memory") -> memory_lib.Memory:
     if not isinstance(memory, memory_lib.Memory):
         raise TypeError(
@@ -262,6 +287,7 @@ def init_state(
         check_float_input(leaf, "params")
     leaves = [jnp.asarray(x) for x in leaves]
     groups = groups_of(len(leaves), scope)
+    check_feedback(compressor, memory, [sum(int(np.size(leaves[i])) for i in g) for g in groups])
     return CompressionState(
         count=jnp.zeros((), jnp.int32),
         key=jax.random.PRNGKey(compressor.seed) if key is None else key,
