@@ -133,11 +133,6 @@ def test_battery_catches_an_offset_of_the_mean():
         testing.check_unbiased(_wrap(build("stochastic_rounding"), decode=lambda y: y + 0.04, unbiased=True))
 
 
-@pytest.mark.parametrize("name", UNBIASED)
-def test_unbiased_compressors_pass_at_the_stated_power(name):
-    testing.check_unbiased(build(name))
-
-
 def test_battery_catches_a_false_contraction():
     # top-k keeps k of d entries: δ = k/d is tight on a flat vector, so declaring 2k/d is false.
     c = build("topk")
@@ -207,10 +202,11 @@ def test_contractive_declares_delta_one_over_one_plus_omega(name, d):
     assert wrapped.delta(d) == pytest.approx(1.0 / (1.0 + c.omega(d)))
 
 
-@pytest.mark.parametrize("name", ["qsgd", "terngrad", "random_sparsification", "stochastic_rounding"])
+@pytest.mark.parametrize("name", ["qsgd", "random_sparsification"])
 def test_contractive_passes_the_battery(name):
+    # (test_contract runs every check on the unbiased originals; unbiasedness passes there.)
     wrapped = jc.compressors.contractive(build(name))
-    for check in ("error_bound", "error_feedback", "jit_shapes_dtypes", "wire_bits", "vmap_shard_map"):
+    for check in ("error_bound", "error_feedback", "strategy"):
         testing.contract_checks()[check](wrapped)
 
 
