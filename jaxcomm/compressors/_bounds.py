@@ -80,17 +80,6 @@ def _randomk(p) -> Declared:
     )
 
 
-def _dgc(p) -> Declared:
-    return (
-        None,
-        lambda d: 1.0 / d,
-        (
-            "keeps every entry at or above a threshold no larger than the largest magnitude (sampled top-k, "
-            "Lin et al. 2018), hence at least the largest entry: δ ≥ max_i x_i² / ‖x‖² ≥ 1/d"
-        ),
-    )
-
-
 def _efsignsgd(p) -> Declared:
     return (
         None,
@@ -232,6 +221,8 @@ def _qsparse(p) -> Declared:
 
 
 _NO_BOUND = {
+    "dgc": "sends entries at or above a sampled threshold, the first k of them in index order when between k "
+    "and upper_bound·k qualify, so the largest entry can be missed (non-expansive, no uniform δ > 0)",
     "inceptionn": "absolute error bound |x_i − Q(x)_i| < error_bound with |Q(x)_i| ≤ |x_i| (non-expansive), "
     "no relative δ: entries below the bound are dropped",
     "powersgd": "an orthogonal projection of the (summed) matrix onto rank r (non-expansive), with no uniform "
@@ -255,7 +246,6 @@ BOUNDS: dict[str, Callable[[dict], Declared]] = {
     "bf16": _bf16,
     "topk": _topk,
     "randomk": _randomk,
-    "dgc": _dgc,
     "efsignsgd": _efsignsgd,
     "onebit": _onebit,
     "natural": _natural,
