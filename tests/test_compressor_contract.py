@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -237,3 +238,20 @@ def test_register_overwrite():
         jc.compressors.register(name)(lambda: jc.compressors.fp16())
     jc.compressors.register(name, overwrite=True)(lambda: jc.compressors.fp16())
     assert jc.compressors.make(name).name == "fp16"
+
+
+def test_dgc_declares_no_delta_it_cannot_keep():
+    # 12 entries of 1 and one of 1000 among small noise (d = 1000, k = 10): when 10 < count <= 1.3 k
+    # entries pass the sampled threshold, DGC sends the first k in index order and misses the 1000,
+    # so E‖x − Q(x)‖²/‖x‖² ≈ 1 − 1e-5 exceeds 1 − 1/d: no δ = 1/d may be declared.
+    c = jc.compressors.dgc(ratio=0.01)
+    x = np.random.default_rng(0).normal(0, 0.01, 1000).astype(np.float32)
+    x[:12] = 1.0
+    x[999] = 1000.0
+    x = jnp.asarray(x)
+    ratios = [
+        float(jnp.sum((x - c.decompress(c.compress(x, jax.random.PRNGKey(s))[0])) ** 2) / jnp.sum(x**2))
+        for s in range(20)
+    ]
+    assert max(ratios) > 1 - 1 / 1000  # the input does defeat a 1/d claim
+    assert c.delta(1000) is None or max(ratios) <= 1 - c.delta(1000)

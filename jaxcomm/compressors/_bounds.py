@@ -80,17 +80,6 @@ def _randomk(p) -> Declared:
     )
 
 
-def _dgc(p) -> Declared:
-    return (
-        None,
-        lambda d: 1.0 / d,
-        (
-            "keeps every entry at or above a threshold no larger than the largest magnitude (sampled top-k, "
-            "Lin et al. 2018), hence at least the largest entry: δ ≥ max_i x_i² / ‖x‖² ≥ 1/d"
-        ),
-    )
-
-
 def _efsignsgd(p) -> Declared:
     return (
         None,
@@ -170,28 +159,44 @@ def _random_sparsification(p) -> Declared:
 
 def _clipping(p) -> Declared:
     bits = p["bits"]
-    if bits == 0:
-        return None, None, "keeps only sign and exponent: |x_i − Q(x)_i| < |x_i| with no uniform δ > 0"
     return (
         None,
-        1.0 - 4.0**-bits,
+        1.0 - (2.0**bits + 1.0) ** -2,
         (
-            "truncation of the mantissa to `bits` bits: |x_i − Q(x)_i| < 2^-bits |x_i| for normal entries, "
-            "δ = 1 − 4^-bits"
+            "truncation of the mantissa to `bits` bits: for a normal 2^e <= |x_i| < 2^(e+1) the error "
+            "r = |x_i − Q(x)_i| < 2^(e − bits) and |Q(x)_i| >= 2^e, so r/|x_i| <= r/(2^e + r) < 1/(2^bits + 1), "
+            "δ = 1 − (2^bits + 1)^-2 (bits = 0, sign and exponent only: δ = 3/4)"
         ),
     )
 
 
 def _eightbit(p) -> Declared:
     # Nearest of 256 codes times max|x|: |x_i − Q(x)_i| ≤ min(|x_i|, g/2 · max|x|), g/2 ≤ 0.9/128.
+    # Relative form: exponent group e (y = |x_i|/max|x| in [0.1, 1]·10^-e) has 2^(6-e) cells, half gap
+    # 0.9·10^-e/2^(7-e), at most 0.5625 y for e <= 3 (y >= 1e-4); below 1e-4 the error is <= 1.125e-5 max|x|.
     c2 = (0.9 / 128.0) ** 2
+    rel2, small2 = 0.5625**2, 1.125e-5**2
     return (
         None,
-        lambda d: max(1.0 - c2 * d, 0.0) or float("nan"),
+        lambda d: max(1.0 - min(c2 * d, rel2 + small2 * d), 0.0) or float("nan"),
         (
-            "Dettmers 2015's codebook: |x_i − Q(x)_i| ≤ (0.9/128) max|x| per entry, so "
-            "‖Q(x) − x‖² ≤ d (0.9/128)² ‖x‖², δ = 1 − d (0.9/128)² where positive (d ≤ 20,227); "
-            "larger tensors: no uniform bound declared"
+            "Dettmers 2015's codebook: |x_i − Q(x)_i| ≤ (0.9/128) max|x| per entry, and ≤ 0.5625 |x_i| where "
+            "|x_i| >= 1e-4 max|x| (≤ 1.125e-5 max|x| below), so ‖Q(x) − x‖² ≤ min(d (0.9/128)², 0.5625² + "
+            "d (1.125e-5)²) ‖x‖² and δ = 1 − that minimum (positive for d < 5.4e9)"
+        ),
+    )
+
+
+def _adaptive(p) -> Declared:
+    ratio = p["ratio"]
+    return (
+        None,
+        lambda d: 1.0 / (d * _num_selected(ratio, d)),
+        (
+            "each sign's k_s kept entries decode to their mean (a projection), removing (Σ kept)²/k_s ≥ "
+            "max² / k_s of ‖x‖² where max is that sign's largest magnitude; the larger of the two is ≥ ‖x‖²/d "
+            "and k_s ≤ k = round(ratio d), so δ = 1/(d k) (weak: the worst case is one large entry among small "
+            "ones of the same sign)"
         ),
     )
 
@@ -208,7 +213,7 @@ def _qsparse(p) -> Declared:
         None,
         delta,
         (
-            "QSGD_s on top_k (Basu et al. 2019): E‖Q(x) − x‖² = ‖x‖² − (1 − ω_k) ‖top_k(x)‖² with "
+            "QSGD_s on top_k (Basu et al. 2019): E‖Q(x) − x‖² ≤ ‖x‖² − (1 − ω_k) ‖top_k(x)‖² with "
             "ω_k = min(k/s², √k/s) (Alistarh et al. 2017, Lemma 3.1) and ‖top_k(x)‖² ≥ (k/d) ‖x‖², so "
             "δ = (1 − ω_k) k/d where ω_k < 1; otherwise no bound"
         ),
@@ -216,8 +221,8 @@ def _qsparse(p) -> Declared:
 
 
 _NO_BOUND = {
-    "adaptive": "each sign's kept entries decode to their mean (non-expansive); the uniform δ is of order "
-    "1/(k d), too weak to declare",
+    "dgc": "sends entries at or above a sampled threshold, the first k of them in index order when between k "
+    "and upper_bound·k qualify, so the largest entry can be missed (non-expansive, no uniform δ > 0)",
     "inceptionn": "absolute error bound |x_i − Q(x)_i| < error_bound with |Q(x)_i| ≤ |x_i| (non-expansive), "
     "no relative δ: entries below the bound are dropped",
     "powersgd": "an orthogonal projection of the (summed) matrix onto rank r (non-expansive), with no uniform "
@@ -241,7 +246,6 @@ BOUNDS: dict[str, Callable[[dict], Declared]] = {
     "bf16": _bf16,
     "topk": _topk,
     "randomk": _randomk,
-    "dgc": _dgc,
     "efsignsgd": _efsignsgd,
     "onebit": _onebit,
     "natural": _natural,
@@ -252,6 +256,7 @@ BOUNDS: dict[str, Callable[[dict], Declared]] = {
     "clipping": _clipping,
     "eightbit": _eightbit,
     "qsparse": _qsparse,
+    "adaptive": _adaptive,
     **{name: functools.partial(_no_bound, why) for name, why in _NO_BOUND.items()},
 }
 """Registry name -> ``params -> (variance_factor, contraction, bound)``."""

@@ -57,11 +57,24 @@ def build_model(name: str, train, seed: int):
     raise ValueError(f"model must be mlp, eventgrad_cnn or resnet20; got {name!r}")
 
 
+def for_error_feedback(c):
+    """``c``, or ``jaxcomm.compressors.contractive(c)`` where error feedback needs the rescaling: an
+    unbiased compressor whose declared ω can reach 1 (random sparsification with ``p <= 1/2``,
+    QSGD, TernGrad, stochastic rounding); error feedback refuses those unscaled."""
+    from .. import compressors
+
+    omega = c.variance_factor
+    if omega is not None and (callable(omega) or omega >= 1.0):
+        return compressors.contractive(c)
+    return c
+
+
 def method_transform(methods: dict, label: str, learning_rate: float, momentum: float):
     """``(tx, compressor)`` for a method label of ``methods`` (label -> ``(compressor name, kwargs)``).
 
     ``tx = optax.chain(compressed_mean(c, memory=m), optax.sgd(learning_rate, momentum))``, with
-    ``m`` the residual memory (GRACE Eq. 4) when the label ends in ``+EF``, else no memory.
+    ``m`` the residual memory (GRACE Eq. 4) when the label ends in ``+EF`` (and ``c`` made
+    contractive where it must be, :func:`for_error_feedback`), else no memory.
     The communicator is the trainer's (``compressed_mean`` is built without one).
     """
     import optax
@@ -73,7 +86,9 @@ def method_transform(methods: dict, label: str, learning_rate: float, momentum: 
         raise ValueError(f"unknown method {label!r}; valid: {list(methods)}")
     name, kwargs = methods[label]
     c = compressors.make(name, **kwargs)
-    mem = memory.residual() if label.endswith("+EF") else memory.none()
+    ef = label.endswith("+EF")
+    c = for_error_feedback(c) if ef else c
+    mem = memory.residual() if ef else memory.none()
     return optax.chain(compressed_mean(c, memory=mem), optax.sgd(learning_rate, momentum=momentum)), c
 
 

@@ -420,7 +420,14 @@ def _capacity_topk(k, cap: int) -> Compressor:
         ), state
 
     base = topk(ratio=1.0)
-    return dataclasses.replace(base, name="capacity_topk", compress_fn=compress, params={"capacity": cap})
+    return dataclasses.replace(
+        base,
+        name="capacity_topk",
+        compress_fn=compress,
+        params={"capacity": cap},
+        contraction=None,  # not top-k(ratio=1)'s δ = 1: K_t may be 0
+        bound="no bound declared: sends the K_t <= capacity largest entries, K_t possibly 0 (non-expansive)",
+    )
 
 
 def _sparse_capacity(final_ratio: float, schedule, d: int) -> int:

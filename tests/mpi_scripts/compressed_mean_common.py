@@ -30,7 +30,10 @@ CASES = {
         jc.compressors.randomk(ratio=0.25), memory=mem.residual(), **where
     ),
     # allgather of a stochastic compressor: per-worker keys fold_in(rank) must match fold_in(axis_index)
-    "qsgd_allgather": lambda **where: compressed_mean(jc.compressors.qsgd(levels=4), memory=mem.residual(), **where),
+    # (made contractive: error feedback refuses QSGD's unscaled ω >= 1)
+    "qsgd_allgather": lambda **where: compressed_mean(
+        jc.compressors.contractive(jc.compressors.qsgd(levels=4)), memory=mem.residual(), **where
+    ),
     # count-based payloads: a count gather, then a lax.switch of bucket-sized all-gathers
     "threshold_allgather": lambda **where: compressed_mean(
         jc.compressors.threshold(v=0.5), memory=mem.residual(), **where

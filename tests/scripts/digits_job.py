@@ -18,6 +18,8 @@ def run(workers: int, comm=None, compressor: str = "qsgd", steps: int = 8):
     ds = data.load_digits()
     model = models.MLP(in_features=64, hidden=(32,), num_classes=10, rngs=nnx.Rngs(0))
     c = jc.compressors.make(compressor, **({"levels": 4} if compressor == "qsgd" else {}))
+    if compressor == "qsgd":  # ω = min(d/16, √d/4) >= 1: error feedback needs the 1/(1+ω) rescaling
+        c = jc.compressors.contractive(c)
     tx = optax.chain(jc.compressed_mean(c, memory=jc.memory.residual()), optax.sgd(0.1, momentum=0.9))
     trainer = Trainer(model, tx, comm=comm, num_workers=None if comm is not None else workers, seed=0)
     batches = data.WorkerBatches(data.split_iid(ds, workers, jax.random.PRNGKey(0)), 64, jax.random.PRNGKey(1))

@@ -19,7 +19,7 @@ from pathlib import Path
 import optax
 
 from ...demo import DEMO_KWARGS
-from .._common import load_image_task, train_data_parallel
+from .._common import for_error_feedback, load_image_task, train_data_parallel
 
 LOSSLESS = ("none", "fp16", "bf16")
 
@@ -40,6 +40,7 @@ def run(config: dict, out_dir: Path) -> dict:
             if ef and name in LOSSLESS:
                 continue
             c = compressors.make(name, **DEMO_KWARGS.get(name, {}))
+            c = for_error_feedback(c) if ef else c  # error feedback refuses unscaled ω >= 1
             tx = optax.chain(
                 compressed_mean(c, memory=memory.residual() if ef else memory.none()),
                 optax.sgd(config["learning_rate"], momentum=config["momentum"]),
