@@ -228,6 +228,18 @@ def test_call_count_mismatch_is_an_error_naming_the_odd_rank():
         assert "missing ranks [0" not in line and "missing ranks [1" not in line, line
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("scenario", ["shape", "dtype"])
+def test_argument_mismatch_is_rejected_at_construction_naming_the_odd_rank(scenario):
+    proc = run_faults(scenario, "solo", size=3)
+    assert proc.returncode != 0
+    text = proc.stderr.replace("\0", "")
+    errors = [line for line in text.splitlines() if line.startswith("ValueError: rank ")]
+    assert len(errors) == 3, text[-3000:]  # every rank raises, before any round
+    for line in errors:
+        assert "ranks [2] constructed the PartialAllreduce with a different shape, dtype" in line, line
+
+
 def test_odd_ones_names_the_minority():
     assert pm._odd_ones({0: 5, 1: 5, 2: 4}) == [2]
     assert pm._odd_ones({0: 5, 1: 6, 2: 5, 3: 5}) == [1]

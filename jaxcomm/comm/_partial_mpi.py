@@ -482,8 +482,10 @@ class PartialAllreduce:
         """Every process says hello to every other on ``parent``; name who never does."""
         if self.size == 1:
             return
-        out = np.array([self.rank], np.int64)
-        ins = {r: np.zeros(1, np.int64) for r in range(self.size) if r != self.rank}
+        # The hello carries a fingerprint of (shape, dtype, mode, seed, sync_every):
+        # processes that disagree get an error naming them, not silently mixed data.
+        out = np.array([self.rank, self._fingerprint()], np.int64)
+        ins = {r: np.zeros(2, np.int64) for r in range(self.size) if r != self.rank}
         rreqs = {r: parent.Irecv(buf, source=r, tag=_TAG_HELLO) for r, buf in ins.items()}
         sreqs = [parent.Isend(out, dest=r, tag=_TAG_HELLO) for r in ins]
         deadline = time.monotonic() + self.timeout
@@ -509,6 +511,24 @@ class PartialAllreduce:
             time.sleep(delay)
             delay = min(delay * 2, self.poll_s)
         MPI.Request.Waitall(sreqs)
+        prints = {r: int(buf[1]) for r, buf in ins.items()}
+        prints[self.rank] = int(out[1])
+        if len(set(prints.values())) > 1:
+            odd = _odd_ones(prints)
+            raise ValueError(
+                f"rank {self.rank}: ranks {odd} constructed the PartialAllreduce with a different shape, dtype, "
+                f"mode, seed or sync_every than the others (this rank: shape={self.shape}, dtype={self.dtype}, "
+                f"mode={self.mode!r}, seed={self.seed}, sync_every={self.sync_every}); every process must pass "
+                "the same arguments"
+            )
+
+    def _fingerprint(self) -> int:
+        """A 63-bit hash of the arguments every process must agree on (stable across processes)."""
+        h = 0x243F6A8885A308D3
+        key = f"{self.shape}|{self.dtype.str}|{self.mode}|{self.seed}|{self.sync_every}"
+        for byte in key.encode():
+            h = _splitmix64(h ^ byte)
+        return h >> 1
 
     # Progress thread ------------------------------------------------------
     def _run(self):

@@ -9,6 +9,8 @@ is the culprit. Scenarios:
 * ``hang``: the culprit's application sleeps forever before its fourth call (its
   progress thread stays alive); the job must end with an error naming it.
 * ``fewer``: the culprit makes one call fewer than the others.
+* ``shape`` / ``dtype``: the culprit constructs the collective with 5 elements /
+  float64; every rank must raise a ``ValueError`` naming it before any round.
 
 Nothing is caught: a fault leaves the ``with`` block, which prints it on stderr
 and aborts the job (``abort_on_fault``).
@@ -37,15 +39,17 @@ def main(scenario: str, mode: str, timeout: float) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     bad = size - 1
     steps = STEPS - 1 if (scenario == "fewer" and rank == bad) else STEPS
-    params = np.zeros(4, np.float32)
-    with pm.PartialAllreduce(params.shape, np.float32, mode=mode, seed=5, timeout=timeout) as pa:
+    n = 5 if (scenario == "shape" and rank == bad) else 4
+    dtype = np.float64 if (scenario == "dtype" and rank == bad) else np.float32
+    params = np.zeros(n, dtype)
+    with pm.PartialAllreduce(params.shape, dtype, mode=mode, seed=5, timeout=timeout) as pa:
         for step in range(steps):
             if rank == bad and step == FAULT_STEP:
                 if scenario == "hang":
                     time.sleep(3600)
                 elif scenario == "slow":
                     time.sleep(timeout / 3)
-            res = pa(np.full(4, rank + 1, np.float32))
+            res = pa(np.full(n, rank + 1, dtype))
             params = params - 0.1 * res.data / pa.size
     print(f"rank {rank} done {params.tolist()}", flush=True)
 
