@@ -76,3 +76,21 @@ def test_mpicomm_reduce_scatter_all_to_all_broadcast_under_mpirun(n):
     process of ``mpirun -n {3, 4}`` (tests/mpi_scripts/collectives.py)."""
     proc = run_mpi(n, HERE / "mpi_scripts" / "collectives.py", timeout=600)
     assert f"collectives ok on {n} processes" in proc.stdout
+
+
+@pytest.mark.parametrize("scenario", ["ok", "shape", "dtype"])
+def test_compressed_mean_mismatch_is_an_error_naming_the_odd_rank(scenario):
+    """compressed_mean (top-k, all-gather) over MPIComm on 3 processes, the last one with 5
+    parameters instead of 4 (shape) or float16 instead of float32 (dtype): every process raises
+    a ValueError naming rank 2 (and only it) when the step is traced, before any payload moves;
+    without a mismatch all three finish with identical parameters
+    (tests/mpi_scripts/compressed_mean_mismatch.py)."""
+    proc = run_mpi(3, HERE / "mpi_scripts" / "compressed_mean_mismatch.py", scenario, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 3, proc.stdout[-3000:]
+    if scenario == "ok":
+        assert all(": OK " in line for line in lines)
+        assert len({line.split(": OK ")[1] for line in lines}) == 1
+    else:
+        for line in lines:
+            assert "ValueError: MPIComm: ranks [2] called a collective that does not match" in line, line

@@ -172,3 +172,75 @@ def test_bad_arguments(kwargs, error, match):
 def test_wrong_shape_is_rejected():
     with pm.PartialAllreduce(4, np.float32, timeout=10.0) as pa, pytest.raises(ValueError, match="shape"):
         pa(np.zeros(5, np.float32))
+
+
+def run_faults(scenario: str, mode: str, size: int = 3, timeout_s: float = 2.0) -> subprocess.CompletedProcess:
+    """Run eager_faults.py (documented ``with`` usage, nothing caught); the culprit is the last rank."""
+    env = mpirun_env()
+    cmd = [mpirun_path(), "-n", str(size), "--oversubscribe", sys.executable, str(SCRIPTS / "eager_faults.py")]
+    cmd += [scenario, mode, str(timeout_s)]
+    # Backstop only: a job that does not end by itself fails the test, never hangs the suite.
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def fault_lines(proc: subprocess.CompletedProcess) -> list:
+    """The ``jaxcomm: rank r: ...; aborting the job`` lines the surviving ranks printed."""
+    text = (proc.stdout + proc.stderr).replace("\0", "")
+    return [line for line in text.splitlines() if line.startswith("jaxcomm: rank ")]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["solo", "majority"])
+@pytest.mark.parametrize("scenario", ["ok", "slow"])
+def test_with_usage_exits_cleanly_and_slow_rank_is_not_accused(scenario, mode):
+    # "slow": the last rank sleeps timeout/3 before a call; it must only slow the job.
+    proc = run_faults(scenario, mode)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not fault_lines(proc)
+    finals = {line.split(" done ")[1] for line in proc.stdout.splitlines() if " done " in line}
+    assert len(finals) == 1  # three ranks finished with identical parameters
+    assert sum(" done " in line for line in proc.stdout.splitlines()) == 3
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["solo", "majority"])
+def test_hung_application_is_named_and_ends_the_job(mode):
+    # The last rank's application sleeps forever; its progress thread stays alive and
+    # answers probes, so it must be named as hung (and no healthy rank named).
+    proc = run_faults("hang", mode, size=3, timeout_s=2.0)
+    assert proc.returncode != 0
+    lines = fault_lines(proc)
+    assert lines, proc.stderr[-3000:]
+    for line in lines:
+        assert "PartialCollectiveTimeout" in line and "missing ranks [2]:" in line, line
+        assert "ranks [2] are alive but their application has not called" in line and "(hung)" in line, line
+        assert "did not answer a liveness probe" not in line, line
+
+
+@pytest.mark.mpi
+def test_call_count_mismatch_is_an_error_naming_the_odd_rank():
+    proc = run_faults("fewer", "solo", size=3)
+    assert proc.returncode != 0
+    lines = fault_lines(proc)
+    assert lines, proc.stderr[-3000:]
+    for line in lines:
+        assert "call-count mismatch" in line and "ranks [2]" in line, line
+        assert "missing ranks [0" not in line and "missing ranks [1" not in line, line
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("scenario", ["shape", "dtype"])
+def test_argument_mismatch_is_rejected_at_construction_naming_the_odd_rank(scenario):
+    proc = run_faults(scenario, "solo", size=3)
+    assert proc.returncode != 0
+    text = proc.stderr.replace("\0", "")
+    errors = [line for line in text.splitlines() if line.startswith("ValueError: rank ")]
+    assert len(errors) == 3, text[-3000:]  # every rank raises, before any round
+    for line in errors:
+        assert "ranks [2] constructed the PartialAllreduce with a different shape, dtype" in line, line
+
+
+def test_odd_ones_names_the_minority():
+    assert pm._odd_ones({0: 5, 1: 5, 2: 4}) == [2]
+    assert pm._odd_ones({0: 5, 1: 6, 2: 5, 3: 5}) == [1]
+    assert pm._odd_ones({0: 4, 1: 5}) == [0]  # tie: the larger count wins, the early stopper is named

@@ -45,7 +45,7 @@ from ._protocol import (
     serves,
     use,
 )
-from ._rma import OneSidedEventGrad, RMAExchange
+from ._rma import OneSidedEventGrad, RMAExchange, RMAExchangeTimeout
 
 __all__ = [
     "ALL_GATHER",
@@ -68,6 +68,7 @@ __all__ = [
     "MPIComm",
     "OneSidedEventGrad",
     "RMAExchange",
+    "RMAExchangeTimeout",
     "PARTIAL_MODES",
     "PartialAllreduce",
     "PartialCollectiveError",

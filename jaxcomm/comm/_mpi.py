@@ -82,9 +82,21 @@ class MPIComm:
     ``size`` and ``index()`` are the protocol's ``(n, rank)`` pair; ``rank``
     is the same rank as a Python ``int``, known before tracing.
 
+    Agreement check: when a collective is traced (once per compiled program
+    under ``jax.jit``; every call when run eagerly), the processes first
+    exchange, with mpi4py on a private duplicate of ``comm``, a description of
+    the call (collective, tree structure, every leaf's shape and dtype, ``root``
+    or ``perm``). If they disagree, every process raises a ``ValueError``
+    naming the ranks whose call differs from the most common one, before any
+    payload moves (MPI itself would truncate or mix the buffers). Every process
+    must therefore trace the same collectives in the same order (SPMD), which
+    the collectives themselves already require. It costs one small allgather
+    per trace and nothing per jitted step.
+
     Args:
       comm: an ``mpi4py.MPI.Comm``; default a clone of ``MPI.COMM_WORLD``
         (a private clone, so these collectives never match other MPI traffic).
+      check_agreement: run the agreement check above (default ``True``).
 
     Example (``mpirun -n 4 python script.py``; every process prints 1.5)::
 
@@ -97,7 +109,7 @@ class MPIComm:
     capabilities = CAPABILITIES
     """Every collective of the vocabulary."""
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, *, check_agreement: bool = True):
         MPI, mpi4jax = _import_mpi()
         if comm is None:
             comm = MPI.COMM_WORLD.Clone()
@@ -108,6 +120,10 @@ class MPIComm:
         self.comm = comm
         self.rank = int(comm.Get_rank())
         self._size = int(comm.Get_size())
+        if not isinstance(check_agreement, bool):
+            raise TypeError(f"check_agreement must be a bool; got {check_agreement!r}")
+        self.check_agreement = check_agreement
+        self._agree_comm = comm.Dup() if check_agreement and self._size > 1 else None
 
     def __repr__(self):
         return f"MPIComm(rank={self.rank}, size={self._size})"
@@ -124,6 +140,7 @@ class MPIComm:
 
     def sum(self, tree):
         """Element-wise sum over processes (``MPI_Allreduce`` with ``MPI.SUM``)."""
+        self._agree("sum", tree)
         return jax.tree.map(self._sum_leaf, tree)
 
     def mean(self, tree):
@@ -133,14 +150,17 @@ class MPIComm:
 
     def all_gather(self, tree):
         """Every process's leaves stacked on a new leading axis of length ``size``."""
+        self._agree("all_gather", tree)
         return jax.tree.map(self._gather_leaf, tree)
 
     def reduce_scatter(self, tree):
         """Sum over processes of ``(n, *s)`` chunks; process ``j`` keeps chunk ``j``, shape ``(*s)``."""
+        self._agree("reduce_scatter", tree)
         return jax.tree.map(self._reduce_scatter_leaf, tree)
 
     def all_to_all(self, tree):
         """Row ``j`` of every ``(n, *s)`` leaf goes to process ``j`` (``MPI_Alltoall``)."""
+        self._agree("all_to_all", tree)
         return jax.tree.map(lambda x: self._all_to_all_leaf(self._leading(x, "all_to_all")), tree)
 
     def broadcast(self, tree, root: int = 0):
@@ -148,6 +168,7 @@ class MPIComm:
         root = int(root)
         if not 0 <= root < self._size:
             raise ValueError(f"root must be in [0, {self._size}); got {root}")
+        self._agree("broadcast", tree, f"root={root}")
         return jax.tree.map(lambda x: self._bcast_leaf(x, root), tree)
 
     def permute(self, tree, perm: Sequence[tuple[int, int]]):
@@ -168,11 +189,35 @@ class MPIComm:
             raise ValueError(f"perm must have distinct sources and distinct destinations; got {perm}")
         dest = next((d for s, d in perm if s == self.rank), None)
         source = next((s for s, d in perm if d == self.rank), None)
+        self._agree("permute", tree, f"perm={sorted(perm)}")
         return jax.tree.map(lambda x: self._permute_leaf(x, source, dest), tree)
 
     def varying(self, tree):
         """Identity: across processes every value is already per worker."""
         return tree
+
+    def _agree(self, op: str, tree, extra: str = "") -> None:
+        """Trace-time agreement check (see the class docstring); raises ``ValueError``."""
+        if self._agree_comm is None:
+            return
+        leaves, treedef = jax.tree.flatten(tree)
+        shapes = []
+        for leaf in leaves:
+            x = leaf if hasattr(leaf, "dtype") and hasattr(leaf, "shape") else jnp.asarray(leaf)
+            shapes.append(f"{tuple(x.shape)}:{x.dtype}")
+        desc = f"{op}({extra}) tree={treedef} leaves=[{', '.join(shapes)}]"
+        descs = self._agree_comm.allgather(desc)
+        if len(set(descs)) == 1:
+            return
+        counts = {d: descs.count(d) for d in descs}
+        common = max(counts, key=lambda d: (counts[d], -descs.index(d)))
+        odd = [r for r, d in enumerate(descs) if d != common]
+        raise ValueError(
+            f"MPIComm: ranks {odd} called a collective that does not match the other processes' "
+            f"(shape, dtype, tree or collective differ); most processes: {common}; "
+            + "; ".join(f"rank {r}: {descs[r]}" for r in odd)
+            + ". Every process must trace the same collectives with the same shapes and dtypes."
+        )
 
     # -- leaves ------------------------------------------------------------ #
     def _to_wire(self, x):

@@ -59,6 +59,7 @@ it without importing JAX.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -99,11 +100,17 @@ _TAG_PING = 12
 _TAG_PONG = 13
 _TAG_PRE = 14
 _TAG_POST = 15
+_TAG_VERDICT = 16
 _TAG_RD = 32  # + stage
 # Tag of the construction handshake on the caller's communicator.
 _TAG_HELLO = 30011
 
 _MASK64 = (1 << 64) - 1
+# Liveness state a progress thread reports to a probe (int64 each).
+_ST_RANK, _ST_CALLS, _ST_SNAP, _ST_DONE, _ST_CLOSING, _ST_FAILED, _ST_IN_CALL, _ST_IDLE_MS = range(8)
+_ST_LEN = 8
+# Verdict message: int64 header [reporter, round, n_culprits, detail_bytes], int64 culprits[P], detail.
+_VERDICT_DETAIL = 2048
 
 
 def _splitmix64(x: int) -> int:
@@ -137,9 +144,12 @@ class PartialCollectiveTimeout(TimeoutError):
       rank: the process that timed out.
       round: the round it was in (-1: the construction handshake).
       missing_ranks: the ranks identified as the cause: processes that did not
-        answer a liveness probe (dead or hung), or, where the round needs them,
-        processes alive but not arrived (a majority initiator; anyone, for a
-        synchronous round; never-constructed peers in the handshake).
+        answer a liveness probe (dead), processes whose progress thread answers
+        but whose application has not called the collective for longer than the
+        timeout (hung), or, where the round needs them, processes alive but not
+        arrived (a majority initiator; anyone, for a synchronous round;
+        never-constructed peers in the handshake); for a call-count mismatch, the
+        ranks whose number of calls differs from the most common one.
       detail: human-readable explanation.
     """
 
@@ -172,6 +182,13 @@ class PartialResult(NamedTuple):
     nap: int
     contributors: np.ndarray
     round: int
+
+
+def _odd_ones(counts: dict) -> list:
+    """Ranks whose value differs from the most common one (ties: the larger value wins)."""
+    values = list(counts.values())
+    common = max(set(values), key=lambda v: (values.count(v), v))
+    return sorted(q for q, v in counts.items() if v != common)
 
 
 def _children(rank: int, root: int, size: int) -> list:
@@ -212,6 +229,10 @@ class PartialAllreduce:
       poll_s: longest sleep of the progress thread between polls, seconds.
       probe_s: how long the liveness probe after a timeout waits for answers
         (default ``min(1, timeout / 4)``).
+      abort_on_fault: when a fault of this collective (a timeout naming the
+        culprit ranks, a call-count mismatch) leaves the ``with`` block, print it
+        on stderr and call ``MPI_Abort`` on ``comm``, so the job ends instead of
+        blocking in ``MPI_Finalize`` on a hung peer. ``False``: only raise.
     """
 
     def __init__(
@@ -226,6 +247,7 @@ class PartialAllreduce:
         sync_every: int = 0,
         poll_s: float = 1e-3,
         probe_s: float | None = None,
+        abort_on_fault: bool = True,
     ):
         if mode not in PARTIAL_MODES:
             raise ValueError(f"mode must be one of {PARTIAL_MODES}; got {mode!r}")
@@ -246,6 +268,7 @@ class PartialAllreduce:
         self.sync_every = int(sync_every)
         self.poll_s = float(poll_s)
         self.probe_s = float(probe_s) if probe_s is not None else min(1.0, self.timeout / 4)
+        self.abort_on_fault = bool(abort_on_fault)
         _import_mpi()
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise PartialCollectiveError(
@@ -256,6 +279,7 @@ class PartialAllreduce:
         self.size = parent.Get_size()
         self.count = int(np.prod(self.shape, dtype=np.int64))
 
+        self._parent = parent
         self._handshake(parent)
         self._comm = parent.Dup()
 
@@ -275,6 +299,8 @@ class PartialAllreduce:
         self._results: dict = {}
         self._internal_round = -1  # round the application asked to initiate
         self._waiting: tuple | None = None  # (round, since) while the application waits
+        self._in_call = False  # the application is inside a call (or close)
+        self._app_left = time.monotonic()  # when the application last left a call
         self._error: BaseException | None = None
         self._error_reported = False
         self._closing = False
@@ -290,6 +316,8 @@ class PartialAllreduce:
         self._ping_in = np.zeros(1, np.int64)
         self._act_req: Any = None  # MPI requests once the progress thread starts
         self._ping_req: Any = None
+        self._verdict_in = np.zeros(8 * (4 + self.size) + _VERDICT_DETAIL, np.uint8)
+        self._verdict_req: Any = None
         self._stats = {"activations_sent": 0, "activations_received": 0, "rounds": 0}
 
         self._thread = threading.Thread(target=self._run, name=f"partial-allreduce-{self.rank}", daemon=True)
@@ -310,6 +338,7 @@ class PartialAllreduce:
         with self._cond:
             self._check_usable()
             k = self._calls
+            self._in_call = True
             self._sbuf += arr
             self._calls = k + 1
             if self._snap_rounds == k and self._initiates(k):
@@ -328,6 +357,8 @@ class PartialAllreduce:
                     break
                 self._cond.wait(min(left, 1.0))
             self._waiting = None
+            self._in_call = False
+            self._app_left = time.monotonic()
             if self._error is not None:
                 self._error_reported = True
                 raise self._error
@@ -372,6 +403,7 @@ class PartialAllreduce:
             if self._closed:
                 return
             self._closing = True
+            self._in_call = True
             self._wake.set()
         self._thread.join(self.timeout + 4 * self.probe_s + 30.0)
         if self._thread.is_alive():  # pragma: no cover - the thread enforces its own deadlines
@@ -391,7 +423,11 @@ class PartialAllreduce:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
-            self.close()
+            try:
+                self.close()
+            except (PartialCollectiveTimeout, PartialCollectiveError) as e:
+                self._fault_exit(e)
+                raise
         else:
             # Do not mask the original exception; stop the thread quickly.
             with self._cond:
@@ -401,12 +437,25 @@ class PartialAllreduce:
                 self._wake.set()
             self._thread.join(self.timeout + 30.0)
             self._closed = True
+            if isinstance(exc, (PartialCollectiveTimeout, PartialCollectiveError)):
+                self._fault_exit(exc)
         return False
+
+    def _fault_exit(self, err: BaseException) -> None:
+        """End the job on a fault (``abort_on_fault``): a hung peer never reaches
+        ``MPI_Finalize``, which would otherwise block this process forever."""
+        if not self.abort_on_fault or self.size == 1:
+            return
+        sys.stderr.write(f"jaxcomm: rank {self.rank}: {type(err).__name__}: {err}; aborting the job\n")
+        sys.stderr.flush()
+        self._parent.Abort(1)
 
     def pending_requests(self) -> int:
         """Number of MPI requests still owned by this object (0 after :meth:`close`)."""
         n = sum(int(r != MPI.REQUEST_NULL) for r, _ in self._sends)
-        n += sum(int(r is not None and r != MPI.REQUEST_NULL) for r in (self._act_req, self._ping_req))
+        n += sum(
+            int(r is not None and r != MPI.REQUEST_NULL) for r in (self._act_req, self._ping_req, self._verdict_req)
+        )
         n += sum(int(r != MPI.REQUEST_NULL) for r in self._recvs)
         return n
 
@@ -433,8 +482,10 @@ class PartialAllreduce:
         """Every process says hello to every other on ``parent``; name who never does."""
         if self.size == 1:
             return
-        out = np.array([self.rank], np.int64)
-        ins = {r: np.zeros(1, np.int64) for r in range(self.size) if r != self.rank}
+        # The hello carries a fingerprint of (shape, dtype, mode, seed, sync_every):
+        # processes that disagree get an error naming them, not silently mixed data.
+        out = np.array([self.rank, self._fingerprint()], np.int64)
+        ins = {r: np.zeros(2, np.int64) for r in range(self.size) if r != self.rank}
         rreqs = {r: parent.Irecv(buf, source=r, tag=_TAG_HELLO) for r, buf in ins.items()}
         sreqs = [parent.Isend(out, dest=r, tag=_TAG_HELLO) for r in ins]
         deadline = time.monotonic() + self.timeout
@@ -460,12 +511,31 @@ class PartialAllreduce:
             time.sleep(delay)
             delay = min(delay * 2, self.poll_s)
         MPI.Request.Waitall(sreqs)
+        prints = {r: int(buf[1]) for r, buf in ins.items()}
+        prints[self.rank] = int(out[1])
+        if len(set(prints.values())) > 1:
+            odd = _odd_ones(prints)
+            raise ValueError(
+                f"rank {self.rank}: ranks {odd} constructed the PartialAllreduce with a different shape, dtype, "
+                f"mode, seed or sync_every than the others (this rank: shape={self.shape}, dtype={self.dtype}, "
+                f"mode={self.mode!r}, seed={self.seed}, sync_every={self.sync_every}); every process must pass "
+                "the same arguments"
+            )
+
+    def _fingerprint(self) -> int:
+        """A 63-bit hash of the arguments every process must agree on (stable across processes)."""
+        h = 0x243F6A8885A308D3
+        key = f"{self.shape}|{self.dtype.str}|{self.mode}|{self.seed}|{self.sync_every}"
+        for byte in key.encode():
+            h = _splitmix64(h ^ byte)
+        return h >> 1
 
     # Progress thread ------------------------------------------------------
     def _run(self):
         try:
             self._act_req = self._comm.Irecv(self._act_in, source=MPI.ANY_SOURCE, tag=_TAG_ACT)
             self._ping_req = self._comm.Irecv(self._ping_in, source=MPI.ANY_SOURCE, tag=_TAG_PING)
+            self._verdict_req = self._comm.Irecv(self._verdict_in, source=MPI.ANY_SOURCE, tag=_TAG_VERDICT)
             while True:
                 self._service()
                 with self._cond:
@@ -528,7 +598,10 @@ class PartialAllreduce:
             self._wake.clear()
 
     def _state_vector(self) -> np.ndarray:
+        """``int64[_ST_LEN]``: rank, calls, snapshots, rounds done, closing, failed,
+        application inside a call, milliseconds since the application last left one."""
         with self._cond:
+            idle_ms = 0 if self._in_call else int(1e3 * (time.monotonic() - self._app_left))
             return np.array(
                 [
                     self.rank,
@@ -537,6 +610,8 @@ class PartialAllreduce:
                     self._done_rounds,
                     int(self._closing),
                     int(self._error is not None),
+                    int(self._in_call),
+                    idle_ms,
                 ],
                 np.int64,
             )
@@ -571,6 +646,31 @@ class PartialAllreduce:
             self._send(self._state_vector(), src, _TAG_PONG)
         if self._sends:
             self._sends = [(q, b) for q, b in self._sends if not q.Test()]
+        if self._verdict_req is not None and self._verdict_req.Test():
+            self._verdict_req = None
+            raise self._decode_verdict()
+
+    def _send_verdict(self, err: PartialCollectiveTimeout) -> None:
+        """Tell every other process the diagnosis, so all of them fail naming the same
+        culprits (and none blames a healthy process that stopped answering after failing)."""
+        detail = err.detail.encode()[:_VERDICT_DETAIL]
+        msg = np.zeros_like(self._verdict_in)
+        head = msg[: 8 * (4 + self.size)].view(np.int64)
+        head[:4] = [self.rank, err.round, len(err.missing_ranks), len(detail)]
+        head[4 : 4 + len(err.missing_ranks)] = err.missing_ranks
+        msg[8 * (4 + self.size) : 8 * (4 + self.size) + len(detail)] = np.frombuffer(detail, np.uint8)
+        for q in range(self.size):
+            if q != self.rank:
+                self._send(msg, q, _TAG_VERDICT)
+
+    def _decode_verdict(self) -> PartialCollectiveTimeout:
+        head = self._verdict_in[: 8 * (4 + self.size)].view(np.int64)
+        reporter, rnd, n, nbytes = (int(v) for v in head[:4])
+        start = 8 * (4 + self.size)
+        detail = bytes(self._verdict_in[start : start + nbytes]).decode(errors="replace")
+        return PartialCollectiveTimeout(
+            self.rank, rnd, [int(v) for v in head[4 : 4 + n]], f"diagnosed by rank {reporter}: {detail}"
+        )
 
     def _execute_round(self, r: int, internal: bool):
         sync_round = self.is_sync_round(r)
@@ -676,7 +776,7 @@ class PartialAllreduce:
         """Ping every other process; return ``{rank: state}`` of those that answered."""
         answers: dict[int, np.ndarray] = {}
         others = [q for q in range(self.size) if q != self.rank]
-        pong = np.zeros(6, np.int64)
+        pong = np.zeros(_ST_LEN, np.int64)
         for q in others:
             self._send(np.array([self.rank], np.int64), q, _TAG_PING)
         req = self._comm.Irecv(pong, source=MPI.ANY_SOURCE, tag=_TAG_PONG)
@@ -698,22 +798,56 @@ class PartialAllreduce:
         return answers
 
     def _timeout(self, r: int, what: str, sync_round: bool = False):
+        """Diagnose a timeout in round ``r``: probe, name the culprits, tell the others, raise.
+
+        Culprits, in order: *dead* (no answer to the probe); *hung* (its progress
+        thread answers, but its application is outside the collective, has not
+        called round ``r`` and has not called for longer than ``timeout``: a slow
+        process that calls within the timeout is never named); where the round
+        needs them, the alive-but-not-arrived (majority initiator; everyone in a
+        synchronous round); failing all these, when some process is closing with a
+        different number of calls, the ranks whose call count differs from the
+        most common one (call-count mismatch).
+        """
         answers = self._probe()
+        with self._cond:
+            me_closing = self._closing
+        # Arrived at round r: made call r (calls > r); at close, made every round's call.
+        need = r if me_closing else r + 1
         dead = [q for q in range(self.size) if q != self.rank and q not in answers]
-        not_arrived = sorted(q for q, st in answers.items() if st[1] <= r)
-        closed = sorted(q for q, st in answers.items() if st[4] and not st[5])
-        failed = sorted(q for q, st in answers.items() if st[5])
+        not_arrived = sorted(q for q, st in answers.items() if st[_ST_CALLS] < need)
+        closed = sorted(q for q, st in answers.items() if st[_ST_CLOSING] and not st[_ST_FAILED])
+        failed = sorted(q for q, st in answers.items() if st[_ST_FAILED])
+        hung = sorted(
+            q
+            for q, st in answers.items()
+            if not (st[_ST_FAILED] or st[_ST_IN_CALL] or st[_ST_CLOSING])
+            and st[_ST_CALLS] < need
+            and st[_ST_IDLE_MS] > 1e3 * self.timeout
+        )
         sync_round = sync_round or self.is_sync_round(r)
-        missing = set(dead)
+        missing = set(dead) | set(hung)
         if sync_round:
             missing.update(not_arrived)
         elif self.mode == "majority":
             init = self.initiator(r)
             if init in not_arrived or (init != self.rank and init in dead):
                 missing.add(init)
+        with self._cond:
+            counts = {q: int(st[_ST_CALLS]) for q, st in answers.items()}
+            counts[self.rank] = self._calls
+        mismatch: list = []
+        if not missing and (closed or me_closing) and len(set(counts.values())) > 1:
+            mismatch = _odd_ones(counts)
+            missing.update(mismatch)
         parts = [f"{what} after {self.timeout:g} s"]
         if dead:
-            parts.append(f"ranks {dead} did not answer a liveness probe (dead or hung)")
+            parts.append(f"ranks {dead} did not answer a liveness probe (dead)")
+        if hung:
+            idle = {q: round(float(answers[q][_ST_IDLE_MS]) / 1e3, 1) for q in hung}
+            parts.append(
+                f"ranks {hung} are alive but their application has not called the collective for {idle} s (hung)"
+            )
         if self.mode == "majority" and not sync_round:
             parts.append(f"the designated initiator of round {r} is rank {self.initiator(r)}")
         if not_arrived:
@@ -721,8 +855,12 @@ class PartialAllreduce:
         if failed:
             parts.append(f"ranks {failed} are alive but already failed")
         if closed:
-            parts.append(f"ranks {closed} already closed (did every process make the same number of calls?)")
-        raise PartialCollectiveTimeout(self.rank, r, sorted(missing), "; ".join(parts))
+            parts.append(f"ranks {closed} already closed")
+        if mismatch:
+            parts.append(f"call-count mismatch: calls per rank {dict(sorted(counts.items()))}")
+        err = PartialCollectiveTimeout(self.rank, r, sorted(missing), "; ".join(parts))
+        self._send_verdict(err)
+        raise err
 
     def _finish(self):
         """Close: complete our sends, barrier with everyone, cancel our receives."""
@@ -734,7 +872,11 @@ class PartialAllreduce:
                 self._timeout(self._round, "sends did not complete at close")
             time.sleep(delay)
             delay = min(self.poll_s, delay * 2)
-        barrier = self._comm.Ibarrier()
+        # A barrier that also gathers every process's call count (the close-time
+        # agreement check: a process that made more or fewer calls is named).
+        mine = np.array([self._calls], np.int64)
+        counts = np.zeros(self.size, np.int64)
+        barrier = self._comm.Iallgather(mine, counts)
         self._recvs.append(barrier)
         start = time.monotonic()
         delay = 1e-5
@@ -745,14 +887,21 @@ class PartialAllreduce:
             time.sleep(delay)
             delay = min(self.poll_s, delay * 2)
         self._recvs = [q for q in self._recvs if q is not barrier]
+        if len(set(counts.tolist())) > 1:
+            per_rank = dict(enumerate(counts.tolist()))
+            raise PartialCollectiveError(
+                f"rank {self.rank}: call-count mismatch, ranks {_odd_ones(per_rank)} made a different number "
+                f"of calls than the others (calls per rank {per_rank}); every process must call the same number "
+                "of times"
+            )
         # After the barrier every process has finished every round: retire the
         # remaining (duplicate) activations and stop listening.
         end = time.monotonic() + min(1.0, self.timeout)
         while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG_ACT) and time.monotonic() < end:
             self._service()
-        for name in ("_act_req", "_ping_req"):
+        for name in ("_act_req", "_ping_req", "_verdict_req"):
             q = getattr(self, name)
-            if q.Test():
+            if q is None or q.Test():
                 continue
             q.Cancel()
             q.Wait()
@@ -765,7 +914,7 @@ class PartialAllreduce:
 
     def _abandon(self):
         """After an error: cancel whatever can be cancelled, without waiting on peers."""
-        for q in [self._act_req, self._ping_req, *self._recvs]:
+        for q in [self._act_req, self._ping_req, self._verdict_req, *self._recvs]:
             if q is None or q == MPI.REQUEST_NULL:
                 continue
             try:

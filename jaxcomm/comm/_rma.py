@@ -36,17 +36,60 @@ read at iteration ``k`` are exactly those sent at ``k``; then the run is
 deterministic and equals :meth:`EventGrad.step` on a mesh (used by the tests).
 
 The window is freed by :meth:`RMAExchange.free` (collective), also on ``with`` exit.
+
+Faults. Every barrier (``free``, the two of ``lockstep``) is a non-blocking
+barrier polled up to ``timeout`` seconds. Each worker publishes, in a second
+small window, how many barriers it has entered and how many exchanges it has
+done; after a timeout a worker reads every worker's counters (passive-target
+``MPI_Get``) and raises :class:`RMAExchangeTimeout` naming the workers that have
+not reached the barrier (a hung application: its counters stop advancing). In
+the asynchronous mode a hung neighbour blocks nothing until ``free``: the others
+keep reading its last copy, as EventGraD intends. Construction checks that every
+worker passes the same parameter shapes and dtypes, topology size and top-K
+setting (``ValueError`` naming the odd workers). With ``abort_on_fault`` a fault
+that leaves the ``with`` block aborts the MPI job, since a hung worker would
+block ``MPI_Finalize``.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["RMAExchange", "OneSidedEventGrad"]
+__all__ = ["RMAExchange", "OneSidedEventGrad", "RMAExchangeTimeout"]
+
+
+class RMAExchangeTimeout(TimeoutError):
+    """A barrier of the one-sided exchange waited longer than ``timeout``.
+
+    Attributes:
+      rank: the worker that timed out; missing_ranks: the workers that had not
+      reached the barrier (hung or dead); detail: human-readable explanation.
+    """
+
+    def __init__(self, rank: int, missing_ranks, detail: str):
+        self.rank = int(rank)
+        self.missing_ranks = tuple(sorted(int(r) for r in missing_ranks))
+        self.detail = detail
+        missing = list(self.missing_ranks)
+        super().__init__(f"one-sided exchange timed out on rank {self.rank}; missing ranks {missing}: {detail}")
+
+
+def _odd_ones(values: list) -> list:
+    """Indices whose value differs from the most common one (ties: the lowest rank's value wins)."""
+    counts = {v: values.count(v) for v in values}
+    common = max(counts, key=lambda v: (counts[v], -values.index(v)))
+    return [i for i, v in enumerate(values) if v != common]
+
+
+def _common_index(values: list) -> int:
+    counts = {v: values.count(v) for v in values}
+    common = max(counts, key=lambda v: (counts[v], -values.index(v)))
+    return values.index(common)
 
 
 def _mpi():
@@ -66,6 +109,10 @@ class RMAExchange:
         matching :meth:`EventGrad.init`; all workers must start from the same initialisation).
       comm: an ``mpi4py`` intracommunicator (default ``COMM_WORLD``); rank ``i`` is worker ``i``.
       lockstep: synchronise every exchange with two barriers (deterministic; see module doc).
+      timeout: seconds a barrier (``lockstep``, ``free``) waits before raising
+        :class:`RMAExchangeTimeout` naming the workers that did not arrive (default 60).
+      abort_on_fault: when such a fault leaves the ``with`` block, print it on stderr
+        and ``MPI_Abort`` the job (default ``True``).
 
     Attributes (cumulative counters of this worker):
       puts: ``MPI_Put`` calls (one per fired tensor per neighbour: the paper's messages).
@@ -73,10 +120,24 @@ class RMAExchange:
       exchange_seconds: wall time spent in :meth:`exchange`.
 
     Raises:
-      ValueError: the topology does not match the communicator size.
+      ValueError: the topology does not match the communicator size, or the workers
+        disagree on parameter shapes/dtypes, topology or top-K (naming the odd ones).
     """
 
-    def __init__(self, algorithm, params, *, comm=None, lockstep: bool = False):
+    def __init__(
+        self,
+        algorithm,
+        params,
+        *,
+        comm=None,
+        lockstep: bool = False,
+        timeout: float = 60.0,
+        abort_on_fault: bool = True,
+    ):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == np.inf:
+            raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
+        self.timeout = float(timeout)
+        self.abort_on_fault = bool(abort_on_fault)
         MPI = _mpi()
         self._MPI = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm
@@ -91,6 +152,18 @@ class RMAExchange:
                 raise TypeError(f"params leaves must be float32 or float64 for MPI puts; got {x.dtype}")
         self.shapes = [x.shape for x in leaves]
         self.dtypes = [x.dtype for x in leaves]
+        desc = (
+            f"leaves={[(tuple(x.shape), x.dtype.str) for x in leaves]} workers={self.topology.num_workers} "
+            f"slots={self.topology.num_permutations} topk={self.topk!r} lockstep={self.lockstep}"
+        )
+        descs = self.comm.allgather(desc)
+        odd = _odd_ones(descs)
+        if odd:
+            raise ValueError(
+                f"RMAExchange: ranks {odd} constructed the exchange with different parameter shapes/dtypes, "
+                f"topology, top-K or lockstep than the others; most workers: {descs[_common_index(descs)]}; "
+                + "; ".join(f"rank {r}: {descs[r]}" for r in odd)
+            )
         self.nbytes = [x.nbytes for x in leaves]
         self.slot_bytes = int(sum(self.nbytes))
         self.num_slots = self.topology.num_permutations
@@ -103,6 +176,12 @@ class RMAExchange:
         self.out_edges = [
             (k, int(self.topology.destinations(k)[self.rank])) for k in range(self.num_slots) if send_mask[k, self.rank]
         ]
+        # Progress counters read after a barrier timeout: [barriers entered, exchanges done].
+        self._pwin = MPI.Win.Allocate(16, disp_unit=8, comm=self.comm)
+        self._progress = np.frombuffer(self._pwin.tomemory(), dtype=np.int64)[:2]
+        self._progress[...] = 0
+        self._barriers = 0
+        self._exchanges = 0
         self.puts = 0
         self.bytes_put = 0
         self.exchange_seconds = 0.0
@@ -112,7 +191,7 @@ class RMAExchange:
             for l, x in enumerate(leaves):
                 self._view(k, l)[...] = x
         self.win.Unlock(self.rank)
-        self.comm.Barrier()
+        self._barrier("construction")
 
     # ------------------------------------------------------------------ #
     def _view(self, k: int, l: int) -> np.ndarray:
@@ -139,7 +218,7 @@ class RMAExchange:
         t0 = time.perf_counter()
         fire = [bool(f) for f in fire]
         if self.lockstep:
-            self.comm.Barrier()  # every worker has read the previous iteration's copies
+            self._barrier("lockstep, before the puts")  # every worker has read the previous iteration's copies
         fired = [l for l, f in enumerate(fire) if f]
         if fired:
             msgs = []
@@ -170,7 +249,7 @@ class RMAExchange:
                 if target_type is not None:
                     target_type.Free()
         if self.lockstep:
-            self.comm.Barrier()  # every put of this iteration is complete at its target
+            self._barrier("lockstep, after the puts")  # every put of this iteration is complete at its target
         self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
         out = [
             np.stack([self._view(k, l).copy() for k in range(self.num_slots)])
@@ -179,22 +258,84 @@ class RMAExchange:
             for l in range(len(self.shapes))
         ]
         self.win.Unlock(self.rank)
+        self._exchanges += 1
+        self._publish()
         self.exchange_seconds += time.perf_counter() - t0
         return out
 
     def free(self) -> None:
-        """Free the window (collective: every rank must call it; idempotent)."""
+        """Free the windows (collective: every rank must call it; idempotent).
+
+        Raises :class:`RMAExchangeTimeout` naming the workers that do not call it
+        within ``timeout`` (the windows then stay allocated)."""
         if not self._freed:
-            self.comm.Barrier()
+            self._barrier("free")
             self.win.Free()
+            self._pwin.Free()
             self._freed = True
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.free()
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None:
+            try:
+                self.free()
+            except RMAExchangeTimeout as e:
+                self._fault_exit(e)
+                raise
+        elif isinstance(exc, RMAExchangeTimeout):
+            self._fault_exit(exc)
+        else:
+            self.free()
         return False
+
+    # ------------------------------------------------------------------ #
+    def _publish(self) -> None:
+        MPI = self._MPI
+        self._pwin.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+        self._progress[0] = self._barriers
+        self._progress[1] = self._exchanges
+        self._pwin.Unlock(self.rank)
+
+    def _barrier(self, what: str) -> None:
+        """A barrier bounded by ``timeout``; on timeout name who has not entered it."""
+        self._barriers += 1
+        self._publish()
+        req = self.comm.Ibarrier()
+        start = time.monotonic()
+        delay = 1e-5
+        while not req.Test():
+            if time.monotonic() - start > self.timeout:
+                raise self._diagnose(what)
+            time.sleep(delay)
+            delay = min(1e-3, delay * 2)
+
+    def _diagnose(self, what: str) -> RMAExchangeTimeout:
+        MPI = self._MPI
+        size = self.comm.Get_size()
+        seen = {}
+        for q in range(size):
+            buf = np.zeros(2, np.int64)
+            self._pwin.Lock(q, MPI.LOCK_SHARED)
+            self._pwin.Get(buf, q, target=(0, 2, MPI.INT64_T))
+            self._pwin.Unlock(q)
+            seen[q] = (int(buf[0]), int(buf[1]))
+        missing = [q for q in range(size) if seen[q][0] < self._barriers]
+        where = ", ".join(f"rank {q}: {seen[q][0]} barriers, {seen[q][1]} exchanges" for q in missing)
+        return RMAExchangeTimeout(
+            self.rank,
+            missing,
+            f"ranks {missing} did not reach barrier {self._barriers} ({what}) within {self.timeout:g} s "
+            f"(hung or dead; their counters: {where}; this rank: {self._exchanges} exchanges)",
+        )
+
+    def _fault_exit(self, err: BaseException) -> None:
+        if not self.abort_on_fault or self.comm.Get_size() == 1:
+            return
+        sys.stderr.write(f"jaxcomm: rank {self.rank}: {type(err).__name__}: {err}; aborting the job\n")
+        sys.stderr.flush()
+        self.comm.Abort(1)
 
 
 class OneSidedEventGrad:
@@ -208,16 +349,27 @@ class OneSidedEventGrad:
       algorithm: the :class:`~jaxcomm.algorithms.EventGrad`.
       params: this worker's initial parameters.
       comm: ``mpi4py`` communicator (default ``COMM_WORLD``).
-      lockstep: see :class:`RMAExchange`.
+      lockstep, timeout, abort_on_fault: see :class:`RMAExchange`.
 
     >>> # under mpirun -n 4:  eg = eventgrad(ring(4), 0.05)
     >>> # ose = OneSidedEventGrad(eg, params); state = ose.init(params)
     >>> # params, state = ose.step(params, grads, state); ...; ose.free()
     """
 
-    def __init__(self, algorithm, params, *, comm=None, lockstep: bool = False):
+    def __init__(
+        self,
+        algorithm,
+        params,
+        *,
+        comm=None,
+        lockstep: bool = False,
+        timeout: float = 60.0,
+        abort_on_fault: bool = True,
+    ):
         self.algorithm = algorithm
-        self.exchange = RMAExchange(algorithm, params, comm=comm, lockstep=lockstep)
+        self.exchange = RMAExchange(
+            algorithm, params, comm=comm, lockstep=lockstep, timeout=timeout, abort_on_fault=abort_on_fault
+        )
         # jit of the algorithm's own functions: compilations are shared by every instance.
         self._prepare = jax.jit(algorithm.prepare)
         self._finish = jax.jit(algorithm.finish, static_argnames="index")
@@ -264,6 +416,5 @@ class OneSidedEventGrad:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.free()
-        return False
+    def __exit__(self, exc_type, exc, tb):
+        return self.exchange.__exit__(exc_type, exc, tb)
