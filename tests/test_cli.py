@@ -261,3 +261,65 @@ def test_list_overrides_take_comma_separated_items():
     assert apply_overrides(cfg, {"seeds": "[3]"})["seeds"] == [3]
     with pytest.raises(ValueError, match=r"could not parse .x. as int"):
         apply_overrides(cfg, {"seeds": "1,x"})
+
+
+def _cli_subprocess(*args: str, cwd):
+    """``python -m jaxcomm ARGS`` in a fresh interpreter, run from ``cwd``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "jaxcomm", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("steps", "KEY=VALUE"),
+        ("steps=0", "steps"),
+        ("learning_rate=-0.1", "learning_rate"),
+        ("momentum=7", "momentum"),
+        ("momentum=1", "momentum"),
+        ("no_such_key=3", "no_such_key"),
+        ("steps=many", "steps"),
+    ],
+)
+def test_bad_config_is_one_line_exit_2_and_creates_nothing(tmp_path, override, key):
+    out = tmp_path / "run"
+    proc = _cli_subprocess("run", "quickstart", "--smoke", "--set", override, "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], proc.stderr
+    assert proc.stdout == ""
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["quickstart", "grace", "doublesqueeze"])
+def test_run_help_lists_every_config_key_with_type_and_default(tmp_path, name):
+    import dataclasses
+
+    from jaxcomm.experiments._registry import config_help
+
+    exp = get_experiment(name)
+    proc = _cli_subprocess("run", name, "--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    default = exp.default
+    for f in dataclasses.fields(exp.config_type):
+        assert f"  {f.name} (" in proc.stdout
+        assert f"default {json.dumps(default[f.name])}" in proc.stdout
+    rows = config_help(exp.config_type)
+    assert [r[0] for r in rows] == [f.name for f in dataclasses.fields(exp.config_type)]
+    assert all(r[3] for r in rows), [r[0] for r in rows if not r[3]]  # every key has a meaning
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_top_level_help_is_plain_text(tmp_path):
+    proc = _cli_subprocess("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "jaxcomm run EXPERIMENT" in proc.stdout
+    assert "``" not in proc.stdout and ":mod:" not in proc.stdout and "::" not in proc.stdout
