@@ -323,3 +323,41 @@ def test_top_level_help_is_plain_text(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "jaxcomm run EXPERIMENT" in proc.stdout
     assert "``" not in proc.stdout and ":mod:" not in proc.stdout and "::" not in proc.stdout
+
+
+def test_method_specs_parse_and_bad_ones_name_the_part():
+    from jaxcomm.experiments._common import parse_method
+
+    assert parse_method("topk(ratio=0.01)+residual@allgather") == (
+        ("topk", {"ratio": 0.01}),
+        ("residual", {}),
+        "allgather",
+    )
+    assert parse_method("qsgd(levels=16)+EF") == (("qsgd", {"levels": 16}), ("residual", {}), "auto")
+    assert parse_method("none") == (("none", {}), ("none", {}), "auto")
+    for bad, part in [
+        ("topk(ratio=0.01", "expected NAME"),
+        ("nosuch", "unknown compressor"),
+        ("topk+nomem", "unknown memory"),
+        ("topk@ring", "unknown strategy"),
+        ("topk(foo=1)", "bad arguments"),
+    ]:
+        with pytest.raises(ValueError, match=part):
+            parse_method(bad)
+
+
+def test_bad_method_spec_fails_before_the_run(tmp_path):
+    out = tmp_path / "run"
+    proc = _cli_subprocess(
+        "run", "quickstart", "--smoke", "--set", "methods=topk(foo=1)", "--out", str(out), cwd=tmp_path
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "bad arguments" in proc.stderr
+    assert not out.exists()
+
+
+def test_list_override_keeps_commas_inside_a_spec():
+    cfg = get_experiment("quickstart").config(
+        smoke=True, overrides={"methods": "topk(ratio=0.01,seed=3)+residual,none"}
+    )
+    assert cfg["methods"] == ["topk(ratio=0.01,seed=3)+residual", "none"]

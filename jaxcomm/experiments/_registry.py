@@ -267,6 +267,17 @@ def get_experiment(name: str) -> Experiment:
         raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(sorted(_EXPERIMENTS))}") from None
 
 
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside parentheses: ``"a(x=1,y=2),b"`` -> ``["a(x=1,y=2)", "b"]``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
 def _coerce(key: str, text: Any, like: Any):
     if not isinstance(text, str):
         return text
@@ -284,7 +295,7 @@ def _coerce(key: str, text: Any, like: Any):
                 return text
             if isinstance(like, list):  # a,b,c: each item parsed like the default's items
                 item = like[0] if like else ""
-                return [_coerce(key, part.strip(), item) for part in text.split(",") if part.strip()]
+                return [_coerce(key, part.strip(), item) for part in _split_top(text) if part.strip()]
             raise ValueError(f"--set {key}: could not parse {text!r} as {type(like).__name__}") from None
         if isinstance(like, float) and isinstance(value, int):
             value = float(value)

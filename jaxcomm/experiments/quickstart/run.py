@@ -14,22 +14,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .._common import load_image_task, method_transform, plot_curves, train_data_parallel
-from .config import METHODS
+from .._common import load_image_task, method_transform, parse_method, plot_curves, train_data_parallel
+from .config import METHODS, QuickstartConfig
 
 
 def _transform(method: str, lr: float, momentum: float):
     # QSGD is unbiased and needs no feedback (with it, training diverged in our runs, as
     # GRACE also reports for QSGD + EF); the biased ones get the residual memory ("+EF").
     tx, c = method_transform(METHODS, method, lr, momentum)
-    return tx, c.strategy
+    strategy = "auto" if method in METHODS else parse_method(method)[2]
+    return tx, c.strategy if strategy == "auto" else strategy
 
 
 def run(config: dict, out_dir: Path) -> dict:
     """Train each method; write ``accuracy.png`` and return the results."""
-    unknown = [m for m in config["methods"] if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; valid: {list(METHODS)}")
+    QuickstartConfig(**{**config, "methods": tuple(config["methods"])})  # checks the method specs
     train, test = load_image_task(config["dataset"], config["train_examples"], config["test_examples"])
     runs = []
     for method in config["methods"]:
