@@ -12,6 +12,16 @@
 imported). Each run writes ``results.json`` and PNG plots into ``--out``
 (default ``runs/EXPERIMENT``) and prints a summary table.
 
+``jaxcomm run EXPERIMENT --help`` lists every configuration key with its type,
+default and meaning. Overrides are checked before anything runs: an unknown
+key, an unparsable value, ``steps``/``batch_size``/``devices``/``eval_every``
+below 1, ``learning_rate`` <= 0, ``momentum`` outside [0, 1) or an unknown
+method is one ``error:`` line on stderr, exit status 2, and no output folder.
+
+A method (quickstart's ``--set methods=...``, comma-separated) is a label or a
+spec ``COMPRESSOR[(k=v, ...)][+MEMORY[(k=v, ...)]][@STRATEGY]``, e.g.
+``topk(ratio=0.01)+residual@allgather``; see ``jaxcomm.experiments._common.parse_method``.
+
 ``launch`` runs ``mpirun -n N CMD ARGS...`` on an emulated network (a private
 network namespace whose loopback is throttled; :mod:`jaxcomm.netem`) and prints
 the bytes the kernel sent through it; it needs root. ``launch --check`` tries to

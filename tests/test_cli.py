@@ -361,3 +361,20 @@ def test_list_override_keeps_commas_inside_a_spec():
         smoke=True, overrides={"methods": "topk(ratio=0.01,seed=3)+residual,none"}
     )
     assert cfg["methods"] == ["topk(ratio=0.01,seed=3)+residual", "none"]
+
+
+def test_quickstart_figure_title_follows_the_config(tmp_path):
+    from PIL import Image
+
+    from jaxcomm.experiments._common import plot_curves
+    from jaxcomm.experiments.quickstart.run import figure_title
+
+    cfg = get_experiment("quickstart").config(
+        smoke=True, overrides={"dataset": "fashion_mnist", "model": "mlp", "devices": 2, "steps": 7}
+    )
+    title = figure_title(cfg)
+    assert "fashion_mnist" in title and "mlp" in title and "2 workers" in title and "7 steps" in title
+    runs = [{"name": "none", "history": [{"step": 0, "eval_accuracy": 0.1}, {"step": 7, "eval_accuracy": 0.5}]}]
+    png = plot_curves(runs, tmp_path / "a.png", title=title, ylabel="test accuracy")
+    info = Image.open(png).text
+    assert info["Title"] == title and info["XLabel"] == "step" and info["YLabel"] == "test accuracy"

@@ -248,7 +248,11 @@ def plot_curves(
     ylabel: str | None = None,
     logy: bool = False,
 ) -> Path:
-    """Line plot of ``y`` against ``x`` for each run's history (rows lacking ``y`` are skipped)."""
+    """Line plot of ``y`` against ``x`` for each run's history (rows lacking ``y`` are skipped).
+
+    The PNG carries ``Title``, ``XLabel`` and ``YLabel`` text chunks (``savefig(metadata=...)``)
+    equal to the drawn ones, so tests and readers can check them without OCR.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -266,6 +270,7 @@ def plot_curves(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    meta = {"Title": title, "XLabel": ax.get_xlabel(), "YLabel": ax.get_ylabel()}
+    fig.savefig(path, dpi=120, metadata=meta)
     plt.close(fig)
     return Path(path)

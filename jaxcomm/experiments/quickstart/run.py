@@ -26,6 +26,14 @@ def _transform(method: str, lr: float, momentum: float):
     return tx, c.strategy if strategy == "auto" else strategy
 
 
+def figure_title(config: dict) -> str:
+    """The accuracy figure's title, from the config: dataset, model, workers, global batch, steps."""
+    return (
+        f"{config['dataset']}, {config['model']}, {config['devices']} workers, "
+        f"batch {config['batch_size']}, {config['steps']} steps"
+    )
+
+
 def run(config: dict, out_dir: Path) -> dict:
     """Train each method; write ``accuracy.png`` and return the results."""
     QuickstartConfig(**{**config, "methods": tuple(config["methods"])})  # checks the method specs
@@ -48,7 +56,7 @@ def run(config: dict, out_dir: Path) -> dict:
                 strategy=strategy,
             )
         )
-    plot_curves(runs, Path(out_dir) / "accuracy.png", title="MNIST, EventGraD CNN, 8 workers", ylabel="test accuracy")
+    plot_curves(runs, Path(out_dir) / "accuracy.png", title=figure_title(config), ylabel="test accuracy")
     summary = [
         {
             "method": r["name"],
