@@ -378,3 +378,17 @@ def test_quickstart_figure_title_follows_the_config(tmp_path):
     png = plot_curves(runs, tmp_path / "a.png", title=title, ylabel="test accuracy")
     info = Image.open(png).text
     assert info["Title"] == title and info["XLabel"] == "step" and info["YLabel"] == "test accuracy"
+
+
+def test_cumulative_bits_and_time_are_running_sums():
+    import numpy as np
+
+    from jaxcomm.experiments.quickstart.run import with_cumulative
+
+    rng = np.random.default_rng(0)
+    bits, secs = rng.integers(1, 10**6, 9), rng.random(9)
+    history = [{"step": i, "wire_bits": int(b), "step_time": float(t)} for i, (b, t) in enumerate(zip(bits, secs))]
+    (out,) = with_cumulative([{"name": "m", "history": history}])
+    np.testing.assert_allclose([r["Mbit_sent"] for r in out["history"]], np.cumsum(bits) / 1e6)
+    secs[0] = 0.0  # step 0 (compilation) is left out
+    np.testing.assert_allclose([r["elapsed_s"] for r in out["history"]], np.cumsum(secs))

@@ -34,6 +34,25 @@ def figure_title(config: dict) -> str:
     )
 
 
+def with_cumulative(runs: list[dict]) -> list[dict]:
+    """``runs`` with two running totals added to each history row.
+
+    ``Mbit_sent = Σ_{t<=s} wire_bits_t / 1e6`` (one worker's bits) and
+    ``elapsed_s = Σ_{1<=t<=s} step_time_t`` (measured seconds per step; step 0, which
+    includes XLA compilation, is left out as in ``compute_time_s``).
+    """
+    out = []
+    for r in runs:
+        bits = secs = 0.0
+        history = []
+        for i, row in enumerate(r["history"]):
+            bits += row["wire_bits"]
+            secs += row["step_time"] if i else 0.0
+            history.append({**row, "Mbit_sent": bits / 1e6, "elapsed_s": secs})
+        out.append({**r, "history": history})
+    return out
+
+
 def run(config: dict, out_dir: Path) -> dict:
     """Train each method; write ``accuracy.png`` and return the results."""
     QuickstartConfig(**{**config, "methods": tuple(config["methods"])})  # checks the method specs
@@ -56,7 +75,25 @@ def run(config: dict, out_dir: Path) -> dict:
                 strategy=strategy,
             )
         )
-    plot_curves(runs, Path(out_dir) / "accuracy.png", title=figure_title(config), ylabel="test accuracy")
+    title = figure_title(config)
+    plot_curves(runs, Path(out_dir) / "accuracy.png", title=title, ylabel="test accuracy")
+    cumulative = with_cumulative(runs)
+    plot_curves(
+        cumulative,
+        Path(out_dir) / "accuracy_vs_bits.png",
+        x="Mbit_sent",
+        title=title,
+        xlabel="Mbit sent per worker (counted on the wire)",
+        ylabel="test accuracy",
+    )
+    plot_curves(
+        cumulative,
+        Path(out_dir) / "accuracy_vs_time.png",
+        x="elapsed_s",
+        title=title,
+        xlabel="measured step time after compilation, summed (s; simulated CPU workers, no network)",
+        ylabel="test accuracy",
+    )
     summary = [
         {
             "method": r["name"],
