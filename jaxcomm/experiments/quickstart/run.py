@@ -91,7 +91,7 @@ def run(config: dict, out_dir: Path) -> dict:
         Path(out_dir) / "accuracy_vs_time.png",
         x="elapsed_s",
         title=title,
-        xlabel="measured step time after compilation, summed (s; simulated CPU workers, no network)",
+        xlabel="measured step time, summed after compilation (s, CPU)",
         ylabel="test accuracy",
     )
     summary = [
