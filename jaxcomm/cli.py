@@ -12,6 +12,16 @@
 imported). Each run writes ``results.json`` and PNG plots into ``--out``
 (default ``runs/EXPERIMENT``) and prints a summary table.
 
+``jaxcomm run EXPERIMENT --help`` lists every configuration key with its type,
+default and meaning. Overrides are checked before anything runs: an unknown
+key, an unparsable value, ``steps``/``batch_size``/``devices``/``eval_every``
+below 1, ``learning_rate`` <= 0, ``momentum`` outside [0, 1) or an unknown
+method is one ``error:`` line on stderr, exit status 2, and no output folder.
+
+A method (quickstart's ``--set methods=...``, comma-separated) is a label or a
+spec ``COMPRESSOR[(k=v, ...)][+MEMORY[(k=v, ...)]][@STRATEGY]``, e.g.
+``topk(ratio=0.01)+residual@allgather``; see ``jaxcomm.experiments._common.parse_method``.
+
 ``launch`` runs ``mpirun -n N CMD ARGS...`` on an emulated network (a private
 network namespace whose loopback is throttled; :mod:`jaxcomm.netem`) and prints
 the bytes the kernel sent through it; it needs root. ``launch --check`` tries to
@@ -29,6 +39,14 @@ from pathlib import Path
 from ._table import format_table
 
 __all__ = ["main", "format_table"]
+
+
+def _plain(text: str) -> str:
+    """Module docstring reStructuredText as plain text: no ``::`` markers, inline literals or roles."""
+    import re
+
+    text = text.replace("::\n", "\n").replace("``", "")
+    return re.sub(r":[a-z]+:`([^`]*)`", r"\1", text).strip()
 
 
 def _set_devices(n: int | None) -> None:
@@ -53,7 +71,7 @@ def _parse_sets(items: list[str]) -> dict:
     out = {}
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"--set expects key=value; got {item!r}")
+            raise ValueError(f"--set expects KEY=VALUE (e.g. --set steps=100); got {item!r}")
         k, v = item.split("=", 1)
         out[k.strip()] = v.strip()
     return out
@@ -72,15 +90,23 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    _set_devices(args.devices)
-    from .experiments import get_experiment, write_results
+    from .experiments import get_experiment
 
+    if args.experiment is None:
+        args.run_parser.print_help()
+        return 0 if args.help else 2
     try:
         exp = get_experiment(args.experiment)
+        if args.help:
+            _print_run_help(args.run_parser, exp)
+            return 0
         config = exp.config(smoke=args.smoke, overrides=_parse_sets(args.set or []))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    _set_devices(args.devices)
+    from .experiments import write_results
+
     if args.devices is not None and "devices" in config:
         config["devices"] = args.devices
     elif "devices" in config:
@@ -101,6 +127,18 @@ def _cmd_run(args) -> int:
     if pngs:
         print("figures: " + ", ".join(pngs))
     return 0
+
+
+def _print_run_help(parser, exp) -> None:
+    """``jaxcomm run NAME --help``: the options, then every config key with type, default and meaning."""
+    from .experiments._registry import config_help
+
+    parser.print_help()
+    print(f"\nconfig keys of {exp.name} ({exp.description}); override with --set KEY=VALUE:")
+    for key, type_name, default, meaning in config_help(exp.config_type):
+        print(f"  {key} ({type_name}, default {default})")
+        if meaning:
+            print(f"      {meaning.replace('``', '').replace(':data:', '')}")
 
 
 def _cmd_demo(args) -> int:
@@ -156,17 +194,20 @@ def _cmd_launch(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxcomm`` command (also ``python -m jaxcomm``)."""
-    parser = argparse.ArgumentParser(prog="jaxcomm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="jaxcomm", description=_plain(__doc__ or ""), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_list = sub.add_parser("list", help="list experiments and compressors")
     p_list.set_defaults(func=_cmd_list)
-    p_run = sub.add_parser("run", help="run an experiment")
-    p_run.add_argument("experiment")
+    p_run = sub.add_parser("run", help="run an experiment", add_help=False)
+    p_run.add_argument("experiment", nargs="?", default=None)
+    p_run.add_argument("-h", "--help", action="store_true", help="show this help and the config keys of EXPERIMENT")
     p_run.add_argument("--smoke", action="store_true", help="the small configuration (under a minute)")
     p_run.add_argument("--devices", type=int, default=None, help="simulated CPU devices (sets XLA_FLAGS)")
     p_run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     p_run.add_argument("--out", default=None, help="output folder (default runs/EXPERIMENT)")
-    p_run.set_defaults(func=_cmd_run)
+    p_run.set_defaults(func=_cmd_run, run_parser=p_run)
     p_demo = sub.add_parser("demo", help="compress a real model's gradients with every compressor")
     p_demo.add_argument("--devices", type=int, default=None)
     p_demo.set_defaults(func=_cmd_demo)

@@ -261,3 +261,134 @@ def test_list_overrides_take_comma_separated_items():
     assert apply_overrides(cfg, {"seeds": "[3]"})["seeds"] == [3]
     with pytest.raises(ValueError, match=r"could not parse .x. as int"):
         apply_overrides(cfg, {"seeds": "1,x"})
+
+
+def _cli_subprocess(*args: str, cwd):
+    """``python -m jaxcomm ARGS`` in a fresh interpreter, run from ``cwd``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "jaxcomm", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("steps", "KEY=VALUE"),
+        ("steps=0", "steps"),
+        ("learning_rate=-0.1", "learning_rate"),
+        ("momentum=7", "momentum"),
+        ("momentum=1", "momentum"),
+        ("no_such_key=3", "no_such_key"),
+        ("steps=many", "steps"),
+    ],
+)
+def test_bad_config_is_one_line_exit_2_and_creates_nothing(tmp_path, override, key):
+    out = tmp_path / "run"
+    proc = _cli_subprocess("run", "quickstart", "--smoke", "--set", override, "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], proc.stderr
+    assert proc.stdout == ""
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["quickstart", "grace", "doublesqueeze"])
+def test_run_help_lists_every_config_key_with_type_and_default(tmp_path, name):
+    import dataclasses
+
+    from jaxcomm.experiments._registry import config_help
+
+    exp = get_experiment(name)
+    proc = _cli_subprocess("run", name, "--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    default = exp.default
+    for f in dataclasses.fields(exp.config_type):
+        assert f"  {f.name} (" in proc.stdout
+        assert f"default {json.dumps(default[f.name])}" in proc.stdout
+    rows = config_help(exp.config_type)
+    assert [r[0] for r in rows] == [f.name for f in dataclasses.fields(exp.config_type)]
+    assert all(r[3] for r in rows), [r[0] for r in rows if not r[3]]  # every key has a meaning
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_top_level_help_is_plain_text(tmp_path):
+    proc = _cli_subprocess("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "jaxcomm run EXPERIMENT" in proc.stdout
+    assert "``" not in proc.stdout and ":mod:" not in proc.stdout and "::" not in proc.stdout
+
+
+def test_method_specs_parse_and_bad_ones_name_the_part():
+    from jaxcomm.experiments._common import parse_method
+
+    assert parse_method("topk(ratio=0.01)+residual@allgather") == (
+        ("topk", {"ratio": 0.01}),
+        ("residual", {}),
+        "allgather",
+    )
+    assert parse_method("qsgd(levels=16)+EF") == (("qsgd", {"levels": 16}), ("residual", {}), "auto")
+    assert parse_method("none") == (("none", {}), ("none", {}), "auto")
+    for bad, part in [
+        ("topk(ratio=0.01", "expected NAME"),
+        ("nosuch", "unknown compressor"),
+        ("topk+nomem", "unknown memory"),
+        ("topk@ring", "unknown strategy"),
+        ("topk(foo=1)", "bad arguments"),
+    ]:
+        with pytest.raises(ValueError, match=part):
+            parse_method(bad)
+
+
+def test_bad_method_spec_fails_before_the_run(tmp_path):
+    out = tmp_path / "run"
+    proc = _cli_subprocess(
+        "run", "quickstart", "--smoke", "--set", "methods=topk(foo=1)", "--out", str(out), cwd=tmp_path
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "bad arguments" in proc.stderr
+    assert not out.exists()
+
+
+def test_list_override_keeps_commas_inside_a_spec():
+    cfg = get_experiment("quickstart").config(
+        smoke=True, overrides={"methods": "topk(ratio=0.01,seed=3)+residual,none"}
+    )
+    assert cfg["methods"] == ["topk(ratio=0.01,seed=3)+residual", "none"]
+
+
+def test_quickstart_figure_title_follows_the_config(tmp_path):
+    from PIL import Image
+
+    from jaxcomm.experiments._common import plot_curves
+    from jaxcomm.experiments.quickstart.run import figure_title
+
+    cfg = get_experiment("quickstart").config(
+        smoke=True, overrides={"dataset": "fashion_mnist", "model": "mlp", "devices": 2, "steps": 7}
+    )
+    title = figure_title(cfg)
+    assert "fashion_mnist" in title and "mlp" in title and "2 workers" in title and "7 steps" in title
+    runs = [{"name": "none", "history": [{"step": 0, "eval_accuracy": 0.1}, {"step": 7, "eval_accuracy": 0.5}]}]
+    png = plot_curves(runs, tmp_path / "a.png", title=title, ylabel="test accuracy")
+    info = Image.open(png).text
+    assert info["Title"] == title and info["XLabel"] == "step" and info["YLabel"] == "test accuracy"
+
+
+def test_cumulative_bits_and_time_are_running_sums():
+    import numpy as np
+
+    from jaxcomm.experiments.quickstart.run import with_cumulative
+
+    rng = np.random.default_rng(0)
+    bits, secs = rng.integers(1, 10**6, 9), rng.random(9)
+    history = [{"step": i, "wire_bits": int(b), "step_time": float(t)} for i, (b, t) in enumerate(zip(bits, secs))]
+    (out,) = with_cumulative([{"name": "m", "history": history}])
+    np.testing.assert_allclose([r["Mbit_sent"] for r in out["history"]], np.cumsum(bits) / 1e6)
+    secs[0] = 0.0  # step 0 (compilation) is left out
+    np.testing.assert_allclose([r["elapsed_s"] for r in out["history"]], np.cumsum(secs))

@@ -69,12 +69,81 @@ def for_error_feedback(c):
     return c
 
 
-def method_transform(methods: dict, label: str, learning_rate: float, momentum: float):
-    """``(tx, compressor)`` for a method label of ``methods`` (label -> ``(compressor name, kwargs)``).
+def _parse_call(text: str, what: str) -> tuple[str, dict]:
+    """``"name(k=v, ...)"`` or ``"name"`` as ``(name, {k: v})``; values are Python literals."""
+    import ast
 
-    ``tx = optax.chain(compressed_mean(c, memory=m), optax.sgd(learning_rate, momentum))``, with
-    ``m`` the residual memory (GRACE Eq. 4) when the label ends in ``+EF`` (and ``c`` made
-    contractive where it must be, :func:`for_error_feedback`), else no memory.
+    text = text.strip()
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        raise ValueError(f"{what} {text!r}: expected NAME or NAME(key=value, ...), e.g. topk(ratio=0.01)") from None
+    if isinstance(node, ast.Name):
+        return node.id, {}
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
+        kwargs = {}
+        for kw in node.keywords:
+            try:
+                kwargs[kw.arg] = ast.literal_eval(kw.value)
+            except ValueError:
+                raise ValueError(f"{what} {text!r}: value of {kw.arg} must be a literal (number, string)") from None
+        return node.func.id, kwargs
+    raise ValueError(f"{what} {text!r}: expected NAME or NAME(key=value, ...) with keywords only")
+
+
+def parse_method(spec: str) -> tuple[tuple[str, dict], tuple[str, dict], str]:
+    """Parse a method spec ``COMPRESSOR[(k=v,...)][+MEMORY[(k=v,...)]][@STRATEGY]``.
+
+    Examples: ``topk(ratio=0.01)+residual``, ``qsgd(levels=16)@allgather``,
+    ``randomk(ratio=0.1)+residual(beta=0.9)@allgather``, ``none``. ``+EF`` is a
+    synonym of ``+residual``. Returns ``((compressor, kwargs), (memory, kwargs),
+    strategy)``; memory defaults to ``none``, strategy to ``auto``. Names are
+    checked against :func:`jaxcomm.compressors.names`, :func:`jaxcomm.memory.names`
+    and the pipeline's strategies; keyword arguments by building both objects.
+
+    Raises:
+      ValueError: naming the part of the spec that is wrong and the valid choices.
+    """
+    from .. import compressors, memory
+    from ..transforms._pipeline import STRATEGIES
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"method spec must be a non-empty string; got {spec!r}")
+    body, _, strategy = spec.partition("@")
+    strategy = strategy.strip() or "auto"
+    if strategy not in ("auto", *STRATEGIES):
+        raise ValueError(f"method {spec!r}: unknown strategy {strategy!r}; valid: auto, {', '.join(STRATEGIES)}")
+    depth, cut = 0, -1
+    for i, ch in enumerate(body):  # the top-level '+' (not one inside a call's parentheses)
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "+" and depth == 0:
+            cut = i
+            break
+    comp_text, mem_text = (body, "none") if cut < 0 else (body[:cut], body[cut + 1 :])
+    comp = _parse_call(comp_text, f"method {spec!r}: compressor")
+    mem = _parse_call(mem_text, f"method {spec!r}: memory")
+    if mem[0] == "EF":
+        mem = ("residual", mem[1])
+    if comp[0] not in compressors.names():
+        raise ValueError(f"method {spec!r}: unknown compressor {comp[0]!r}; valid: {', '.join(compressors.names())}")
+    if mem[0] not in memory.names():
+        raise ValueError(f"method {spec!r}: unknown memory {mem[0]!r}; valid: {', '.join(memory.names())}")
+    for make, (name, kwargs), what in ((compressors.make, comp, "compressor"), (memory.make, mem, "memory")):
+        try:
+            make(name, **kwargs)
+        except TypeError as e:
+            raise ValueError(f"method {spec!r}: bad arguments for {what} {name!r}: {e}") from None
+    return comp, mem, strategy
+
+
+def method_transform(methods: dict, label: str, learning_rate: float, momentum: float):
+    """``(tx, compressor)`` for a method label of ``methods`` (label -> ``(compressor name, kwargs)``) or a spec.
+
+    ``tx = optax.chain(compressed_mean(c, memory=m, strategy=s), optax.sgd(learning_rate, momentum))``.
+    A label of ``methods`` gives ``m`` the residual memory (GRACE Eq. 4) when it ends in
+    ``+EF``, else no memory, and ``s = "auto"``; any other label is parsed by
+    :func:`parse_method` (``topk(ratio=0.01)+residual@allgather``). With a memory that feeds
+    back, ``c`` is made contractive where it must be (:func:`for_error_feedback`).
     The communicator is the trainer's (``compressed_mean`` is built without one).
     """
     import optax
@@ -82,14 +151,22 @@ def method_transform(methods: dict, label: str, learning_rate: float, momentum: 
     from .. import compressors, memory
     from ..transforms import compressed_mean
 
-    if label not in methods:
-        raise ValueError(f"unknown method {label!r}; valid: {list(methods)}")
-    name, kwargs = methods[label]
-    c = compressors.make(name, **kwargs)
-    ef = label.endswith("+EF")
-    c = for_error_feedback(c) if ef else c
-    mem = memory.residual() if ef else memory.none()
-    return optax.chain(compressed_mean(c, memory=mem), optax.sgd(learning_rate, momentum=momentum)), c
+    if label in methods:
+        name, kwargs = methods[label]
+        c = compressors.make(name, **kwargs)
+        mem = memory.residual() if label.endswith("+EF") else memory.none()
+        strategy = "auto"
+    else:
+        try:
+            (name, kwargs), (mem_name, mem_kwargs), strategy = parse_method(label)
+        except ValueError as e:
+            raise ValueError(f"{e} (or a label of {list(methods)})") from None
+        c = compressors.make(name, **kwargs)
+        mem = memory.make(mem_name, **mem_kwargs)
+    if mem.name != "none":
+        c = for_error_feedback(c)
+    tx = optax.chain(compressed_mean(c, memory=mem, strategy=strategy), optax.sgd(learning_rate, momentum=momentum))
+    return tx, c
 
 
 def estimated_comm_time(bits_per_worker_per_step: list[float], workers: int, strategy: str) -> dict:
@@ -186,7 +263,11 @@ def plot_curves(
     ylabel: str | None = None,
     logy: bool = False,
 ) -> Path:
-    """Line plot of ``y`` against ``x`` for each run's history (rows lacking ``y`` are skipped)."""
+    """Line plot of ``y`` against ``x`` for each run's history (rows lacking ``y`` are skipped).
+
+    The PNG carries ``Title``, ``XLabel`` and ``YLabel`` text chunks (``savefig(metadata=...)``)
+    equal to the drawn ones, so tests and readers can check them without OCR.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,6 +285,7 @@ def plot_curves(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    meta = {"Title": title, "XLabel": ax.get_xlabel(), "YLabel": ax.get_ylabel()}
+    fig.savefig(path, dpi=120, metadata=meta)
     plt.close(fig)
     return Path(path)

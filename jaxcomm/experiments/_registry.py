@@ -32,6 +32,7 @@ __all__ = [
     "write_results",
     "config_to_dict",
     "config_from_dict",
+    "config_help",
 ]
 
 
@@ -160,7 +161,75 @@ def config_from_dict(config_type: type, values: dict):
     if missing:
         raise ValueError(f"{config_type.__name__}: missing config key(s) {missing}")
     hints = typing.get_type_hints(config_type)
-    return config_type(**{n: _check_value(config_type.__name__, n, values[n], hints[n]) for n in names})
+    checked = {n: _check_value(config_type.__name__, n, values[n], hints[n]) for n in names}
+    for n, v in checked.items():
+        _check_range(config_type.__name__, n, v)
+    return config_type(**checked)
+
+
+# Ranges shared by every study's config, by field name: (low, high, low inclusive, high inclusive).
+_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "steps": (1, float("inf"), True, True),
+    "devices": (1, float("inf"), True, True),
+    "batch_size": (1, float("inf"), True, True),
+    "eval_every": (1, float("inf"), True, True),
+    "learning_rate": (0.0, float("inf"), False, True),
+    "momentum": (0.0, 1.0, True, False),
+}
+
+
+def _check_range(cls_name: str, key: str, value) -> None:
+    """``ValueError`` if a field named in :data:`_RANGES` holds a number outside its range."""
+    if key not in _RANGES or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    low, high, low_in, high_in = _RANGES[key]
+    ok = (value >= low if low_in else value > low) and (value <= high if high_in else value < high)
+    if not ok:
+        if high == float("inf"):
+            want = f"{'>=' if low_in else '>'} {low:g}"
+        else:
+            want = f"in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+        raise ValueError(f"{cls_name}.{key} must be {want}; got {value!r}")
+
+
+def config_help(config_type: type) -> list[tuple[str, str, str, str]]:
+    """``(key, type, default, meaning)`` for every field of ``config_type``.
+
+    The meaning is the field's entry in the class docstring's ``Attributes:``
+    section (entries naming several keys, ``a, b: ...``, apply to each).
+    """
+    meanings: dict[str, str] = {}
+    base: int | None = None  # indentation of the entries under "Attributes:"
+    current: list[str] = []
+    for line in (config_type.__doc__ or "").splitlines():
+        text = line.strip()
+        indent = len(line) - len(line.lstrip())
+        if text == "Attributes:":
+            base = -1
+            continue
+        if base is None or not text:
+            continue
+        if base == -1:
+            base = indent
+        if indent < base:
+            break
+        head, sep, rest = text.partition(":")
+        keys = [k.strip().strip("`") for k in head.split(",")]
+        if indent == base and sep and all(k.isidentifier() for k in keys):
+            current = keys
+            for k in keys:
+                meanings[k] = rest.strip()
+        elif indent > base:
+            for k in current:
+                meanings[k] = (meanings[k] + " " + text).strip()
+    hints = typing.get_type_hints(config_type)
+    default = config_type.default()  # type: ignore[attr-defined]  # every registered config has one
+    rows = []
+    for f in dataclasses.fields(config_type):
+        hint = hints[f.name]
+        type_name = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+        rows.append((f.name, type_name, json.dumps(_jsonable(getattr(default, f.name))), meanings.get(f.name, "")))
+    return rows
 
 
 _EXPERIMENTS: dict[str, Experiment] = {}
@@ -198,6 +267,17 @@ def get_experiment(name: str) -> Experiment:
         raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(sorted(_EXPERIMENTS))}") from None
 
 
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside parentheses: ``"a(x=1,y=2),b"`` -> ``["a(x=1,y=2)", "b"]``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
 def _coerce(key: str, text: Any, like: Any):
     if not isinstance(text, str):
         return text
@@ -215,7 +295,7 @@ def _coerce(key: str, text: Any, like: Any):
                 return text
             if isinstance(like, list):  # a,b,c: each item parsed like the default's items
                 item = like[0] if like else ""
-                return [_coerce(key, part.strip(), item) for part in text.split(",") if part.strip()]
+                return [_coerce(key, part.strip(), item) for part in _split_top(text) if part.strip()]
             raise ValueError(f"--set {key}: could not parse {text!r} as {type(like).__name__}") from None
         if isinstance(like, float) and isinstance(value, int):
             value = float(value)

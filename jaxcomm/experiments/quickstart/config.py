@@ -30,7 +30,8 @@ class QuickstartConfig:
       steps: optimizer steps per method.
       eval_every: steps between test evaluations.
       learning_rate, momentum: of ``optax.sgd``.
-      methods: labels from :data:`METHODS`, trained in this order.
+      methods: labels from :data:`METHODS` or method specs
+        ``COMPRESSOR(k=v)+MEMORY@STRATEGY`` (e.g. ``topk(ratio=0.01)+residual``), trained in this order.
       train_examples, test_examples: keep only this many examples (0: all).
       seed: initialisation, data split and compressor randomness.
     """
@@ -47,6 +48,18 @@ class QuickstartConfig:
     train_examples: int = 0
     test_examples: int = 0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """``ValueError`` for a method that is neither a label of :data:`METHODS` nor a valid spec."""
+        specs = [m for m in self.methods if m not in METHODS]
+        if specs:  # parsing a spec builds the compressor, which imports JAX: only when one is given
+            from .._common import parse_method
+
+            for spec in specs:
+                try:
+                    parse_method(spec)
+                except ValueError as e:
+                    raise ValueError(f"QuickstartConfig.methods: {e}; or a label of {list(METHODS)}") from None
 
     @classmethod
     def default(cls) -> QuickstartConfig:
