@@ -73,16 +73,18 @@ def measure_link(world, repeats: int = 20, payload_bytes: int = 4 << 20) -> dict
 def _compile(trainer, state, batches, world, rank: int) -> None:
     """Compile ``trainer``'s step on rank 0, then on the others from the persistent cache.
 
-    Compilation does not run the step (no collective), so the ranks need not be together;
-    with ``JAX_COMPILATION_CACHE_DIR`` set (the launcher sets it) the later ranks and the first
-    call load the executable instead of compiling it again on the shared cores.
+    Every rank traces together (``MPIComm`` agrees on each collective's shapes with the other
+    ranks while it is traced); compilation runs no collective, so rank 0 compiles alone and,
+    with ``JAX_COMPILATION_CACHE_DIR`` set (the launcher sets it), the later ranks and the
+    first call load the executable instead of compiling it again on the shared cores.
     """
     batch = trainer.worker_batch(batches.batch_at(batches.position))
+    lowered = trainer.step_fn.lower(state, batch)
     if rank == 0:
-        trainer.step_fn.lower(state, batch).compile()
+        lowered.compile()
     _idle_barrier(world)
     if rank != 0:
-        trainer.step_fn.lower(state, batch).compile()
+        lowered.compile()
     _idle_barrier(world)
 
 
