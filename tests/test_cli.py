@@ -287,6 +287,8 @@ def _cli_subprocess(*args: str, cwd):
         ("momentum=1", "momentum"),
         ("no_such_key=3", "no_such_key"),
         ("steps=many", "steps"),
+        ("dataset=cifar10", "dataset"),
+        ("model=vgg16", "model"),
     ],
 )
 def test_bad_config_is_one_line_exit_2_and_creates_nothing(tmp_path, override, key):

@@ -8,6 +8,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from ._registry import IMAGE_DATASETS, IMAGE_MODELS
+
 __all__ = ["load_image_task", "method_transform", "train_data_parallel", "estimated_comm_time", "plot_curves"]
 
 NETWORKS_GBPS = (1.0, 10.0, 25.0)
@@ -32,7 +34,7 @@ def load_image_task(dataset: str, train_examples: int = 0, test_examples: int = 
         full = data.load_mnist5k()
         train, test = full.take(np.arange(4000)), full.take(np.arange(4000, 5000))
     else:
-        raise ValueError(f"dataset must be mnist, fashion_mnist, mnist5k or digits; got {dataset!r}")
+        raise ValueError(f"dataset must be one of {', '.join(IMAGE_DATASETS)}; got {dataset!r}")
     if train_examples:
         train = train.take(np.arange(min(train_examples, len(train.labels))))
     if test_examples:
@@ -54,7 +56,7 @@ def build_model(name: str, train, seed: int):
         return models.EventGradCNN(rngs=rngs)
     if name == "resnet20":
         return models.ResNet20(num_classes=train.num_classes, in_channels=shape[-1], rngs=rngs)
-    raise ValueError(f"model must be mlp, eventgrad_cnn or resnet20; got {name!r}")
+    raise ValueError(f"model must be one of {', '.join(IMAGE_MODELS)}; got {name!r}")
 
 
 def for_error_feedback(c):

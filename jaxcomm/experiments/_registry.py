@@ -164,6 +164,7 @@ def config_from_dict(config_type: type, values: dict):
     checked = {n: _check_value(config_type.__name__, n, values[n], hints[n]) for n in names}
     for n, v in checked.items():
         _check_range(config_type.__name__, n, v)
+        _check_choice(config_type.__name__, n, v)
     return config_type(**checked)
 
 
@@ -176,6 +177,19 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "learning_rate": (0.0, float("inf"), False, True),
     "momentum": (0.0, 1.0, True, False),
 }
+
+
+IMAGE_DATASETS = ("mnist", "fashion_mnist", "mnist5k", "digits")
+"""The image datasets of the studies (``_common.load_image_task``)."""
+IMAGE_MODELS = ("mlp", "eventgrad_cnn", "resnet20")
+"""The image models of the studies (``_common.build_model``)."""
+_CHOICES: dict[str, tuple[str, ...]] = {"dataset": IMAGE_DATASETS, "model": IMAGE_MODELS}
+
+
+def _check_choice(cls_name: str, key: str, value) -> None:
+    """``ValueError`` if a field named in :data:`_CHOICES` holds a name outside its choices."""
+    if key in _CHOICES and value not in _CHOICES[key]:
+        raise ValueError(f"{cls_name}.{key} must be one of {', '.join(_CHOICES[key])}; got {value!r}")
 
 
 def _check_range(cls_name: str, key: str, value) -> None:
