@@ -94,7 +94,17 @@ class MeshAxis:
         return jax.tree.map(lambda s: (s / n).astype(s.dtype), jax.lax.psum(tree, self.axis_name))
 
     def all_gather(self, tree):
+        """Every worker's ``tree`` stacked on a new leading axis (row ``i`` from worker ``i``).
+
+        Inside ``jax.shard_map`` the result is typed device-*invariant* over the
+        axis (``jax.lax.all_gather(..., to="invarying")``): every worker holds the
+        same stacked array, so a value decoded from it alone (a compressed mean)
+        can leave the ``shard_map`` with ``out_specs=P()``. Under ``jax.vmap``
+        nothing is typed and it is the plain ``all_gather``.
+        """
         self._check_bound()
+        if self._is_mesh_axis():
+            return jax.lax.all_gather(tree, self.axis_name, to="invarying")
         return jax.lax.all_gather(tree, self.axis_name)
 
     def reduce_scatter(self, tree):
