@@ -179,6 +179,32 @@ def test_topology_must_match_worker_count():
         per_worker(alg.step)(x, x, state)
 
 
+def test_per_worker_on_a_mesh_places_its_inputs():
+    """Host arrays go in as they are: per_worker places them, so the library's own topology check
+    is the error users see (not jax's in_specs mismatch), and a leading axis that is not the mesh
+    size is refused by name (it would otherwise put several workers on one device)."""
+    mesh = jax.make_mesh((N,), ("data",))
+    alg = dpsgd(T.ring(4), LR, axis_name="data")
+    x = {"v": np.zeros((N, 3), np.float32)}
+    state = jax.vmap(alg.init)(x)
+    with pytest.raises(ValueError, match="topology 'ring' has 4 workers but the communicator has 8"):
+        per_worker(alg.step, mesh=mesh)(x, x, jax.tree.map(np.asarray, state))
+    with pytest.raises(ValueError, match=r"leading worker axis of length 8.*\['v'\]|\['v'\].*length 8"):
+        per_worker(lambda v: v, mesh=mesh)({"v": np.zeros((4, 3), np.float32)})
+    # Unplaced host inputs give the same numbers as placed ones.
+    a, b, x0 = _least_squares(N)
+    ok = dpsgd(T.ring(N), LR, axis_name="data")
+    params = replicate(jax.tree.map(jnp.asarray, x0), N)
+
+    def one(p, s, ai, bi):
+        return ok.step(p, jax.grad(_loss)(p, ai, bi), s)
+
+    host = jax.tree.map(np.asarray, (params, jax.vmap(ok.init)(params)))
+    got, _ = jax.jit(per_worker(one, mesh=mesh))(*host, a, b)  # placed inside jit too
+    want, _ = _run(ok, a, b, x0, N, 1, mesh=mesh)
+    np.testing.assert_array_equal(_as_matrix(got), _as_matrix(want))
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="optimizer"):
         dpsgd(T.ring(4), "sgd", axis_name="data")

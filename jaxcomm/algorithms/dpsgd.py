@@ -189,23 +189,43 @@ def per_worker(fn: Callable, *, axis_name: str = "data", mesh: jax.sharding.Mesh
 
     With ``mesh=None`` it is ``jax.vmap(fn, axis_name=axis_name)`` (one device; cheap
     tests and many simulated workers). With a mesh it is ``jax.shard_map`` over
-    ``mesh``'s ``axis_name`` (``n`` must equal that axis' size): every argument and
-    result is sharded ``P(axis_name)`` on its leading axis, and ``fn`` sees one
-    worker's slice without the axis. Inputs must already be placed with
-    ``jax.device_put(x, NamedSharding(mesh, P(axis_name)))``.
+    ``mesh``'s ``axis_name``: every argument and result is sharded ``P(axis_name)``
+    on its leading axis, and ``fn`` sees one worker's slice without the axis. The
+    arguments are placed there first (``jax.device_put(x, NamedSharding(mesh,
+    P(axis_name)))``; a no-op for arrays already placed so), so the errors users see
+    are the library's (a topology of the wrong size, ...), not jax's ``in_specs`` one.
+
+    Raises:
+      ValueError: ``axis_name`` is not an axis of ``mesh``; (when called) an argument
+        leaf whose leading axis is not the mesh axis' size ``n``.
     """
     if mesh is None:
         return jax.vmap(fn, axis_name=axis_name)
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     spec = jax.sharding.PartitionSpec(axis_name)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    n = int(mesh.shape[axis_name])
 
     def body(*args):
         squeezed = jax.tree.map(lambda a: a[0], args)
         out = fn(*squeezed)
         return jax.tree.map(lambda a: jnp.expand_dims(a, 0), out)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+
+    def run(*args):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(args):
+            shape = jnp.shape(leaf)
+            if not shape or shape[0] != n:
+                raise ValueError(
+                    f"per_worker: argument leaf {jax.tree_util.keystr(path)} has shape {tuple(shape)}; every leaf "
+                    f"needs a leading worker axis of length {n} (the size of mesh axis {axis_name!r}), e.g. "
+                    f"jaxcomm.algorithms.replicate(tree, {n})"
+                )
+        return mapped(*jax.device_put(args, sharding))
+
+    return run
 
 
 def replicate(tree: PyTree, num_workers: int) -> PyTree:
