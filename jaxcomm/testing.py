@@ -8,7 +8,7 @@ A researcher who writes a compressor runs every check in one call::
 or parametrizes pytest over :func:`contract_checks` to see each check separately.
 The checks are properties, not snapshots: shape/dtype preservation under jit on
 the shapes ``(), (1,), (7,), (33, 17), (3, 5, 7)`` in float32 and bfloat16;
-determinism for a fixed key; use as an optax transformation (``chain``,
+determinism for a fixed key; a key used as ``stochastic`` declares; use as an optax transformation (``chain``,
 ``MultiSteps``, jit); exact ``wire_bits`` type and range; finite output on finite
 input and no crash on NaN/Inf; and, for compressors declared ``unbiased``, a
 Monte Carlo test of ``E[Q(x)] = x`` whose tolerance comes from the sample variance
@@ -37,6 +37,7 @@ __all__ = [
     "check_compressor",
     "check_jit_shapes_dtypes",
     "check_deterministic",
+    "check_key_use",
     "check_optax",
     "check_wire_bits",
     "check_nonfinite",
@@ -94,6 +95,38 @@ def check_deterministic(c: Compressor) -> None:
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def check_key_use(c: Compressor) -> None:
+    """The declared ``stochastic`` flag matches what ``compress`` does with its key.
+
+    ``stochastic=False``: two different keys give bit-identical payloads on three
+    inputs (shapes ``(33, 17)``, ``(1000,)``, ``(7,)``), and ``compress(x)`` without a
+    key works. ``stochastic=True``: at least one of those inputs gives a different
+    payload for two keys, and ``compress(x)`` without a key raises ``TypeError``.
+    ``None`` (undeclared): only the ``TypeError`` without a key is checked.
+    """
+    f = _roundtrip_fn(c)
+    differs = False
+    for shape, seed in (((33, 17), 0), ((1000,), 1), ((7,), 2)):
+        x = _sample(shape, seed=seed)
+        _, p1 = f(x, jax.random.PRNGKey(1))
+        _, p2 = f(x, jax.random.PRNGKey(2))
+        pairs = zip(jax.tree.leaves(p1), jax.tree.leaves(p2))
+        differs |= any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
+    x = _sample((7,))
+    if c.stochastic is False:
+        assert not differs, f"{c.name}: declared stochastic=False but two keys give different payloads"
+        c.compress(x)
+        return
+    if c.stochastic:
+        assert differs, f"{c.name}: declared stochastic=True but its payload never depends on the key"
+    try:
+        c.compress(x)
+    except TypeError as e:
+        assert "key" in str(e), f"{c.name}: compress without a key raised an unrelated TypeError: {e}"
+    else:
+        raise AssertionError(f"{c.name}: compress(x) without a key must raise TypeError unless stochastic=False")
 
 
 def check_optax(c: Compressor) -> None:
@@ -472,6 +505,7 @@ def contract_checks() -> dict[str, Callable[[Compressor], None]]:
     return {
         "jit_shapes_dtypes": check_jit_shapes_dtypes,
         "deterministic": check_deterministic,
+        "key_use": check_key_use,
         "optax": check_optax,
         "wire_bits": check_wire_bits,
         "nonfinite": check_nonfinite,

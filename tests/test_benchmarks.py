@@ -176,19 +176,20 @@ def test_floor_rows_send_what_their_compressor_sends():
     bench = _load("step_overhead")
     floor, topk = bench.make_compressor("topk_floor"), bench.make_compressor("topk")
     x = jax.random.normal(jax.random.key(0), (3, 3, 4, 20))  # d = 720, k = 7, s = 102
-    p, q = floor.compress(x)[0], topk.compress(x)[0]
+    key = jax.random.key(1)
+    p, q = floor.compress(x, key)[0], topk.compress(x, key)[0]
     assert p.values.shape == q.values.shape and p.indices.dtype == q.indices.dtype
     assert p.wire_bits() == q.wire_bits()
     assert list(map(int, p.indices)) == [102 * i for i in range(7)]
     dense = jax.numpy.zeros(720).at[p.indices].set(x.ravel()[p.indices]).reshape(x.shape)
     assert bool((floor.decompress(p) == dense).all())
     # Top-k's own hooks on the floor's payload: the sum of the stacked payloads and the error in place.
-    stacked = jax.tree.map(lambda *v: jax.numpy.stack(v), p, floor.compress(-x)[0])
+    stacked = jax.tree.map(lambda *v: jax.numpy.stack(v), p, floor.compress(-x, key)[0])
     assert bool((floor.decompress_sum(stacked, jax.numpy.float32) == 0).all())  # x + (-x) at the same positions
     assert bool((floor.compression_error(x, p) == x - dense).all())
     # QSGD's floor: QSGD's payload size and decoder, codes s + sign(x) with norm 1.
     floor, qsgd = bench.make_compressor("qsgd_floor"), bench.make_compressor("qsgd")
-    p, q = floor.compress(x)[0], qsgd.compress(x)[0]
+    p, q = floor.compress(x, key)[0], qsgd.compress(x, key)[0]
     assert p.wire_bits() == q.wire_bits()
     assert bool((floor.decompress(p) == jax.numpy.sign(x) / 64).all())
 

@@ -255,3 +255,40 @@ def test_dgc_declares_no_delta_it_cannot_keep():
     ]
     assert max(ratios) > 1 - 1 / 1000  # the input does defeat a 1/d claim
     assert c.delta(1000) is None or max(ratios) <= 1 - c.delta(1000)
+
+
+def test_stochastic_compressor_requires_a_key():
+    # A default key would make two calls the same "random" draw: the library refuses it.
+    x = jnp.linspace(-1.0, 1.0, 50)
+    with pytest.raises(TypeError, match="pass key= explicitly"):
+        jc.compressors.qsgd(levels=4).compress(x)
+    with pytest.raises(TypeError, match="pass key= explicitly"):
+        jc.compressors.randomk(ratio=0.3).roundtrip(x)
+    # Deterministic built-ins need none and give the keyed result.
+    c = jc.compressors.topk(ratio=0.3)
+    np.testing.assert_array_equal(c.roundtrip(x)[0], c.roundtrip(x, jax.random.PRNGKey(7))[0])
+
+
+def test_custom_compressor_declares_its_randomness():
+    base = jc.compressors.none()
+    kwargs = dict(
+        name="ident",
+        compress=lambda x, k, s: base.compress(x, k),
+        decompress=base.decompress,
+        unbiased=True,
+        strategy="allreduce",
+    )
+    undeclared = jc.compressors.Compressor.create(**kwargs)
+    assert undeclared.stochastic is None
+    with pytest.raises(TypeError, match="key"):
+        undeclared.compress(jnp.ones(3))
+    declared = jc.compressors.Compressor.create(**kwargs, stochastic=False)
+    declared.compress(jnp.ones(3))
+    testing.check_key_use(declared)
+    # A false declaration is caught by the battery.
+    qsgd = jc.compressors.qsgd(levels=4)
+    liar = dataclasses.replace(qsgd, stochastic=False)
+    with pytest.raises(AssertionError, match="two keys give different payloads"):
+        testing.check_key_use(liar)
+    with pytest.raises(TypeError, match="stochastic must be"):
+        jc.compressors.Compressor.create(**kwargs, stochastic="yes")

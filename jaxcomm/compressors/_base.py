@@ -293,7 +293,13 @@ class Compressor:
         bound ``E‖Q(x) − x‖² ≤ (1 − δ) ‖x‖²`` for every ``x`` of ``d`` entries (a
         float is a constant ``δ``). ``None``: not a contraction, or not declared.
       bound: where the declared bound comes from (paper, lemma, derivation), or
-        why there is none. :mod:`jaxcomm.testing` checks the declared bounds, and
+        why there is none.
+      stochastic: whether ``compress`` draws from its key. ``True`` or ``None``
+        (undeclared, the default of a custom compressor): :meth:`compress` and
+        :meth:`roundtrip` need an explicit ``key`` (``TypeError`` without one: a
+        silent fixed key would make every call the same "random" draw).
+        ``False``: deterministic, the key may be omitted. The built-in factories
+        declare it. :mod:`jaxcomm.testing` checks the declared bounds, and
         error feedback refuses an unbiased compressor whose ``ω ≥ 1``
         (:func:`jaxcomm.compressors.contractive` rescales it).
     """
@@ -312,6 +318,7 @@ class Compressor:
     variance_factor: Callable[[int], float] | float | None = None
     contraction: Callable[[int], float] | float | None = None
     bound: str = ""
+    stochastic: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -323,6 +330,8 @@ class Compressor:
                 raise TypeError(f"{field} must be callable; got {type(getattr(self, field)).__name__}")
         for field in ("rounds", "decompress_sum", "compression_error"):
             _check_hook(getattr(self, field), field)
+        if self.stochastic is not None and not isinstance(self.stochastic, bool):
+            raise TypeError(f"stochastic must be True, False or None; got {self.stochastic!r}")
         object.__setattr__(self, "unbiased", bool(self.unbiased))
         object.__setattr__(self, "seed", check_positive_int(self.seed, "seed", minimum=0))
         object.__setattr__(self, "params", dict(self.params or {}))
@@ -374,6 +383,7 @@ class Compressor:
         variance_factor: Callable[[int], float] | float | None = None,
         contraction: Callable[[int], float] | float | None = None,
         bound: str = "",
+        stochastic: bool | None = None,
     ) -> Compressor:
         """Build a compressor from its per-array primitives (fields as in the class docstring)."""
         return cls(
@@ -391,17 +401,26 @@ class Compressor:
             variance_factor=variance_factor,
             contraction=contraction,
             bound=bound,
+            stochastic=stochastic,
         )
 
     # -- per-array primitives ---------------------------------------------- #
     def compress(self, x, key=None, state=None):
-        """``(payload, new_state)`` for one floating array ``x`` (``state`` defaults to ``init_state(x)``)."""
+        """``(payload, new_state)`` for one floating array ``x`` (``state`` defaults to ``init_state(x)``).
+
+        ``key`` is required unless the compressor is deterministic (``stochastic=False``).
+        """
         check_float_input(x, "x")
         x = jnp.asarray(x)
+        if key is None:
+            if self.stochastic is not False:
+                raise TypeError(
+                    f"{self!r} draws random numbers: pass key= explicitly, e.g. c.compress(x, jax.random.PRNGKey(0)) "
+                    f"or c.roundtrip(x, key), and a fresh key per call (a default key would repeat the same draw)"
+                )
+            key = jax.random.PRNGKey(0)
         if state is None:
             state = self.init_state(x)
-        if key is None:
-            key = jax.random.PRNGKey(0)
         return self.compress_fn(x, key, state)
 
     def decompress(self, payload):
@@ -459,6 +478,28 @@ class Compressor:
 # --------------------------------------------------------------------------- #
 _REGISTRY: dict[str, Callable[..., Compressor]] = {}
 
+DETERMINISTIC = frozenset(
+    {
+        "adaptive",
+        "bf16",
+        "clipping",
+        "efsignsgd",
+        "eightbit",
+        "fp16",
+        "inceptionn",
+        "none",
+        "onebit",
+        "scaled_sign",
+        "signsgd",
+        "signum",
+        "sketchml",
+        "threshold",
+        "topk",
+    }
+)
+"""Built-in compressors whose ``compress`` ignores its key (``stochastic=False``: the key may be omitted).
+Every other registered compressor is declared ``stochastic=True``."""
+
 
 def register(name: str, *, overwrite: bool = False):
     """Decorator: register a compressor factory under ``name``.
@@ -487,7 +528,10 @@ def register(name: str, *, overwrite: bool = False):
         def build(*args, **kwargs):
             from ._bounds import declare
 
-            return declare(factory(*args, **kwargs))
+            c = declare(factory(*args, **kwargs))
+            if c.stochastic is None:  # the built-ins' randomness, declared in one place
+                c = dataclasses.replace(c, stochastic=c.name not in DETERMINISTIC)
+            return c
 
         _REGISTRY[name] = build
         return build

@@ -78,4 +78,5 @@ def contractive(compressor: Compressor) -> Compressor:
         params={"compressor": compressor},
         contraction=lambda d: 1.0 / (1.0 + float(omega(d))),
         bound=f"Q(x)/(1 + ω) with ω of {compressor!r}: δ = 1/(1 + ω) ({compressor.bound})",
+        stochastic=compressor.stochastic,
     )
