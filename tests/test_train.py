@@ -293,3 +293,38 @@ def test_process_trainer_state_does_not_alias_the_model():
         not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trained.params))
     ]
     assert any(moved)
+
+
+def test_linen_module_is_refused_with_the_wrapping_and_the_wrapped_one_trains():
+    import flax.linen as nn
+
+    class Linear(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+    with pytest.raises(TypeError, match=r"linen module \(Linear\).*nnx.bridge.ToNNX"):
+        Trainer(Linear(), optax.sgd(0.1), num_workers=2)
+    with pytest.raises(TypeError, match=r"model must be a flax\.nnx\.Module; got dict"):
+        Trainer({"w": np.zeros(3)}, optax.sgd(0.1), num_workers=2)
+    model = nnx.bridge.ToNNX(Linear(), rngs=nnx.Rngs(0))
+    nnx.bridge.lazy_init(model, jnp.ones((1, 64)))
+    trainer = Trainer(model, optax.sgd(0.5), num_workers=2)
+    ds = data.load_digits()
+    batches = data.WorkerBatches(data.split_iid(ds, 2, jax.random.PRNGKey(0)), 32, jax.random.PRNGKey(1))
+    _, history = trainer.fit(trainer.init_state(), batches, 20, progress=False)
+    assert history[-1]["loss"] < history[0]["loss"] - 0.2  # it learns: the parameters are NNX Params
+
+
+def test_messages_count_the_arrays_handed_to_collectives():
+    # compressed_mean(none) allreduces each tensor densely: one message per tensor per worker;
+    # topk's payloads go in one bucketed all-gather: one message per worker.
+    workers, leaves = 4, 4  # MLP 64 -> 32 -> 10: two kernels, two biases
+    ds = data.load_digits()
+    for c, per_worker in ((jc.compressors.none(), leaves), (jc.compressors.topk(ratio=0.1), 1)):
+        model = models.MLP(in_features=64, hidden=(32,), num_classes=10, rngs=nnx.Rngs(0))
+        trainer = Trainer(model, optax.chain(jc.compressed_mean(c), optax.sgd(0.1)), num_workers=workers)
+        assert len(jax.tree.leaves(trainer.pure.params)) == leaves
+        batches = data.WorkerBatches(data.split_iid(ds, workers, jax.random.PRNGKey(0)), 64, jax.random.PRNGKey(1))
+        _, history = trainer.fit(trainer.init_state(), batches, 2, progress=False)
+        assert [row["messages"] for row in history] == [workers * per_worker] * 2, c.name

@@ -2,7 +2,8 @@
 
 >>> import optax, jaxcomm as jc
 >>> from flax import nnx
->>> # trainer = jc.train.Trainer(model, optax.chain(jc.compressed_mean(jc.compressors.topk(0.01)), optax.sgd(0.1)))
+>>> # tx = optax.chain(jc.compressed_mean(jc.compressors.topk(ratio=0.01)), optax.sgd(0.1))
+>>> # trainer = jc.train.Trainer(model, tx)
 """
 
 from ._checkpoint import CheckpointError, latest_step, restore_checkpoint, save_checkpoint

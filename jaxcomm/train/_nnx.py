@@ -94,7 +94,21 @@ class PureModel:
 
 
 def split_model(model: nnx.Module) -> PureModel:
-    """Split an NNX module into a :class:`PureModel`."""
+    """Split an NNX module into a :class:`PureModel`.
+
+    A Flax linen module is refused (``TypeError``) with the wrapping that makes it
+    an NNX one: ``nnx.bridge.ToNNX(module, rngs=nnx.Rngs(0))`` followed by
+    ``nnx.bridge.lazy_init(model, example_input)``.
+    """
+    if not isinstance(model, nnx.Module):
+        from flax import linen
+
+        if isinstance(model, linen.Module):
+            raise TypeError(
+                f"model is a Flax linen module ({type(model).__name__}); jaxcomm trains NNX modules. Wrap it: "
+                "model = nnx.bridge.ToNNX(module, rngs=nnx.Rngs(0)); nnx.bridge.lazy_init(model, example_x)"
+            )
+        raise TypeError(f"model must be a flax.nnx.Module; got {type(model).__name__}")
     parts: tuple[Any, ...] = nnx.split(model, nnx.Param, nnx.RngState, ...)  # 4 parts for 3 filters
     graphdef, params, rng_state, model_state = parts[0], parts[1], parts[2], parts[3]
     return PureModel(graphdef, params, model_state, rng_state)
