@@ -120,7 +120,13 @@ def test_grace_records_a_failing_run_and_goes_on(monkeypatch, tmp_path):
         {"compressor": "qsgd", "error_feedback": False, "error": "NonFiniteLossError: loss became nan at step 3"},
         {"compressor": "qsgd", "error_feedback": True, "error": "NonFiniteLossError: loss became nan at step 3"},
     ]
-    assert (tmp_path / "quality_vs_bits.png").exists()
+    from PIL import Image
+
+    for png, xlabel in (("quality_vs_bits.png", "bits sent per worker"), ("quality_vs_time.png", "estimated")):
+        info = Image.open(tmp_path / png).text
+        assert f"{cfg['dataset']}, {cfg['model']}, {cfg['devices']} workers, {cfg['steps']} steps" in info["Title"]
+        assert info["XLabel"].startswith(xlabel) and info["YLabel"] == "compressor"
+    assert "α-β model" in Image.open(tmp_path / "quality_vs_time.png").text["XLabel"]  # the model is named
 
 
 # --------------------------------------------------------------------------- #
