@@ -400,3 +400,19 @@ def test_cumulative_bits_and_time_are_running_sums():
     np.testing.assert_allclose([r["Mbit_sent"] for r in out["history"]], np.cumsum(bits) / 1e6)
     secs[0] = 0.0  # step 0 (compilation) is left out
     np.testing.assert_allclose([r["elapsed_s"] for r in out["history"]], np.cumsum(secs))
+
+
+def test_single_evaluation_runs_are_drawn_as_dots_over_their_names(tmp_path):
+    # A smoke run evaluated once has one x value: the figure says so instead of a 3.8-4.2 axis.
+    from PIL import Image
+
+    from jaxcomm.experiments._common import plot_curves
+
+    runs = [
+        {"name": n, "history": [{"step": 1, "loss": 2.0}, {"step": 4, "loss": 1.5, "eval_accuracy": a}]}
+        for n, a in (("sgd", 0.3), ("ds", 0.2))
+    ]
+    png = plot_curves(runs, tmp_path / "a.png", title="t", ylabel="test accuracy")
+    assert Image.open(png).text["XLabel"] == "run (one value each at step 4)"
+    png = plot_curves(runs, tmp_path / "b.png", y="loss", title="t")  # curves stay curves where x varies
+    assert Image.open(png).text["XLabel"] == "step"

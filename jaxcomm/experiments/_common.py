@@ -267,8 +267,10 @@ def plot_curves(
 ) -> Path:
     """Line plot of ``y`` against ``x`` for each run's history (rows lacking ``y`` are skipped).
 
-    The PNG carries ``Title``, ``XLabel`` and ``YLabel`` text chunks (``savefig(metadata=...)``)
-    equal to the drawn ones, so tests and readers can check them without OCR.
+    When every run has a single ``x`` value (a smoke run evaluated once), each run is drawn as one
+    dot over its name and the x label says so. The PNG carries ``Title``, ``XLabel`` and
+    ``YLabel`` text chunks (``savefig(metadata=...)``) equal to the drawn ones, so tests and
+    readers can check them without OCR.
     """
     import matplotlib
 
@@ -276,9 +278,18 @@ def plot_curves(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for run in runs:
-        rows = [r for r in run["history"] if y in r]
-        ax.plot([r[x] for r in rows], [r[y] for r in rows], label=run["name"], marker="." if len(rows) < 30 else None)
+    series = [(run["name"], [r for r in run["history"] if y in r]) for run in runs]
+    xs = {r[x] for _, rows in series for r in rows}
+    if len(xs) <= 1:  # one value per run (a smoke run): a dot per run, not a curve on an empty axis
+        at = f" at {x} {next(iter(xs))}" if xs else ""
+        for i, (name, rows) in enumerate(series):
+            ax.plot([i] * len(rows), [r[y] for r in rows], "o", label=name)
+        ax.set_xticks(range(len(series)), [name for name, _ in series], fontsize=8)
+        ax.set_xlim(-0.5, len(series) - 0.5)
+        xlabel = f"run (one value each{at})"
+    else:
+        for name, rows in series:
+            ax.plot([r[x] for r in rows], [r[y] for r in rows], label=name, marker="." if len(rows) < 30 else None)
     ax.set_xlabel(xlabel or x)
     ax.set_ylabel(ylabel or y)
     if logy:

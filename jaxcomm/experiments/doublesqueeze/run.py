@@ -62,15 +62,16 @@ def run(config: dict, out_dir: Path) -> dict:
             )
         )
     out = Path(out_dir)
+    setting = f"{config['dataset']}, {config['model']}, {config['devices']} workers, {config['steps']} steps"
     plot_curves(
         runs,
         out / "loss.png",
         y="loss",
         ylabel="training loss",
         logy=True,
-        title=f"DoubleSqueeze study: {config['dataset']}, {config['model']}, {config['devices']} workers",
+        title=f"DoubleSqueeze study: {setting}",
     )
-    plot_curves(runs, out / "accuracy.png", ylabel="test accuracy", title="DoubleSqueeze study: test accuracy")
+    plot_curves(runs, out / "accuracy.png", ylabel="test accuracy", title=f"DoubleSqueeze study: {setting}")
     summary = [
         {
             "method": r["name"],
