@@ -238,6 +238,47 @@ DOC_PAGES = sorted(
     if any(runnable(info) for _, info, _ in code_blocks(p.read_text()))
 )
 
+
+def free_names(code: str) -> list[str]:
+    """Names a block reads but never binds (imports, assignments, defs, arguments) nor gets from builtins."""
+    import ast
+    import builtins
+
+    loads, bound = set(), set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (loads if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return sorted(loads - bound - set(dir(builtins)))
+
+
+def test_free_names_finds_what_a_block_borrows():
+    assert free_names("import numpy as np\nx = np.ones(3)\nprint(len(x), y)") == ["y"]
+    assert free_names("def f(a):\n    return [b for b in a]\ntry:\n    f(1)\nexcept E as e:\n    e") == ["E"]
+
+
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_blocks_that_continue_an_earlier_one_say_so(page):
+    """A runnable block that reads names it does not define continues an earlier block: its fence
+    title or the three lines before it must say so ("continu..."), so a reader who copies one
+    block knows what else to copy."""
+    lines = (ROOT / page).read_text().split("\n")
+    silent = []
+    for line, info, code in code_blocks("\n".join(lines)):
+        if runnable(info) and free_names(code):
+            lead = " ".join([info, *lines[max(0, line - 5) : line - 2]]).lower()
+            if "continu" not in lead:
+                silent.append(f"{page}:{line} reads {free_names(code)}")
+    assert not silent, "blocks continuing an earlier one without saying so:\n" + "\n".join(silent)
+
+
 # Runs a page's blocks, in order, as one script: in __main__'s namespace, compiled with the
 # page's line numbers so that a traceback points into the Markdown file.
 _RUNNER = """
