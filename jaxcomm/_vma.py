@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["varying_axes", "cast_varying", "vary_like"]
+__all__ = ["varying_axes", "cast_varying", "vary_like", "typed_cond"]
 
 
 def varying_axes(x) -> frozenset:
@@ -31,3 +31,23 @@ def cast_varying(x, axes: frozenset):
 def vary_like(x, *refs):
     """``x`` marked as varying over every axis some of ``refs`` varies over (for loop carries and cond branches)."""
     return cast_varying(x, frozenset().union(*(varying_axes(r) for r in refs)))
+
+
+def typed_cond(pred, true_fn, false_fn, operand=None):
+    """``jax.lax.cond(pred, true_fn, false_fn, operand)`` whose branches may differ in varying axes.
+
+    Both branches are traced abstractly (``jax.eval_shape``) and every output leaf is cast to
+    vary over the union of the axes it varies over in either branch, so ``lax.cond`` sees one
+    type. Only the taken branch runs (its collectives included) where ``pred`` is a scalar
+    outside ``jax.vmap``.
+    """
+    axes = jax.tree.map(
+        lambda a, b: varying_axes(a) | varying_axes(b),
+        jax.eval_shape(true_fn, operand),
+        jax.eval_shape(false_fn, operand),
+    )
+
+    def typed(branch):
+        return lambda op: jax.tree.map(cast_varying, branch(op), axes)
+
+    return jax.lax.cond(pred, typed(true_fn), typed(false_fn), operand)

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..comm import MeshAxis, use
+from ..transforms._accumulate import warn_multisteps
 
 __all__ = ["TrainState", "make_train_step", "collect_counter", "init_train_state"]
 
@@ -82,6 +83,7 @@ def _worker_step(loss_fn: LossFn, tx: optax.GradientTransformation):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch) -> tuple[TrainState, dict]:
+        warn_multisteps(state.opt_state, refuse=True)  # at trace time: MultiSteps would communicate every micro-step
         key, sub = jax.random.split(state.key)
         (loss, (model_state, metrics)), grads = grad_fn(state.params, state.model_state, batch, sub)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)

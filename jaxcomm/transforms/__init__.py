@@ -4,9 +4,11 @@ compensate → compress → communicate → decompress → memory update is writ
 (:mod:`jaxcomm.transforms._pipeline`); :func:`error_feedback` runs it over one
 worker, :func:`compressed_mean` over the workers' communicator,
 :func:`doublesqueeze` twice (workers, then the server), and
-:func:`gradient_dropping` adds Algorithm 2's local-gradient combination.
+:func:`gradient_dropping` adds Algorithm 2's local-gradient combination;
+:func:`accumulate` communicates once every ``k`` micro-steps.
 """
 
+from ._accumulate import AccumulateState, accumulate, warn_multisteps, zero_counters
 from ._compressed_mean import compressed_mean
 from ._doublesqueeze import DoubleSqueezeState, doublesqueeze
 from ._error_feedback import error_feedback
@@ -23,12 +25,14 @@ from ._gradient_dropping import (
 from ._pipeline import FUSE_MAX_BYTES, STRATEGIES, CompressionState, run_rounds
 
 __all__ = [
+    "AccumulateState",
     "CompressionState",
     "DoubleSqueezeState",
     "DropRatioSchedule",
     "FUSE_MAX_BYTES",
     "PeriodicAverageState",
     "STRATEGIES",
+    "accumulate",
     "average_params",
     "compressed_mean",
     "dgc_warmup",
@@ -38,5 +42,7 @@ __all__ = [
     "gradient_dropping",
     "num_kept",
     "periodic_average",
+    "warn_multisteps",
+    "zero_counters",
     "run_rounds",
 ]

@@ -115,7 +115,7 @@ def _plot(runs, out: Path, setting: str, failed=()) -> None:
     best = {r["compressor"]: 0.0 for r in [*runs, *failed]}
     for r in runs:
         best[r["compressor"]] = max(best[r["compressor"]], r["final_accuracy"])
-    names = sorted(best, key=best.get)
+    names = sorted(best, key=lambda n: best[n])
     row = {n: i for i, n in enumerate(names)}
     for x_key, fname, xlabel, log in (
         ("wire_bits_per_worker", "quality_vs_bits.png", "bits sent per worker in the run (log)", True),
