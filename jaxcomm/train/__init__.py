@@ -6,7 +6,7 @@
 >>> # trainer = jc.train.Trainer(model, tx)
 """
 
-from ._checkpoint import CheckpointError, latest_step, restore_checkpoint, save_checkpoint
+from ._checkpoint import Checkpointer, CheckpointError, latest_step, restore_checkpoint, save_checkpoint
 from ._mesh import make_mesh, shard_workers, stack_workers, unstack_worker
 from ._nnx import (
     PureModel,
@@ -22,6 +22,7 @@ from ._trainer import NonFiniteLossError, Trainer, to_workers
 
 __all__ = [
     "CheckpointError",
+    "Checkpointer",
     "NonFiniteLossError",
     "PureModel",
     "TrainState",

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._checkpoint import latest_step, restore_checkpoint, save_checkpoint
+from ._checkpoint import Checkpointer
 from ._mesh import make_mesh
 from ._nnx import (
     PureModel,
@@ -211,8 +211,10 @@ class Trainer:
             batches with a ``position``/``seek`` for resumption).
           eval_fn: ``state -> dict`` run every ``eval_every`` steps and at the end.
           checkpoint_dir: if given, save every ``checkpoint_every`` steps and at the
-            end; with ``resume`` an existing checkpoint is restored first (its
-            structure and ``metadata`` must match, else ``CheckpointError``).
+            end through one :class:`Checkpointer` (asynchronous saves, all on disk
+            when ``fit`` returns or raises); with ``resume`` the latest complete
+            checkpoint is restored first (its structure, dtypes, digests and
+            ``metadata`` must match, else ``CheckpointError``).
           callback: ``(step, state, row) -> state`` after each step (e.g. periodic
             parameter averaging).
         Returns:
@@ -222,11 +224,47 @@ class Trainer:
         Raises:
           NonFiniteLossError: NaN/Inf loss; the last good checkpoint stays on disk.
         """
+        ckpt = Checkpointer(checkpoint_dir) if checkpoint_dir is not None else None  # one manager for the run
+        try:
+            return self._fit(
+                state,
+                batches,
+                num_steps,
+                ckpt,
+                eval_fn,
+                eval_every,
+                checkpoint_every,
+                metadata,
+                resume,
+                progress,
+                desc,
+                callback,
+            )
+        finally:
+            if ckpt is not None:
+                ckpt.close()  # waits for the last (asynchronous) save
+
+    def _fit(
+        self,
+        state,
+        batches,
+        num_steps,
+        ckpt,
+        eval_fn,
+        eval_every,
+        checkpoint_every,
+        metadata,
+        resume,
+        progress,
+        desc,
+        callback,
+    ):
         from tqdm.auto import tqdm
 
         history: list[dict] = []
-        if checkpoint_dir is not None and resume and latest_step(checkpoint_dir) is not None:
-            state, position, _ = restore_checkpoint(checkpoint_dir, state, metadata=metadata)
+        checkpoint_dir = None if ckpt is None else ckpt.directory
+        if ckpt is not None and resume and ckpt.latest_step() is not None:
+            state, position, _ = ckpt.restore(state, metadata=metadata)
             if position is not None and hasattr(batches, "seek"):
                 batches.seek(position)
         start = int(_first_worker(state.step)) if self.mesh is not None else int(state.step)
@@ -252,11 +290,9 @@ class Trainer:
             history.append(row)
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}")
-            if checkpoint_dir is not None and (
+            if ckpt is not None and (
                 (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == num_steps
             ):
-                save_checkpoint(
-                    checkpoint_dir, step + 1, state, position=getattr(batches, "position", None), metadata=metadata
-                )
+                ckpt.save(step + 1, state, position=getattr(batches, "position", None), metadata=metadata)
         bar.close()
         return state, history

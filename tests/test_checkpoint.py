@@ -1,0 +1,179 @@
+"""Checkpoints: orbax's structured tree, one manager per run, asynchronous saves, digests,
+interrupted saves, and the earlier flat layout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxcomm.train import Checkpointer, CheckpointError, latest_step, restore_checkpoint, save_checkpoint
+
+
+class Inner(NamedTuple):
+    memory: dict
+    count: jax.Array
+
+
+class State(NamedTuple):
+    step: jax.Array
+    params: dict
+    opt: tuple
+    key: jax.Array
+
+
+def _state(width=3, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"w": jnp.asarray(rng.normal(size=(width, 2)), dtype), "b": jnp.asarray(rng.normal(size=2), jnp.bfloat16)}
+    opt = (Inner({"w": jnp.asarray(rng.normal(size=(width, 2)), jnp.float32)}, jnp.int32(7)), ())
+    return State(jnp.int32(5), params, opt, jax.random.PRNGKey(seed))
+
+
+def _equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_structured_round_trip_keeps_node_types_dtypes_and_bits(tmp_path):
+    state = _state()
+    with Checkpointer(tmp_path) as ckpt:  # asynchronous saves
+        ckpt.save(1, state, position=(0, 64), metadata={"lr": 0.1})
+        ckpt.save(2, jax.tree.map(lambda x: x + 1 if x.dtype != jnp.uint32 else x, state))
+        got, position, meta = ckpt.restore(_state(seed=1), step=1, metadata={"lr": 0.1})
+    _equal(got, state)
+    assert isinstance(got, State) and isinstance(got.opt[0], Inner)
+    assert position == (0, 64) and meta == {"lr": 0.1}
+    assert latest_step(tmp_path) == 2
+    # The items on disk are the named tree, not flat leaf_* entries.
+    names = set(ocp.StandardCheckpointer().metadata(tmp_path / "1" / "state").item_metadata.tree)
+    assert names == {"step", "params", "opt", "key"}
+
+
+def test_one_call_forms(tmp_path):
+    save_checkpoint(tmp_path, 3, _state(), metadata={"a": 1})
+    got, position, meta = restore_checkpoint(tmp_path, _state(seed=2))
+    _equal(got, _state())
+    assert position is None and meta == {"a": 1}
+    with pytest.raises(CheckpointError, match="different configuration"):
+        restore_checkpoint(tmp_path, _state(), metadata={"a": 2})
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
+        restore_checkpoint(tmp_path / "none", _state())
+
+
+@pytest.mark.parametrize(
+    ("template", "match"),
+    [
+        (_state(width=4), r"params\.w saved float32\[3, 2\], this run float32\[4, 2\]"),
+        (_state(dtype=jnp.float16), r"params\.w saved float32\[3, 2\], this run float16\[3, 2\]"),
+        (_state()._replace(params={"w": jnp.zeros((3, 2))}), r"only in the checkpoint: params\.b"),
+    ],
+)
+def test_a_different_run_is_named_before_any_array_is_read(tmp_path, template, match):
+    save_checkpoint(tmp_path, 1, _state())
+    with pytest.raises(CheckpointError, match=match):
+        restore_checkpoint(tmp_path, template)
+
+
+def test_a_flipped_bit_names_the_array(tmp_path):
+    state = {"w": jnp.arange(4096.0), "b": jnp.ones(3)}
+    save_checkpoint(tmp_path, 1, state)
+    data = max((p for p in (tmp_path / "1" / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # the largest file holds w's chunk
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"array w in .*1/state is corrupted"):
+        restore_checkpoint(tmp_path, state)
+
+
+def test_an_interrupted_save_is_skipped_with_a_warning(tmp_path):
+    # A process killed while its background save of step 2 writes: step 1 is the last complete one.
+    script = textwrap.dedent(
+        f"""
+        import os
+        import jax.numpy as jnp
+        from jaxcomm.train import Checkpointer
+        ckpt = Checkpointer({str(tmp_path)!r})
+        ckpt.save(1, {{"w": jnp.arange(4.0)}})
+        ckpt.wait()
+        ckpt.save(2, {{"w": jnp.ones(4), "big": jnp.ones((32, 1024, 1024))}})
+        os._exit(3)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert list(tmp_path.glob("2.orbax-checkpoint-tmp*"))  # the unfinished step 2
+    with pytest.warns(
+        UserWarning, match=r"interrupted checkpoint save\(s\) found .*last complete checkpoint is step 1"
+    ):
+        ckpt = Checkpointer(tmp_path)
+    with ckpt:
+        got, _, _ = ckpt.restore({"w": jnp.zeros(4)})
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(4.0))
+
+
+def _save_flat_layout(directory: Path, step: int, state):
+    """The writer of earlier jaxcomm versions: leaves as leaf_00000 ... and a signature of the tree."""
+    leaves, treedef = jax.tree.flatten(state)
+    meta = {
+        "step": step,
+        "position": None,
+        "metadata": {},
+        "signature": {
+            "treedef": str(treedef),
+            "shapes": [list(np.shape(x)) for x in leaves],
+            "dtypes": [str(x.dtype) for x in leaves],
+        },
+    }
+    options = ocp.CheckpointManagerOptions(create=True)
+    with ocp.CheckpointManager(directory.absolute(), options=options, item_names=("state", "meta")) as mngr:
+        items = {f"leaf_{i:05d}": x for i, x in enumerate(leaves)}
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(items), meta=ocp.args.JsonSave(meta)))
+        mngr.wait_until_finished()
+
+
+def test_checkpoints_of_the_flat_layout_still_load(tmp_path):
+    _save_flat_layout(tmp_path, 4, _state())
+    got, _, _ = restore_checkpoint(tmp_path, _state(seed=3))
+    _equal(got, _state())
+    with pytest.raises(CheckpointError, match="flat layout of earlier jaxcomm versions"):
+        restore_checkpoint(tmp_path, _state(width=5))
+
+
+def test_trainer_keeps_one_manager_per_run(tmp_path, monkeypatch):
+    import optax
+    from flax import nnx
+
+    import jaxcomm as jc
+    from jaxcomm import data, models
+    from jaxcomm.train import _trainer
+
+    made = []
+
+    class Counting(Checkpointer):
+        def __init__(self, *a, **k):
+            made.append(a)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(_trainer, "Checkpointer", Counting)
+    model = models.MLP(in_features=64, hidden=(8,), num_classes=10, rngs=nnx.Rngs(0))
+    tx = optax.chain(jc.compressed_mean(jc.compressors.topk(ratio=0.1), memory=jc.memory.residual()), optax.sgd(0.1))
+    trainer = _trainer.Trainer(model, tx, num_workers=2)
+    shards = data.split_iid(data.load_digits(), 2, jax.random.PRNGKey(0))
+    batches = data.WorkerBatches(shards, 16, jax.random.PRNGKey(1))
+    state, _ = trainer.fit(
+        trainer.init_state(), batches, 6, checkpoint_dir=tmp_path, checkpoint_every=2, progress=False
+    )
+    assert len(made) == 1 and latest_step(tmp_path) == 6
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 4, 6]  # max_to_keep=3
+    restored, _, _ = restore_checkpoint(tmp_path, trainer.init_state())
+    _equal(restored, state)  # the asynchronous saves wrote what the (donating) step computed
