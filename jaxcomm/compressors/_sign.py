@@ -125,7 +125,7 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
     Wire bits: ``8 ceil(d/8) + 64``. Non-finite input (or a mean that
     overflows): the whole tensor decodes to NaN. NaN entries are coded '0'.
     """
-    threshold = check_finite_scalar(threshold, "threshold")
+    threshold = check_finite_scalar(threshold, "threshold", traceable=True)
 
     def compress(x, key, state):
         del key
@@ -206,8 +206,8 @@ def signum(*, momentum: float = 0.9, seed: int = 0) -> Compressor:
     that momentum entry NaN for good (decoded +1); +-Inf makes it +-Inf (decoded
     +-1) until an opposite Inf makes it NaN.
     """
-    beta = check_finite_scalar(momentum, "momentum", nonnegative=True)
-    if beta >= 1.0:
+    beta = check_finite_scalar(momentum, "momentum", nonnegative=True, traceable=True)
+    if isinstance(beta, float) and beta >= 1.0:  # a traced beta is not checked
         raise ValueError(f"momentum must be in [0, 1); got {beta}")
 
     def init_state(x):
