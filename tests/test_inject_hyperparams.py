@@ -227,3 +227,22 @@ def test_injected_values_are_checked_when_concrete(factory, kwargs, match):
 def test_traced_vector_is_rejected():
     with pytest.raises(TypeError, match="momentum must be a real scalar"):
         jax.jit(lambda b: jc.compressors.signum(momentum=b).roundtrip(jnp.ones(3))[0])(jnp.ones(2))
+
+
+def test_changing_a_hyperparameter_does_not_retrace():
+    tx = optax.inject_hyperparams(jc.compressors.onebit)(threshold=0.0)
+    traces = []
+
+    def update(g, state):
+        traces.append(1)
+        return tx.update(g, state)
+
+    step = jax.jit(update)
+    g = {"w": jnp.arange(-3.0, 3.0)}
+    state = tx.init(g)
+    for tau in [0.0, 1.0, -2.0]:
+        state.hyperparams["threshold"] = jnp.float32(tau)
+        out, state = step(g, state)
+        want, _ = _onebit_reference(np.arange(-3.0, 3.0), tau)
+        np.testing.assert_allclose(out["w"], want, rtol=1e-6)
+    assert len(traces) == 1
