@@ -246,3 +246,34 @@ def test_changing_a_hyperparameter_does_not_retrace():
         want, _ = _onebit_reference(np.arange(-3.0, 3.0), tau)
         np.testing.assert_allclose(out["w"], want, rtol=1e-6)
     assert len(traces) == 1
+
+
+def test_bfloat16_gradients_under_strict_promotion():
+    # inject_hyperparams casts float hyper-parameters to the parameters' dtype; the compressor
+    # computes in float32 either way (no bf16 x f32 promotion error, the reference in float32).
+    g = np.array([1.0, -2.0, 3.0, -4.0], np.float32)
+    tx = optax.inject_hyperparams(jc.compressors.signum)(momentum=0.5)
+    with jax.numpy_dtype_promotion("strict"):
+        got = _run(tx, [jnp.asarray(g, jnp.bfloat16), jnp.asarray(-0.5 * g, jnp.bfloat16)], [0.5, 0.5], "momentum")
+    for o, w in zip(got, _signum_reference([g, -0.5 * g], [0.5, 0.5])):
+        np.testing.assert_array_equal(o.astype(np.float32), w)
+
+
+def test_compressed_mean_in_shard_map_with_injected_threshold():
+    # Four workers on a mesh; each worker's state carries its own v (sharded with the rest).
+    n = 4
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+    def thresholded_mean(v):
+        return jc.compressed_mean(jc.compressors.threshold(v=v), "data", memory=jc.memory.none())
+
+    tx = optax.inject_hyperparams(thresholded_mean)(v=0.5)
+    grads = np.random.default_rng(2).normal(size=(n, 16)).astype(np.float32)
+    state = jc.algorithms.per_worker(tx.init, mesh=mesh)(jnp.asarray(grads))
+    step = jax.jit(jc.algorithms.per_worker(lambda g, s: tx.update(g, s), mesh=mesh))
+    for v in [0.5, 1.5]:
+        state.hyperparams["v"] = jnp.full((n,), v, jnp.float32)
+        out, state = step(jnp.asarray(grads), state)
+        want = np.where(np.abs(grads) >= np.float32(v), grads, 0.0).mean(0)
+        for worker in range(n):
+            np.testing.assert_allclose(np.asarray(out)[worker], want, rtol=1e-6, atol=1e-7)

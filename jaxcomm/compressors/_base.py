@@ -186,13 +186,13 @@ def check_static(name: str, value, why: str) -> None:
 
 
 def _concrete_scalar(value, name: str):
-    """A traced real scalar as it is, a concrete 0-d real JAX array as a Python number, anything else unchanged."""
+    """A traced real scalar in float32, a concrete 0-d real JAX array as a Python number, anything else unchanged."""
     if not isinstance(value, (jax.Array, jax.core.Tracer)):
         return value
     if jnp.ndim(value) != 0 or not jnp.issubdtype(jnp.result_type(value), jnp.number):
         raise TypeError(f"{name} must be a real scalar; got an array of shape {jnp.shape(value)}")
-    if isinstance(value, jax.core.Tracer):
-        return value
+    if isinstance(value, jax.core.Tracer):  # float32, the compressors' arithmetic (inject may give bf16, f64)
+        return value.astype(jnp.float32)
     return value.item()
 
 
@@ -232,7 +232,7 @@ def check_finite_scalar(
 
     ``traceable``: the compressor uses the value only in array arithmetic, so a
     traced scalar (``optax.inject_hyperparams`` under ``jax.jit``) is returned as
-    it is, unchecked (its value is unknown at trace time), and a concrete 0-d JAX
+    float32, unchecked (its value is unknown at trace time), and a concrete 0-d JAX
     array is checked like a Python number. Otherwise the value is static
     (:func:`check_static`, with ``why``).
     """
