@@ -224,9 +224,11 @@ def test_injected_values_are_checked_when_concrete(factory, kwargs, match):
         tx.init({"w": jnp.zeros(3)})
 
 
-def test_traced_vector_is_rejected():
+def test_traced_vector_or_float_seed_is_rejected():
     with pytest.raises(TypeError, match="momentum must be a real scalar"):
         jax.jit(lambda b: jc.compressors.signum(momentum=b).roundtrip(jnp.ones(3))[0])(jnp.ones(2))
+    with pytest.raises(TypeError, match="seed must be an integer scalar"):
+        jax.jit(lambda s: jc.compressors.signum(seed=s).roundtrip(jnp.ones(3))[0])(jnp.float32(1))
 
 
 def test_changing_a_hyperparameter_does_not_retrace():

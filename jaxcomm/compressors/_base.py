@@ -189,8 +189,9 @@ def _concrete_scalar(value, name: str):
     """A traced real scalar in float32, a concrete 0-d real JAX array as a Python number, anything else unchanged."""
     if not isinstance(value, (jax.Array, jax.core.Tracer)):
         return value
-    if jnp.ndim(value) != 0 or not jnp.issubdtype(jnp.result_type(value), jnp.number):
-        raise TypeError(f"{name} must be a real scalar; got an array of shape {jnp.shape(value)}")
+    dtype = jnp.result_type(value)
+    if jnp.ndim(value) != 0 or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"{name} must be a real scalar; got a {dtype} array of shape {jnp.shape(value)}")
     if isinstance(value, jax.core.Tracer):  # float32, the compressors' arithmetic (inject may give bf16, f64)
         return value.astype(jnp.float32)
     return value.item()

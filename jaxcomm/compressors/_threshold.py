@@ -50,7 +50,8 @@ def threshold(*, v: float, max_ratio: float = 1.0, seed: int = 0) -> Compressor:
     deterministic; strategy ``"allgather"``.
 
     Args:
-      v: threshold, finite and ``>= 0`` (``v = 0`` sends everything).
+      v: threshold, finite and ``>= 0`` (``v = 0`` sends everything); may be traced
+        (``optax.inject_hyperparams``), then computed in float32 and unchecked.
       max_ratio: buffer capacity as a fraction of ``d``, in (0, 1].
     """
     v = check_finite_scalar(v, "v", nonnegative=True, traceable=True)
