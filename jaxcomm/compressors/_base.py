@@ -46,6 +46,8 @@ __all__ = [
     "check_ratio",
     "check_positive_int",
     "check_finite_scalar",
+    "check_static",
+    "check_seed",
 ]
 
 COMPRESSOR_STRATEGIES = ("allreduce", "allgather")
@@ -167,8 +169,37 @@ def check_float_input(x, name: str = "x") -> None:
         )
 
 
-def check_ratio(ratio, name: str = "ratio") -> float:
-    """Validate a fraction in (0, 1]."""
+def check_static(name: str, value, why: str) -> None:
+    """Raise ``TypeError`` if a static hyper-parameter is a JAX array (traced or injected).
+
+    A hyper-parameter is static when Python needs its value while the compressor
+    is built or traced (``why``: it fixes an array shape, a bit width, a number of
+    levels, a branch). ``optax.inject_hyperparams`` turns every numeric argument
+    into a JAX array unless it is named in ``static_args``; the error says so.
+    """
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        raise TypeError(
+            f"{name} is a static hyper-parameter ({why}), so it must be a Python number, not a JAX array or "
+            f"tracer ({type(value).__name__}); with optax.inject_hyperparams pass it in static_args, e.g. "
+            f"optax.inject_hyperparams(factory, static_args=({name!r},))"
+        )
+
+
+def _concrete_scalar(value, name: str):
+    """A traced real scalar in float32, a concrete 0-d real JAX array as a Python number, anything else unchanged."""
+    if not isinstance(value, (jax.Array, jax.core.Tracer)):
+        return value
+    dtype = jnp.result_type(value)
+    if jnp.ndim(value) != 0 or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"{name} must be a real scalar; got a {dtype} array of shape {jnp.shape(value)}")
+    if isinstance(value, jax.core.Tracer):  # float32, the compressors' arithmetic (inject may give bf16, f64)
+        return value.astype(jnp.float32)
+    return value.item()
+
+
+def check_ratio(ratio, name: str = "ratio", why: str = "it fixes a buffer or selection size, an array shape") -> float:
+    """Validate a fraction in (0, 1] (static: see :func:`check_static`)."""
+    check_static(name, ratio, why)
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name} must be a real number in (0, 1]; got {type(ratio).__name__}")
     ratio = float(ratio)
@@ -177,8 +208,11 @@ def check_ratio(ratio, name: str = "ratio") -> float:
     return ratio
 
 
-def check_positive_int(value, name: str, minimum: int = 1) -> int:
-    """Validate an integer >= ``minimum``."""
+def check_positive_int(
+    value, name: str, minimum: int = 1, why: str = "it fixes an array shape, a bit width or a number of levels"
+) -> int:
+    """Validate an integer >= ``minimum`` (static: see :func:`check_static`)."""
+    check_static(name, value, why)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an integer >= {minimum}; got {value!r}")
     if value < minimum:
@@ -186,8 +220,29 @@ def check_positive_int(value, name: str, minimum: int = 1) -> int:
     return int(value)
 
 
-def check_finite_scalar(value, name: str, positive: bool = False, nonnegative: bool = False) -> float:
-    """Validate a finite real scalar hyper-parameter."""
+def check_finite_scalar(
+    value,
+    name: str,
+    positive: bool = False,
+    nonnegative: bool = False,
+    *,
+    traceable: bool = False,
+    why: str = "the compressor uses its value in Python when it is built",
+):
+    """Validate a finite real scalar hyper-parameter.
+
+    ``traceable``: the compressor uses the value only in array arithmetic, so a
+    traced scalar (``optax.inject_hyperparams`` under ``jax.jit``) is returned as
+    float32, unchecked (its value is unknown at trace time), and a concrete 0-d JAX
+    array is checked like a Python number. Otherwise the value is static
+    (:func:`check_static`, with ``why``).
+    """
+    if traceable:
+        value = _concrete_scalar(value, name)
+        if isinstance(value, jax.core.Tracer):
+            return value
+    else:
+        check_static(name, value, why)
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name} must be a real number; got {type(value).__name__}")
     value = float(value)
@@ -198,6 +253,22 @@ def check_finite_scalar(value, name: str, positive: bool = False, nonnegative: b
     if nonnegative and value < 0:
         raise ValueError(f"{name} must be >= 0; got {value}")
     return value
+
+
+def check_seed(seed) -> int | Array:
+    """Validate a compressor's seed: an integer >= 0, or a traced integer scalar.
+
+    The seed is read once, by ``init`` (``PRNGKey(seed)``); the key then lives in
+    the optax state. ``optax.inject_hyperparams`` injects it like any number, so a
+    traced seed is accepted (changing it after ``init`` has no effect).
+    """
+    if isinstance(seed, jax.core.Tracer):
+        if jnp.ndim(seed) != 0 or not jnp.issubdtype(jnp.result_type(seed), jnp.integer):
+            raise TypeError(f"seed must be an integer scalar; got a traced {jnp.result_type(seed)}{jnp.shape(seed)}")
+        return seed
+    if isinstance(seed, jax.Array) and jnp.ndim(seed) == 0 and jnp.issubdtype(seed.dtype, jnp.integer):
+        seed = seed.item()
+    return check_positive_int(seed, "seed", minimum=0)
 
 
 # --------------------------------------------------------------------------- #
@@ -333,7 +404,7 @@ class Compressor:
         if self.stochastic is not None and not isinstance(self.stochastic, bool):
             raise TypeError(f"stochastic must be True, False or None; got {self.stochastic!r}")
         object.__setattr__(self, "unbiased", bool(self.unbiased))
-        object.__setattr__(self, "seed", check_positive_int(self.seed, "seed", minimum=0))
+        object.__setattr__(self, "seed", check_seed(self.seed))
         object.__setattr__(self, "params", dict(self.params or {}))
         for field in ("variance_factor", "contraction"):
             object.__setattr__(self, field, _bound_fn(getattr(self, field), field))

@@ -20,6 +20,8 @@ import functools
 import math
 from collections.abc import Callable
 
+import jax
+
 from ._base import Compressor
 
 __all__ = ["declare", "BOUNDS"]
@@ -92,7 +94,8 @@ def _efsignsgd(p) -> Declared:
 
 
 def _onebit(p) -> Declared:
-    if p.get("threshold", 0.0) != 0.0:
+    tau = p.get("threshold", 0.0)
+    if isinstance(tau, jax.core.Tracer) or tau != 0.0:  # a traced τ (inject_hyperparams) may be non-zero
         return (
             None,
             None,

@@ -54,7 +54,7 @@ def clipping(*, bits: int = 7, seed: int = 0) -> Compressor:
     Args:
       bits: mantissa bits kept, an integer in ``[0, 23]``.
     """
-    bits = check_positive_int(bits, "bits", minimum=0)
+    bits = check_positive_int(bits, "bits", minimum=0, why="it fixes the code width, an array shape")
     if bits > 23:
         raise ValueError(f"bits must be in [0, 23] (float32 has 23 mantissa bits); got {bits}")
     width, drop = 9 + bits, 23 - bits

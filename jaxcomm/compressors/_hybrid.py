@@ -221,7 +221,7 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
       levels: QSGD's ``s >= 1`` (number of positive levels).
     """
     ratio = check_ratio(ratio, "ratio")
-    levels = check_positive_int(levels, "levels", minimum=1)
+    levels = check_positive_int(levels, "levels", minimum=1, why="it fixes the number of quantization levels")
     width = _level_width(levels)
 
     def compress(x, key, state):

@@ -91,7 +91,9 @@ def inceptionn(*, error_bound: float = 2.0**-10, seed: int = 0) -> Compressor:
     Args:
       error_bound: absolute error bound, finite, in ``[2^-126, 2^100]``.
     """
-    error_bound = check_finite_scalar(error_bound, "error_bound", positive=True)
+    error_bound = check_finite_scalar(
+        error_bound, "error_bound", positive=True, why="it fixes the fixed-point quantum and classes in Python"
+    )
     if not 2.0**-126 <= error_bound <= 2.0**100:
         raise ValueError(f"error_bound must be in [2**-126, 2**100] (float32 fixed point); got {error_bound}")
     _, exp = math.frexp(error_bound)  # error_bound = f * 2^exp with 0.5 <= f < 1

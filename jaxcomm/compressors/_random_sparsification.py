@@ -63,7 +63,7 @@ def random_sparsification(*, p: float, seed: int = 0) -> Compressor:
     Args:
       p: keep probability in (0, 1].
     """
-    p = check_ratio(p, "p")
+    p = check_ratio(p, "p", "it fixes the buffer capacity, an array shape")
     t, p_exact = _keep_threshold(p)
     scale = 1.0 / p_exact if p < 1.0 else 1.0
 

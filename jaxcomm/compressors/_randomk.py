@@ -95,7 +95,7 @@ def randomk(*, ratio: float, unbiased: bool = False, seed: int = 0) -> Compresso
     Raises:
       ValueError/TypeError: ``ratio`` outside (0, 1], ``unbiased`` not a bool.
     """
-    ratio = check_ratio(ratio, "ratio")
+    ratio = check_ratio(ratio, "ratio", "it fixes the number of entries sent k, an array shape")
     if not isinstance(unbiased, (bool, np.bool_)):
         raise TypeError(f"unbiased must be a bool; got {unbiased!r}")
     unbiased = bool(unbiased)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import Compressor, Payload, check_positive_int, payload_dataclass, register, static_field
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.bitpack import pack, unpack
 
 __all__ = ["scaled_sign", "ScaledSignPayload"]
@@ -100,7 +100,6 @@ def scaled_sign(*, seed: int = 0) -> Compressor:
       A :class:`~jaxcomm.compressors.Compressor` named ``"scaled_sign"``.
       Wire bits for ``d`` entries: ``8·ceil(d/8) + 32``.
     """
-    seed = check_positive_int(seed, "seed", minimum=0)
 
     def compress(x, key, state):
         del key

@@ -121,11 +121,12 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
     feedback is separate (``jaxcomm.memory``).
 
     Args:
-      threshold: tau, a finite real number (default 0).
+      threshold: tau, a finite real number (default 0); may be traced
+        (``optax.inject_hyperparams``), then computed in float32 and unchecked.
     Wire bits: ``8 ceil(d/8) + 64``. Non-finite input (or a mean that
     overflows): the whole tensor decodes to NaN. NaN entries are coded '0'.
     """
-    threshold = check_finite_scalar(threshold, "threshold")
+    threshold = check_finite_scalar(threshold, "threshold", traceable=True)
 
     def compress(x, key, state):
         del key
@@ -201,13 +202,14 @@ def signum(*, momentum: float = 0.9, seed: int = 0) -> Compressor:
     ``compress`` to the next call (the optax ``update`` does).
 
     Args:
-      momentum: beta in ``[0, 1)``; ``beta = 0`` is signSGD.
+      momentum: beta in ``[0, 1)``; ``beta = 0`` is signSGD. May be traced
+        (``optax.inject_hyperparams``), then computed in float32 and unchecked.
     Wire bits: ``8 ceil(d/8)``. Non-finite input: a NaN gradient entry makes
     that momentum entry NaN for good (decoded +1); +-Inf makes it +-Inf (decoded
     +-1) until an opposite Inf makes it NaN.
     """
-    beta = check_finite_scalar(momentum, "momentum", nonnegative=True)
-    if beta >= 1.0:
+    beta = check_finite_scalar(momentum, "momentum", nonnegative=True, traceable=True)
+    if isinstance(beta, float) and beta >= 1.0:  # a traced beta is not checked
         raise ValueError(f"momentum must be in [0, 1); got {beta}")
 
     def init_state(x):

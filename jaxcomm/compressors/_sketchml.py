@@ -92,7 +92,7 @@ def sketchml(*, buckets: int = 64, seed: int = 0) -> Compressor:
     Wire bits: ``pw(d, ceil(log2 B)) + 32 B``. Non-finite input (a non-finite
     bucket mean): all NaN.
     """
-    buckets = check_positive_int(buckets, "buckets", minimum=2)
+    buckets = check_positive_int(buckets, "buckets", minimum=2, why="it fixes the number of buckets and the code width")
     if buckets > _CELLS:
         raise ValueError(f"buckets must be <= {_CELLS}; got {buckets}")
     width = code_width(buckets)

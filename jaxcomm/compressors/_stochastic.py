@@ -67,7 +67,7 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
       levels: s, an integer in ``[1, 65536]``.
     Wire bits: ``pw(d, ceil(log2(2s+1))) + 32``. Non-finite input: all NaN.
     """
-    levels = check_positive_int(levels, "levels")
+    levels = check_positive_int(levels, "levels", why="it fixes the number of quantization levels and the code width")
     if levels > _MAX_LEVELS:
         raise ValueError(f"levels must be <= {_MAX_LEVELS}; got {levels}")
     width = code_width(2 * levels + 1)
@@ -242,7 +242,7 @@ def stochastic_rounding(*, bits: int = 4, seed: int = 0) -> Compressor:
       bits: grid index width, an integer in ``[1, 16]``.
     Wire bits: ``pw(d, bits) + 32``. Non-finite input: all NaN.
     """
-    bits = check_positive_int(bits, "bits")
+    bits = check_positive_int(bits, "bits", why="it fixes the number of levels and the code width")
     if bits > 16:
         raise ValueError(f"bits must be in [1, 16]; got {bits}")
     top = float((1 << bits) - 1)  # L - 1

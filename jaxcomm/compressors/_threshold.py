@@ -50,11 +50,12 @@ def threshold(*, v: float, max_ratio: float = 1.0, seed: int = 0) -> Compressor:
     deterministic; strategy ``"allgather"``.
 
     Args:
-      v: threshold, finite and ``>= 0`` (``v = 0`` sends everything).
+      v: threshold, finite and ``>= 0`` (``v = 0`` sends everything); may be traced
+        (``optax.inject_hyperparams``), then computed in float32 and unchecked.
       max_ratio: buffer capacity as a fraction of ``d``, in (0, 1].
     """
-    v = check_finite_scalar(v, "v", nonnegative=True)
-    max_ratio = check_ratio(max_ratio, "max_ratio")
+    v = check_finite_scalar(v, "v", nonnegative=True, traceable=True)
+    max_ratio = check_ratio(max_ratio, "max_ratio", "it fixes the buffer capacity, an array shape")
 
     def compress(x, key, state):
         del key
@@ -107,6 +108,9 @@ def _dgc_importance(x):
     return jnp.where(jnp.isnan(xf), jnp.inf, jnp.abs(xf))
 
 
+_LOOP_CONSTANT = "it is a constant of DGC's compiled adaptation loop"
+
+
 @register("dgc")
 def dgc(
     *,
@@ -145,15 +149,17 @@ def dgc(
       lower_bound: in (0, 1); below ``lower_bound * k`` selected, lower the threshold.
       max_adaptation_iters: >= 0 rounds of threshold adaptation.
     """
-    ratio = check_ratio(ratio, "ratio")
-    sample_ratio = check_ratio(sample_ratio, "sample_ratio")
-    upper_bound = check_finite_scalar(upper_bound, "upper_bound")
+    ratio = check_ratio(ratio, "ratio", "it fixes the buffer capacity k, an array shape")
+    sample_ratio = check_ratio(sample_ratio, "sample_ratio", "it fixes the number of samples, an array shape")
+    upper_bound = check_finite_scalar(upper_bound, "upper_bound", why=_LOOP_CONSTANT)
     if upper_bound <= 1.0:
         raise ValueError(f"upper_bound must be > 1; got {upper_bound}")
-    lower_bound = check_finite_scalar(lower_bound, "lower_bound")
+    lower_bound = check_finite_scalar(lower_bound, "lower_bound", why=_LOOP_CONSTANT)
     if not 0.0 < lower_bound < 1.0:
         raise ValueError(f"lower_bound must be in (0, 1); got {lower_bound}")
-    max_adaptation_iters = check_positive_int(max_adaptation_iters, "max_adaptation_iters", minimum=0)
+    max_adaptation_iters = check_positive_int(
+        max_adaptation_iters, "max_adaptation_iters", minimum=0, why="it bounds the adaptation loop, a Python branch"
+    )
 
     def compress(x, key, state):
         d = int(np.size(x))

@@ -54,7 +54,7 @@ def topk(*, ratio: float, seed: int = 0) -> Compressor:
       ratio: fraction of entries sent, in (0, 1]; ``ratio = 1`` is lossless.
       seed: seed of the optax transformation's key (used only to sample the threshold).
     """
-    ratio = check_ratio(ratio, "ratio")
+    ratio = check_ratio(ratio, "ratio", "it fixes the number of entries sent k, an array shape")
 
     def compress(x, key, state):
         d = int(np.size(x))
