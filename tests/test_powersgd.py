@@ -178,3 +178,127 @@ def test_dtype_rank_alias_and_nonfinite_recovery():
 def test_bad_hyperparameters(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         jc.compressors.powersgd(**kwargs)
+
+
+# --------------------------------------------------------------------------- #
+# PyTorch's start_powerSGD_iter: dense all-reduce first, error feedback from the switch
+# --------------------------------------------------------------------------- #
+def _np_orth(p):
+    p = p.copy()
+    for i in range(p.shape[1]):
+        col = p[:, i].copy()
+        for _ in range(2 if i else 0):
+            col -= p[:, :i] @ (p[:, :i].T @ col)
+        nrm = np.linalg.norm(col)
+        p[:, i] = col / nrm if nrm > 0 else 0 * col
+    return p
+
+
+def _np_powersgd_hook(grads, start, rank, seed, lr):
+    """NumPy replay of powerSGD_hook's semantics over steps (grads: [steps][worker] dict of w (24, 18), b (18,)).
+
+    Steps < start: the dense mean, no error kept, Q not drawn. From the switch: phi_i = g_i + e_i
+    (e_i = 0 at the switch); Q = the key's normal draw at the first compressed step, then the
+    orthogonalised previous Q/n; P = orth(sum phi_i Q); Q = sum phi_i^T P; mean = P Q^T / n;
+    e_i = phi_i - mean; 1-D b is sent dense. The keys follow compressed_mean's documented schedule
+    (key, step_key = split(key); leaf keys = split(step_key, 2), leaves in sorted order b, w).
+    """
+    n = len(grads[0])
+    key = jax.random.PRNGKey(seed)
+    params = {"b": np.zeros(18), "w": np.zeros((24, 18))}
+    err = [np.zeros((24, 18)) for _ in range(n)]
+    q_prev, bits = None, []
+    for t, gs in enumerate(grads):
+        key, step_key = jax.random.split(key)
+        leaf_keys = jax.random.split(step_key, 2)
+        b_mean = np.mean([g["b"] for g in gs], axis=0)
+        if t < start:
+            w_mean = np.mean([g["w"] for g in gs], axis=0)
+            bits.append(32 * (18 + 24 * 18))
+        else:
+            phis = [g["w"] + e for g, e in zip(gs, err)]
+            if q_prev is None:
+                q = np.asarray(jax.random.normal(leaf_keys[1], (18, rank), jnp.float32), np.float64)
+            else:
+                q = _np_orth(q_prev)
+            p = _np_orth(sum(phi @ q for phi in phis))
+            q = sum(phi.T @ p for phi in phis)
+            w_mean = p @ q.T / n
+            err = [phi - w_mean for phi in phis]
+            q_prev = q / n
+            bits.append(32 * 18 + 32 * (24 + 18) * rank)
+        params = {"b": params["b"] - lr * b_mean, "w": params["w"] - lr * w_mean}
+    return params, err, bits
+
+
+def _grads(steps, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[{"b": rng.normal(size=18), "w": rng.normal(size=(24, 18))} for _ in range(n)] for _ in range(steps)]
+
+
+@pytest.mark.parametrize("start", [0, 1, 3])
+def test_start_powersgd_iter_matches_the_hook_semantics(start):
+    import optax
+
+    n, steps, rank, lr = 4, 6, 2, 0.1
+    grads = _grads(steps, n, seed=start)
+    c = jc.compressors.powersgd(rank=rank, start_powerSGD_iter=start, seed=3)
+    assert c.dense_warmup == start and c.params["start_powerSGD_iter"] == start
+    tx = optax.chain(jc.compressed_mean(c, axis_name="w", memory=jc.memory.residual()), optax.sgd(lr))
+    params = {"b": jnp.zeros((n, 18)), "w": jnp.zeros((n, 24, 18))}
+    state = jax.vmap(tx.init)(params)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(jax.vmap(step, axis_name="w"))
+    bits = []
+    for gs in grads:
+        g = {k: jnp.asarray(np.stack([w[k] for w in gs]), jnp.float32) for k in ("b", "w")}
+        params, state = step(params, state, g)
+        bits.append(int(np.asarray(state[0].wire_bits)[0].sum()))
+    want, err, want_bits = _np_powersgd_hook(grads, start, rank, seed=3, lr=lr)
+    for k in ("b", "w"):
+        np.testing.assert_allclose(np.asarray(params[k][0]), want[k], rtol=2e-4, atol=2e-5, err_msg=k)
+    for i in range(n):  # the error-feedback memory: PyTorch's error_dict
+        np.testing.assert_allclose(np.asarray(state[0].memory["w"][i]), err[i], rtol=2e-4, atol=2e-5)
+    assert bits == want_bits
+
+
+def test_warmup_memory_stays_zero_and_only_one_branch_communicates():
+    import optax
+
+    n, start = 4, 2
+    c = jc.compressors.powersgd(rank=1, start_powerSGD_iter=start)
+    tx = jc.compressed_mean(c, axis_name="w", memory=jc.memory.residual())
+    g = {"w": jax.random.normal(KEY, (n, 24, 18))}
+    state = jax.vmap(tx.init)({"w": jnp.zeros((n, 24, 18))})
+    update = jax.jit(jax.vmap(tx.update, axis_name="w"))
+    for t in range(start + 1):
+        _, state = update(g, state)
+        zero = not np.any(np.asarray(state.memory["w"]))
+        assert zero == (t < start), t  # zero through the warm-up, an error from the switch
+        assert bool(np.asarray(state.compressor_states[0].initialized)[0]) == (t >= start)
+    # Under shard_map the dense and compressed paths sit in the two branches of one cond.
+    mesh = jax.make_mesh((n,), ("w",))
+    f = jax.shard_map(
+        lambda g, s: jax.tree.map(lambda a: a[None], tx.update(*jax.tree.map(lambda a: a[0], (g, s)))),
+        mesh=mesh,
+        in_specs=jax.sharding.PartitionSpec("w"),
+        out_specs=jax.sharding.PartitionSpec("w"),
+    )
+    put = lambda t: jax.device_put(t, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("w")))
+    text = str(jax.make_jaxpr(f)(put(g), put(jax.vmap(tx.init)({"w": jnp.zeros((n, 24, 18))}))))
+    assert text.count("cond[") == 1
+    del optax
+
+
+def test_dense_warmup_only_where_it_is_run():
+    c = jc.compressors.powersgd(rank=1, start_powerSGD_iter=5)
+    with pytest.raises(ValueError, match=r"only jaxcomm\.compressed_mean runs"):
+        jc.error_feedback(c)
+    with pytest.raises((ValueError, TypeError), match="start_powerSGD_iter"):
+        jc.compressors.powersgd(rank=1, start_powerSGD_iter=-1)
+    with pytest.raises((ValueError, TypeError), match="start_powerSGD_iter"):
+        jc.compressors.powersgd(rank=1, start_powerSGD_iter=2.5)

@@ -370,7 +370,13 @@ class Compressor:
         :meth:`roundtrip` need an explicit ``key`` (``TypeError`` without one: a
         silent fixed key would make every call the same "random" draw).
         ``False``: deterministic, the key may be omitted. The built-in factories
-        declare it. :mod:`jaxcomm.testing` checks the declared bounds, and
+        declare it.
+      dense_warmup: steps at the start of training during which
+        :func:`jaxcomm.transforms.compressed_mean` sends the gradient uncompressed
+        (the dense all-reduce mean) and leaves the memory and the compressor's
+        state untouched, so error feedback starts, from a zero memory, at the
+        switch (PyTorch PowerSGD's ``start_powerSGD_iter``). ``0``: compress from
+        the first step. :mod:`jaxcomm.testing` checks the declared bounds, and
         error feedback refuses an unbiased compressor whose ``ω ≥ 1``
         (:func:`jaxcomm.compressors.contractive` rescales it).
     """
@@ -390,6 +396,7 @@ class Compressor:
     contraction: Callable[[int], float] | float | None = None
     bound: str = ""
     stochastic: bool | None = None
+    dense_warmup: int = 0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -401,6 +408,7 @@ class Compressor:
                 raise TypeError(f"{field} must be callable; got {type(getattr(self, field)).__name__}")
         for field in ("rounds", "decompress_sum", "compression_error"):
             _check_hook(getattr(self, field), field)
+        object.__setattr__(self, "dense_warmup", check_positive_int(self.dense_warmup, "dense_warmup", minimum=0))
         if self.stochastic is not None and not isinstance(self.stochastic, bool):
             raise TypeError(f"stochastic must be True, False or None; got {self.stochastic!r}")
         object.__setattr__(self, "unbiased", bool(self.unbiased))
@@ -455,6 +463,7 @@ class Compressor:
         contraction: Callable[[int], float] | float | None = None,
         bound: str = "",
         stochastic: bool | None = None,
+        dense_warmup: int = 0,
     ) -> Compressor:
         """Build a compressor from its per-array primitives (fields as in the class docstring)."""
         return cls(
@@ -473,6 +482,7 @@ class Compressor:
             contraction=contraction,
             bound=bound,
             stochastic=stochastic,
+            dense_warmup=dense_warmup,
         )
 
     # -- per-array primitives ---------------------------------------------- #

@@ -17,9 +17,11 @@ the result is the rank-``r`` approximation of the *sum* of the workers' matrices
 
 Option names follow ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``
 (``matrix_approximation_rank``, ``min_compression_rate``, ``warm_start``,
-``orthogonalization_epsilon``). PyTorch's ``use_error_feedback`` and
-``start_powerSGD_iter`` belong to the transforms here (``jaxcomm.error_feedback``,
-a warm-up schedule), not to the compressor.
+``orthogonalization_epsilon``, ``start_powerSGD_iter``). PyTorch's
+``use_error_feedback`` is the transform's memory here
+(``compressed_mean(..., memory=jaxcomm.memory.residual())``); ``start_powerSGD_iter``
+is run by :func:`jaxcomm.transforms.compressed_mean` (the compressor's
+``dense_warmup``).
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ def powersgd(
     min_compression_rate: float = 2.0,
     warm_start: bool = True,
     orthogonalization_epsilon: float = 0.0,
+    start_powerSGD_iter: int = 0,
     seed: int = 0,
 ) -> Compressor:
     """PowerSGD low-rank compression (Vogels et al. 2019, Algorithm 1; GRACE Table I).
@@ -171,11 +174,18 @@ def powersgd(
         than this factor (> 0; PyTorch's default 2).
       warm_start: reuse ``Q`` across steps (PyTorch's ``warm_start``).
       orthogonalization_epsilon: ``>= 0``, added to column norms in Gram-Schmidt.
+      start_powerSGD_iter: PyTorch's dense warm-up: for steps ``0 .. start_powerSGD_iter
+        - 1`` :func:`jaxcomm.transforms.compressed_mean` sends the dense mean (one
+        all-reduce per tensor) and leaves the error-feedback memory at zero and ``Q``
+        undrawn; PowerSGD, and the memory, start at the switch (the compressor's
+        ``dense_warmup``). Integer ``>= 0``; ``0`` (the default here, PyTorch's is
+        1,000): compress from the first step.
       seed: seed of the optax transformation's key.
     Raises:
       ValueError/TypeError: rank < 1, both rank names given with different
         values, a non-positive or non-finite rate, a negative epsilon.
     """
+    matrix_approximation_rank = check_positive_int(matrix_approximation_rank, "matrix_approximation_rank")
     if rank is not None:
         rank = check_positive_int(rank, "rank")
         if matrix_approximation_rank not in (1, rank):
@@ -185,7 +195,13 @@ def powersgd(
             )
         r_max = rank
     else:
-        r_max = check_positive_int(matrix_approximation_rank, "matrix_approximation_rank")
+        r_max = matrix_approximation_rank
+    start = check_positive_int(
+        start_powerSGD_iter,
+        "start_powerSGD_iter",
+        minimum=0,
+        why="it is the compressor's dense_warmup field",
+    )
     rate = check_finite_scalar(min_compression_rate, "min_compression_rate", positive=True)
     eps = check_finite_scalar(orthogonalization_epsilon, "orthogonalization_epsilon", nonnegative=True)
     if not isinstance(warm_start, (bool, np.bool_)):
@@ -251,10 +267,12 @@ def powersgd(
         init_state=init_state,
         rounds=rounds,
         seed=seed,
+        dense_warmup=start,
         params=dict(
             matrix_approximation_rank=r_max,
             min_compression_rate=rate,
             warm_start=warm_start,
             orthogonalization_epsilon=eps,
+            start_powerSGD_iter=start,
         ),
     )

@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .. import compressors as compressors_lib
 from .. import memory as memory_lib
+from .._vma import typed_cond
 from ..comm import resolve
 from ..compressors._base import Compressor
 from ._pipeline import (
@@ -112,7 +114,7 @@ def compressed_mean(
         already summed over the axis.
       TypeError: wrong types for ``compressor``, ``memory``, ``comm`` or ``fuse``.
     """
-    compressor = check_compressor(compressor)
+    compressor = check_compressor(compressor, dense_warmup=True)
     memory = memory_lib.none() if memory is None else check_memory(memory)
     comm_obj = resolve(axis_name, comm)
     if not isinstance(fuse, bool):
@@ -129,10 +131,28 @@ def compressed_mean(
     def init_fn(params):
         return init_state(params, compressor, memory)
 
+    warmup = compressor.dense_warmup
+    dense = compressors_lib.none()
+
     def update_fn(updates, state: CompressionState, params=None, **extra_args):
         del params, extra_args
         n = int(comm_obj.size)  # raises ValueError naming the axis where it is not bound
         check_served(comm_obj, chosen, compressor)
+        if not warmup:
+            return compressed(updates, state, n)
+
+        def dense_step(_):
+            # The uncompressed mean (one all-reduce per tensor); memory and compressor states untouched.
+            plain = state._replace(compressor_states=tuple(() for _ in state.compressor_states))
+            ex, leaves, treedef, new, _ = compress_step(
+                comm_obj, updates, plain, compressor=dense, memory=no_memory, strategy="allreduce", fuse=fuse
+            )
+            outs = [m.astype(g.dtype) for m, g in zip(ex.means, leaves)]
+            return treedef.unflatten(outs), new._replace(memory=state.memory, compressor_states=state.compressor_states)
+
+        return typed_cond(state.count < warmup, dense_step, lambda _: compressed(updates, state, n))
+
+    def compressed(updates, state, n):
         ex, leaves, treedef, new_state, _ = compress_step(
             comm_obj,
             updates,

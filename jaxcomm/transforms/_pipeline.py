@@ -120,11 +120,18 @@ class CompressionState(NamedTuple):
 # --------------------------------------------------------------------------- #
 # Validation shared by the transforms
 # --------------------------------------------------------------------------- #
-def check_compressor(compressor, name: str = "compressor") -> Compressor:
+def check_compressor(compressor, name: str = "compressor", *, dense_warmup: bool = False) -> Compressor:
+    """``compressor`` if it is a :class:`Compressor`; a transform that does not run a dense
+    warm-up (``dense_warmup=False``) refuses one that asks for it."""
     if not isinstance(compressor, Compressor):
         raise TypeError(
             f"{name} must be a jaxcomm.compressors.Compressor (e.g. jaxcomm.compressors.topk(ratio=0.01)); "
             f"got {type(compressor).__name__}"
+        )
+    if compressor.dense_warmup and not dense_warmup:
+        raise ValueError(
+            f"{name} {compressor!r} asks for {compressor.dense_warmup} dense warm-up steps (dense_warmup / "
+            "start_powerSGD_iter), which only jaxcomm.compressed_mean runs; build it without them here"
         )
     return compressor
 
