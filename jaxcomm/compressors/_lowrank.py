@@ -17,7 +17,8 @@ the result is the rank-``r`` approximation of the *sum* of the workers' matrices
 
 Option names follow ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``
 (``matrix_approximation_rank``, ``min_compression_rate``, ``warm_start``,
-``orthogonalization_epsilon``, ``start_powerSGD_iter``). PyTorch's
+``orthogonalization_epsilon``, ``start_powerSGD_iter``,
+``batch_tensors_with_same_shape``). PyTorch's
 ``use_error_feedback`` is the transform's memory here
 (``compressed_mean(..., memory=jaxcomm.memory.residual())``); ``start_powerSGD_iter``
 is run by :func:`jaxcomm.transforms.compressed_mean` (the compressor's
@@ -138,6 +139,7 @@ def powersgd(
     warm_start: bool = True,
     orthogonalization_epsilon: float = 0.0,
     start_powerSGD_iter: int = 0,
+    batch_tensors_with_same_shape: bool = False,
     seed: int = 0,
 ) -> Compressor:
     """PowerSGD low-rank compression (Vogels et al. 2019, Algorithm 1; GRACE Table I).
@@ -180,6 +182,12 @@ def powersgd(
         undrawn; PowerSGD, and the memory, start at the switch (the compressor's
         ``dense_warmup``). Integer ``>= 0``; ``0`` (the default here, PyTorch's is
         1,000): compress from the first step.
+      batch_tensors_with_same_shape: PyTorch's option: tensors of the same shape
+        and dtype run their rounds as one batch (``jax.vmap``: batched matrix
+        products and orthogonalisation, one all-reduce per round for the group),
+        each with its own key and state, so the result equals the per-tensor one
+        up to float rounding (:func:`jaxcomm.transforms.compressed_mean` under
+        ``"allreduce"``).
       seed: seed of the optax transformation's key.
     Raises:
       ValueError/TypeError: rank < 1, both rank names given with different
@@ -204,6 +212,8 @@ def powersgd(
     )
     rate = check_finite_scalar(min_compression_rate, "min_compression_rate", positive=True)
     eps = check_finite_scalar(orthogonalization_epsilon, "orthogonalization_epsilon", nonnegative=True)
+    if not isinstance(batch_tensors_with_same_shape, (bool, np.bool_)):
+        raise TypeError(f"batch_tensors_with_same_shape must be a bool; got {batch_tensors_with_same_shape!r}")
     if not isinstance(warm_start, (bool, np.bool_)):
         raise TypeError(f"warm_start must be a bool; got {warm_start!r}")
     warm_start = bool(warm_start)
@@ -274,5 +284,6 @@ def powersgd(
             warm_start=warm_start,
             orthogonalization_epsilon=eps,
             start_powerSGD_iter=start,
+            batch_tensors_with_same_shape=bool(batch_tensors_with_same_shape),
         ),
     )

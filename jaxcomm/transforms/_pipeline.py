@@ -405,6 +405,34 @@ def run_rounds(compressor: Compressor, x, key, state, comm):
     return payload, new_state, sent
 
 
+def _batched_rounds(comm, phis, keys, states, compressors) -> tuple[dict, int]:
+    """Rounds of same-shaped tensors run as one batch (PyTorch PowerSGD's ``batch_tensors_with_same_shape``).
+
+    Tensors whose compressor has ``params["batch_tensors_with_same_shape"]`` and ``rounds``
+    are grouped by compressor, shape and dtype; each group of two or more runs
+    :func:`run_rounds` once under ``jax.vmap`` over the stacked tensors, keys and
+    states: batched matrix products and one collective per round for the whole
+    group, with each tensor's own key and state, so each result equals the tensor's
+    own run up to float rounding. Returns ``({index: (payload, state, sent)}, collectives run)``.
+    """
+    groups: dict = {}
+    for i, (phi, st, c) in enumerate(zip(phis, states, compressors)):
+        if c.rounds is not None and c.params.get("batch_tensors_with_same_shape"):
+            sig = (id(c), tuple(jnp.shape(phi)), jnp.result_type(phi), jax.tree.structure(st))
+            groups.setdefault(sig, []).append(i)
+    out, messages = {}, 0
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        c = compressors[idx[0]]
+        stack = [jax.tree.map(lambda *v: jnp.stack(v), *[seq[i] for i in idx]) for seq in (phis, keys, states)]
+        payload, state, sent = jax.vmap(lambda x, k, s, c=c: run_rounds(c, x, k, s, comm))(*stack)
+        messages += len(sent)
+        for j, i in enumerate(idx):
+            out[i] = jax.tree.map(lambda v, j=j: v[j], (payload, state, sent))
+    return out, messages
+
+
 def _gather_payloads(comm, payloads: list, fuse: bool) -> tuple[list, list, int]:
     """``[comm.all_gather(p) for p in payloads]``, the bits this worker sent per payload, and the
     collectives run.
@@ -521,8 +549,16 @@ def exchange(
 
     payloads, new_states, bits, totals, messages = [], [], [], [], 0
     rounds = strategy == "allreduce" and any(c.rounds is not None for c in compressors)
-    for phi, key, state, c, a in zip(phis, keys, states, compressors, acc):
-        if rounds and c.rounds is not None:
+    batched, messages = (
+        _batched_rounds(comm if n > 1 else LOCAL, phis, keys, states, compressors) if rounds else ({}, 0)
+    )
+    messages = messages if n > 1 else 0
+    for i, (phi, key, state, c, a) in enumerate(zip(phis, keys, states, compressors, acc)):
+        if i in batched:
+            payload, state, sent = batched[i]
+            bits.append(count_bits(sum(_array_bits(m) for m in sent)))
+            totals.append(c.decompress(payload).astype(a))
+        elif rounds and c.rounds is not None:
             payload, state, sent = run_rounds(c, phi, key, state, comm if n > 1 else LOCAL)
             messages += len(sent) if n > 1 else 0
             bits.append(count_bits(sum(_array_bits(m) for m in sent)))

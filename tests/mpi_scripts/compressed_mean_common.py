@@ -22,7 +22,7 @@ from jaxcomm.transforms import compressed_mean, doublesqueeze
 N = 4
 STEPS = 3
 LR = 0.1
-SHAPES = {"b": (5,), "w": (16, 12)}
+SHAPES = {"b": (5,), "v": (16, 12), "w": (16, 12)}
 
 CASES = {
     # allreduce with a shared key: random-k values summed, positions regenerated from the key
@@ -42,6 +42,12 @@ CASES = {
     "powersgd_allreduce": lambda **where: compressed_mean(
         jc.compressors.powersgd(matrix_approximation_rank=1), memory=mem.residual(), **where
     ),
+    # PyTorch's options: a dense all-reduce on step 0, then the same-shaped v and w in one vmapped batch
+    "powersgd_batched_warmup": lambda **where: compressed_mean(
+        jc.compressors.powersgd(rank=1, start_powerSGD_iter=1, batch_tensors_with_same_shape=True),
+        memory=mem.residual(),
+        **where,
+    ),
     # DoubleSqueeze: worker and server error feedback around 1-bit scaled-sign payloads
     "doublesqueeze": lambda **where: doublesqueeze(jc.compressors.scaled_sign(), **where),
     # reduce-scatter: 16-bit chunks to their owners, float32 sums, 16-bit averaged chunks gathered
@@ -53,7 +59,7 @@ CASES = {
 # Per-case tolerance of the MPI-vs-mesh comparison (default 1e-6: same float32
 # operations, only the reduction order of the allreduce may differ).
 # PowerSGD: Gram-Schmidt on the allreduced P amplifies the reduction-order difference a little.
-TOLERANCE: dict[str, float] = {"powersgd_allreduce": 1e-5}
+TOLERANCE: dict[str, float] = {"powersgd_allreduce": 1e-5, "powersgd_batched_warmup": 1e-5}
 
 
 def data(n: int = N, seed: int = 0):
