@@ -27,6 +27,7 @@ from ._pipeline import (
     choose_strategy,
     compress_step,
     init_state,
+    sums_in_16_bits,
 )
 
 __all__ = ["FUSE_MAX_BYTES", "STRATEGIES", "compressed_mean"]
@@ -69,7 +70,16 @@ def compressed_mean(
       * ``"reduce_scatter"``: chunks travel compressed to their owners, who
         average in float32 and compress again; the compressed chunks are
         all-gathered (stateless single-round compressors).
-      * ``"auto"``: the compressor's own ``strategy``.
+      * ``"auto"``: the compressor's own ``strategy``; except that a 16-bit
+        ``"allreduce"`` payload (fp16, bf16) with a memory that keeps the compression
+        error (``residual``, ``efsignsgd``) takes ``"reduce_scatter"``, the same bytes
+        as a ring all-reduce, so that the sum is taken in float32 and the owners'
+        rounding of the average is fed back too (error feedback then conserves the
+        gradient exactly, up to float32 sums).
+
+    Under ``"reduce_scatter"`` with such a memory, the owner of each chunk adds
+    ``n (mean − Q(mean))`` (its re-compression's rounding) to its own memory on that
+    chunk, so ``Σ_i m_i + n ḡ = Σ_i φ_i`` holds after every step.
 
     Randomness: ``state.key`` starts at ``PRNGKey(compressor.seed)`` on every
     worker; each step ``key, step_key = split(key)`` and leaf ``i`` gets
@@ -120,13 +130,19 @@ def compressed_mean(
     if not isinstance(fuse, bool):
         raise TypeError(f"fuse must be a bool; got {type(fuse).__name__}")
     chosen = choose_strategy(compressor, strategy)
+    feeds_back = memory.from_error is not None  # the memory is the compression error itself
+    if strategy == "auto" and feeds_back and sums_in_16_bits(compressor):
+        # A 16-bit all-reduce rounds the sum where no memory sees it; the reduce-scatter route (the same
+        # bytes as a ring all-reduce) sums in float32 at the chunks' owners, who feed the rounding back.
+        chosen = "reduce_scatter"
+    fold = chosen == "reduce_scatter" and feeds_back
     scale = float(memory.output_scale)
     if axis_name is not None or comm is not None:
         check_served(comm_obj, chosen, compressor)
     no_memory = memory_lib.none()
 
     def owner_step(keys, n):
-        return Owner(compressor, no_memory, [()] * len(keys), [jax.random.fold_in(k, n) for k in keys])
+        return Owner(compressor, no_memory, [()] * len(keys), [jax.random.fold_in(k, n) for k in keys], fold)
 
     def init_fn(params):
         return init_state(params, compressor, memory)
@@ -163,6 +179,10 @@ def compressed_mean(
             fuse=fuse,
             owner_step=(lambda keys: owner_step(keys, n)) if chosen == "reduce_scatter" else None,
         )
+        if fold:  # this worker owns a chunk of each tensor: n (mean − Q(mean)) joins its memory there
+            new_state = new_state._replace(
+                memory=jax.tree.map(jnp.add, new_state.memory, treedef.unflatten(ex.owner_memory))
+            )
         bits = new_state.wire_bits
         if chosen == "reduce_scatter" and ex.owner_bits:  # the chunks sent, then the averaged chunk
             bits = bits + jnp.stack(ex.owner_bits)

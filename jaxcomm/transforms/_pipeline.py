@@ -185,6 +185,16 @@ def choose_strategy(compressor: Compressor, strategy: str) -> str:
     return chosen
 
 
+def sums_in_16_bits(compressor: Compressor) -> bool:
+    """Whether ``compressor``'s ``"allreduce"`` sums 16-bit floats (fp16/bf16 payload fields), whose
+    rounding in the sum no worker's memory sees. Probed on a small float32 array at build time."""
+    if compressor.strategy != "allreduce" or compressor.rounds is not None:
+        return False
+    payload, _ = compressor.compress(jnp.zeros((4,), jnp.float32), jax.random.PRNGKey(0))
+    fields = [getattr(payload, f) for f in getattr(type(payload), "summable", ())]
+    return any(jnp.result_type(v) in (jnp.float16, jnp.bfloat16) for v in fields)
+
+
 def check_stateless(compressor: Compressor, name: str, why: str) -> None:
     """``ValueError`` unless ``compressor`` keeps no per-array state (chunks change shape with ``n``)."""
     if jax.tree.leaves(compressor.init_state(jnp.zeros((2,), jnp.float32))):
@@ -371,12 +381,17 @@ class Owner(NamedTuple):
       memory_leaves: per tensor, the owner memory state over the whole tensor
         (each owner reads and writes only its chunk).
       keys: per tensor, the key the owners draw from (folded with the owner index).
+      fold_rounding: return, in place of the owner memories, each owner's
+        ``n (mean − Q(mean))`` on its chunk (zero elsewhere, the tensor's shape and
+        dtype): what a plain compressed mean with error feedback adds to the owner's
+        worker memory so the re-compression's rounding is fed back too.
     """
 
     compressor: Compressor
     memory: memory_lib.Memory
     memory_leaves: Sequence
     keys: Sequence
+    fold_rounding: bool = False
 
 
 def run_rounds(compressor: Compressor, x, key, state, comm):
@@ -694,8 +709,12 @@ def _reduce_scatter(comm, phis, keys, compressors, acc, memory, owner: Owner | N
         v = owner.memory.compensate(m, mean)
         payload, _ = owner.compressor.compress(v, jax.random.fold_in(owner.keys[i], me), ())
         q = jnp.where(real, owner.compressor.decompress(payload), 0).astype(v.dtype)
-        new_m = owner.memory.update(m, mean, v, q)
-        owner_mems.append(jax.tree.map(lambda full, part: _put_chunk(full, part, n, me), full_mem, new_m))
+        if owner.fold_rounding:
+            rounding = jnp.where(real, (mean.astype(a) - q.astype(a)) * n, 0).astype(dtype)
+            owner_mems.append(_put_chunk(jnp.zeros(jnp.shape(phi), dtype), rounding, n, me))
+        else:
+            new_m = owner.memory.update(m, mean, v, q)
+            owner_mems.append(jax.tree.map(lambda full, part: _put_chunk(full, part, n, me), full_mem, new_m))
         owner_payloads.append(payload)
         owner_bits.append(_sent_bits(payload))
 
