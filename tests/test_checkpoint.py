@@ -177,6 +177,12 @@ def test_trainer_keeps_one_manager_per_run(tmp_path, monkeypatch):
     assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 4, 6]  # max_to_keep=3
     restored, _, _ = restore_checkpoint(tmp_path, trainer.init_state())
     _equal(restored, state)  # the asynchronous saves wrote what the (donating) step computed
+    # Step 4 was written while steps 5 and 6 donated its buffers: it equals a run that stops at 4.
+    at_4, position, _ = restore_checkpoint(tmp_path, trainer.init_state(), step=4)
+    batches = data.WorkerBatches(shards, 16, jax.random.PRNGKey(1))
+    reference, _ = trainer.fit(trainer.init_state(), batches, 4, progress=False)
+    _equal(at_4, reference)
+    assert position == tuple(batches.position)
 
 
 def _typed_state(seed=0):
