@@ -13,7 +13,8 @@ The jitted train step donates its input state, so the buffers handed to ``save``
 are deleted by the next step: this is safe because orbax finishes the
 device-to-host copy of every array before ``save`` returns (all arrays are
 "prioritized" when no ``device_host_max_bytes`` limit is set, and none is set
-here), so nothing in flight reads device memory. Waiting before the next step
+here), so nothing in flight reads device memory (on CPU the host copy may be a
+view that keeps the buffer alive, and JAX then copies instead of donating). Waiting before the next step
 instead would serialise training and writing; copying the state on device would
 double its memory.
 
