@@ -177,3 +177,55 @@ def test_trainer_keeps_one_manager_per_run(tmp_path, monkeypatch):
     assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 4, 6]  # max_to_keep=3
     restored, _, _ = restore_checkpoint(tmp_path, trainer.init_state())
     _equal(restored, state)  # the asynchronous saves wrote what the (donating) step computed
+    # Step 4 was written while steps 5 and 6 donated its buffers: it equals a run that stops at 4.
+    at_4, position, _ = restore_checkpoint(tmp_path, trainer.init_state(), step=4)
+    batches = data.WorkerBatches(shards, 16, jax.random.PRNGKey(1))
+    reference, _ = trainer.fit(trainer.init_state(), batches, 4, progress=False)
+    _equal(at_4, reference)
+    assert position == tuple(batches.position)
+
+
+def _typed_state(seed=0):
+    """A nested state with typed PRNG keys (``jax.random.key``) next to raw ones and mixed dtypes."""
+    base = _state(seed=seed)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return base._replace(opt=(base.opt[0], (keys, jax.random.key(seed + 10, impl="rbg"))))
+
+
+def test_typed_prng_keys_round_trip_and_a_raw_key_template_is_refused(tmp_path):
+    state = _typed_state()
+    save_checkpoint(tmp_path, 1, state)
+    got, _, _ = restore_checkpoint(tmp_path, _typed_state(seed=4))
+    assert jax.tree.structure(got) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(state)):
+        assert a.dtype == b.dtype
+        if jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key):
+            assert jax.random.key_impl(a) == jax.random.key_impl(b)
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The restored keys draw the same numbers as the saved ones.
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.normal(got.opt[1][0][1], (5,))), np.asarray(jax.random.normal(state.opt[1][0][1], (5,)))
+    )
+    raw = state._replace(opt=(state.opt[0], (jax.random.key_data(state.opt[1][0]), state.opt[1][1])))
+    with pytest.raises(CheckpointError, match=r"in .* typed PRNG keys .* differ: saved \{'opt\.1\.0'"):
+        restore_checkpoint(tmp_path, raw)
+
+
+def test_an_asynchronous_save_survives_the_next_step_donating_the_state(tmp_path):
+    # The jitted train step donates its input: the buffers given to save are deleted right after it
+    # returns, while orbax still writes in the background.
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s), donate_argnums=0)
+    state = {"w": jnp.arange(1 << 16, dtype=jnp.float32), "b": jnp.ones((64, 64), jnp.bfloat16)}
+    expected = jax.tree.map(lambda x: np.array(x, copy=True), state)  # copies: a live host view would block donation
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state)
+        new = step(state)
+        for x in jax.tree.leaves(state):  # on CPU a buffer still viewed by the writer is copied, not donated
+            x.delete()
+        ckpt.save(2, new)
+        new = step(new)
+        got, _, _ = ckpt.restore(jax.tree.map(jnp.zeros_like, expected), step=1)
+    _equal(got, expected)
+    second, _, _ = restore_checkpoint(tmp_path, got, step=2)
+    _equal(second, jax.tree.map(lambda x: x * 2 + 1, expected))

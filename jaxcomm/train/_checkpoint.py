@@ -3,10 +3,20 @@
 A checkpoint holds the whole :class:`~jaxcomm.train.TrainState` (parameters,
 optimizer state with every error-feedback memory and server error, per-worker
 PRNG keys, step) as orbax's structured pytree, plus the data position, the run's
-metadata and a SHA-256 digest of every array. One :class:`Checkpointer` (one
+metadata and a SHA-256 digest of every array. Typed PRNG keys (``jax.random.key``)
+are written as their ``uint32`` key data and re-wrapped with the template's
+implementation on restore. One :class:`Checkpointer` (one
 ``orbax.checkpoint.CheckpointManager``) serves a whole run; saves are
 asynchronous: ``save`` returns once the arrays are copied to the host and
 digested, and the files are written in the background (:meth:`Checkpointer.wait`).
+The jitted train step donates its input state, so the buffers handed to ``save``
+are deleted by the next step: this is safe because orbax finishes the
+device-to-host copy of every array before ``save`` returns (all arrays are
+"prioritized" when no ``device_host_max_bytes`` limit is set, and none is set
+here), so nothing in flight reads device memory (on CPU the host copy may be a
+view that keeps the buffer alive, and JAX then copies instead of donating). Waiting before the next step
+instead would serialise training and writing; copying the state on device would
+double its memory.
 
 Restoring checks, in order: orbax's own validation of the tree structure and
 shapes against the running job's state, the stored dtypes (orbax would cast
@@ -57,6 +67,21 @@ def _leaves_by_name(tree) -> dict:
 def _digest(x) -> str:
     a = np.ascontiguousarray(np.asarray(x))
     return hashlib.sha256(a.view(np.uint8).reshape(-1).tobytes() if a.size else b"").hexdigest()
+
+
+def _is_key(x) -> bool:
+    """A typed PRNG key array (``jax.random.key``); raw ``uint32`` keys are ordinary arrays."""
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_impls(tree) -> dict:
+    """``{leaf name: PRNG implementation}`` of the typed key arrays in ``tree``."""
+    return {name: str(jax.random.key_impl(x)) for name, x in _leaves_by_name(tree).items() if _is_key(x)}
+
+
+def _key_data(tree):
+    """``tree`` with every typed key array replaced by its ``uint32`` key data (what orbax can write)."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
 def _abstract(tree):
@@ -119,15 +144,21 @@ class Checkpointer:
 
     # -------------------------------------------------------------------- save
     def save(self, step: int, state, *, position=None, metadata: dict | None = None) -> None:
-        """Start saving ``state`` (any pytree of arrays) as checkpoint ``step``.
+        """Start saving ``state`` (any pytree of arrays, typed PRNG keys included) as checkpoint ``step``.
+
+        Returns once every array is copied to the host; the caller may then donate
+        or overwrite ``state``'s buffers while the files are written.
 
         ``position`` (the data iterator's ``(epoch, index)``) and ``metadata``
         (JSON-serialisable run description, compared on restore) go in a JSON item
         with every array's SHA-256 digest.
         """
+        keys = _key_impls(state)
+        state = _key_data(state)  # typed PRNG keys are written as their key data, re-wrapped on restore
         host = jax.device_get(state)  # the bytes being saved: digested here, whatever the step does next
         meta = {
             "layout": LAYOUT,
+            "prng_keys": keys,
             "step": int(step),
             "position": None if position is None else [int(v) for v in position],
             "metadata": metadata or {},
@@ -175,6 +206,13 @@ class Checkpointer:
 
     def _restore_structured(self, step: int, meta: dict, template):
         where = self.directory / str(step)
+        keys, saved_keys = _key_impls(template), meta.get("prng_keys", {})
+        if keys != saved_keys:
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} does not match this run: its typed PRNG keys "
+                f"(jax.random.key) differ: saved {saved_keys or 'none'}, this run {keys or 'none'}"
+            )
+        typed, template = template, _key_data(template)
         try:
             stored = self._manager.item_metadata(step)["state"]
         except Exception as e:
@@ -215,7 +253,10 @@ class Checkpointer:
                     "the one recorded at save time)"
                 )
         by_name = _leaves_by_name(state)  # back into the template's node types (NamedTuples), by leaf name
-        return jax.tree.unflatten(jax.tree.structure(template), [by_name[n] for n in _leaves_by_name(template)])
+        state = jax.tree.unflatten(jax.tree.structure(template), [by_name[n] for n in _leaves_by_name(template)])
+        return jax.tree.map(
+            lambda t, x: jax.random.wrap_key_data(x, impl=jax.random.key_impl(t)) if _is_key(t) else x, typed, state
+        )
 
 
 def _restore_flat(manager, directory: Path, step: int, meta: dict, template):
