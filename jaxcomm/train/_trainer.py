@@ -214,7 +214,10 @@ class Trainer:
             end through one :class:`Checkpointer` (asynchronous saves, all on disk
             when ``fit`` returns or raises); with ``resume`` the latest complete
             checkpoint is restored first (its structure, dtypes, digests and
-            ``metadata`` must match, else ``CheckpointError``).
+            ``metadata`` must match, else ``CheckpointError``). With ``comm``
+            (one process per worker) each process keeps its own folder
+            ``checkpoint_dir/rank_NNNNN`` and all resume from the newest step every
+            process has completed.
           callback: ``(step, state, row) -> state`` after each step (e.g. periodic
             parameter averaging).
         Returns:
@@ -224,6 +227,9 @@ class Trainer:
         Raises:
           NonFiniteLossError: NaN/Inf loss; the last good checkpoint stays on disk.
         """
+        if checkpoint_dir is not None and self.comm is not None and (self.num_workers or 1) > 1:
+            # One process per worker: each keeps its own state (memories, keys) in its own folder.
+            checkpoint_dir = Path(checkpoint_dir) / f"rank_{int(getattr(self.comm, 'rank', 0)):05d}"
         ckpt = Checkpointer(checkpoint_dir) if checkpoint_dir is not None else None  # one manager for the run
         try:
             return self._fit(
@@ -244,6 +250,17 @@ class Trainer:
             if ckpt is not None:
                 ckpt.close()  # waits for the last (asynchronous) save
 
+    def _agreed_step(self, latest: int | None) -> int | None:
+        """The step every process resumes from: the smallest of their latest complete checkpoints
+        (``None``, a fresh start, if one has none), so processes never resume at different steps."""
+        mpi = getattr(self.comm, "comm", None)  # MPIComm's mpi4py communicator
+        if mpi is None or (self.num_workers or 1) == 1:
+            return latest
+        from mpi4py import MPI
+
+        agreed = mpi.allreduce(-1 if latest is None else int(latest), op=MPI.MIN)
+        return None if agreed < 0 else agreed
+
     def _fit(
         self,
         state,
@@ -263,8 +280,9 @@ class Trainer:
 
         history: list[dict] = []
         checkpoint_dir = None if ckpt is None else ckpt.directory
-        if ckpt is not None and resume and ckpt.latest_step() is not None:
-            state, position, _ = ckpt.restore(state, metadata=metadata)
+        step = self._agreed_step(ckpt.latest_step()) if ckpt is not None and resume else None
+        if step is not None:
+            state, position, _ = ckpt.restore(state, step=step, metadata=metadata)
             if position is not None and hasattr(batches, "seek"):
                 batches.seek(position)
         start = int(_first_worker(state.step)) if self.mesh is not None else int(state.step)
