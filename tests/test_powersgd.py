@@ -236,11 +236,11 @@ def _grads(steps, n, seed=0):
     return [[{"b": rng.normal(size=18), "w": rng.normal(size=(24, 18))} for _ in range(n)] for _ in range(steps)]
 
 
-@pytest.mark.parametrize("start", [0, 1, 3])
-def test_start_powersgd_iter_matches_the_hook_semantics(start):
+@pytest.mark.parametrize(("start", "n", "use_shard_map"), [(0, 4, False), (1, 4, False), (3, 4, False), (2, 2, True)])
+def test_start_powersgd_iter_matches_the_hook_semantics(start, n, use_shard_map):
     import optax
 
-    n, steps, rank, lr = 4, 6, 2, 0.1
+    steps, rank, lr = 6, 2, 0.1
     grads = _grads(steps, n, seed=start)
     c = jc.compressors.powersgd(rank=rank, start_powerSGD_iter=start, seed=3)
     assert c.dense_warmup == start and c.params["start_powerSGD_iter"] == start
@@ -248,16 +248,26 @@ def test_start_powersgd_iter_matches_the_hook_semantics(start):
     params = {"b": jnp.zeros((n, 18)), "w": jnp.zeros((n, 24, 18))}
     state = jax.vmap(tx.init)(params)
 
-    def step(p, s, g):
+    def worker_step(p, s, g):
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    step = jax.jit(jax.vmap(step, axis_name="w"))
+    if use_shard_map:  # one device per worker, check_vma on (jax.shard_map's default)
+        mesh = jax.make_mesh((n,), ("w",))
+        spec = jax.sharding.PartitionSpec("w")
+        put = lambda t: jax.device_put(t, jax.sharding.NamedSharding(mesh, spec))
+        body = lambda *a: jax.tree.map(lambda v: v[None], worker_step(*jax.tree.map(lambda v: v[0], a)))
+        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+        params, state = put(params), put(state)
+    else:
+        put = lambda t: t
+        step = jax.jit(jax.vmap(worker_step, axis_name="w"))
     bits = []
     for gs in grads:
-        g = {k: jnp.asarray(np.stack([w[k] for w in gs]), jnp.float32) for k in ("b", "w")}
+        g = put({k: jnp.asarray(np.stack([w[k] for w in gs]), jnp.float32) for k in ("b", "w")})
         params, state = step(params, state, g)
         bits.append(int(np.asarray(state[0].wire_bits)[0].sum()))
+    params, state = jax.device_get((params, state))
     want, err, want_bits = _np_powersgd_hook(grads, start, rank, seed=3, lr=lr)
     for k in ("b", "w"):
         np.testing.assert_allclose(np.asarray(params[k][0]), want[k], rtol=2e-4, atol=2e-5, err_msg=k)
@@ -341,8 +351,10 @@ def test_batch_tensors_with_same_shape_equals_the_per_tensor_run(use_shard_map):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(s_a.wire_bits, s_b.wire_bits)  # the same bits, fewer collectives:
     # a compressed matrix takes 2 rounds, a 1-D tensor 1 (sent dense). Per tensor: k1, k2, k3, u: 2 each,
-    # b1, b2: 1 each = 10. Batched: the (24, 18) pair k2, k3: 2; the (18,) pair: 1; k1 (a different
-    # shape, the same matrix view) and u alone: 2 each = 7.
-    assert int(s_a.messages[0]) == 10 and int(s_b.messages[0]) == 7
+    # b1, b2: 1 each = 10. Batched, by matrix view as PyTorch's tensor.view(n, -1): k1 (6, 4, 18) joins
+    # the (24, 18) pair k2, k3: 2; the (18,) pair: 1; u alone: 2 = 5.
+    assert int(s_a.messages[0]) == 10 and int(s_b.messages[0]) == 5
+    for k in ("k1", "k2"):  # the updates keep each tensor's own shape
+        assert np.shape(u_b[0][k]) == np.shape(u_a[0][k])
     with pytest.raises(TypeError, match="batch_tensors_with_same_shape must be a bool"):
         jc.compressors.powersgd(rank=1, batch_tensors_with_same_shape=1)

@@ -181,17 +181,23 @@ def powersgd(
         all-reduce per tensor) and leaves the error-feedback memory at zero and ``Q``
         undrawn; PowerSGD, and the memory, start at the switch (the compressor's
         ``dense_warmup``). Integer ``>= 0``; ``0`` (the default here, PyTorch's is
-        1,000): compress from the first step.
-      batch_tensors_with_same_shape: PyTorch's option: tensors of the same shape
-        and dtype run their rounds as one batch (``jax.vmap``: batched matrix
-        products and orthogonalisation, one all-reduce per round for the group),
-        each with its own key and state, so the result equals the per-tensor one
-        up to float rounding (:func:`jaxcomm.transforms.compressed_mean` under
-        ``"allreduce"``).
+        1,000): compress from the first step. PyTorch refuses ``<= 1`` with error
+        feedback or warm start because DDP rebuilds its gradient buckets after
+        the first step; jaxcomm's per-tensor state has no buckets, so 0 and 1 are
+        accepted.
+      batch_tensors_with_same_shape: PyTorch's option: tensors with the same
+        matrix view ``(n, m)`` (:func:`powersgd_plan`; e.g. a ``(6, 4, 18)`` and a
+        ``(24, 18)`` array, as PyTorch groups its ``(n, m)`` views) and dtype run
+        their rounds as one batch (``jax.vmap``: batched matrix products and
+        orthogonalisation, one all-reduce per round for the group), each with its
+        own key and state, so the result equals the per-tensor one up to float
+        rounding (:func:`jaxcomm.transforms.compressed_mean` under ``"allreduce"``).
       seed: seed of the optax transformation's key.
     Raises:
       ValueError/TypeError: rank < 1, both rank names given with different
-        values, a non-positive or non-finite rate, a negative epsilon.
+        values, a non-positive or non-finite rate, a negative epsilon, a negative
+        or non-integer ``start_powerSGD_iter``, a non-bool ``warm_start`` or
+        ``batch_tensors_with_same_shape``.
     """
     matrix_approximation_rank = check_positive_int(matrix_approximation_rank, "matrix_approximation_rank")
     if rank is not None:

@@ -420,31 +420,51 @@ def run_rounds(compressor: Compressor, x, key, state, comm):
     return payload, new_state, sent
 
 
+def _matrix_view(shape: tuple) -> tuple:
+    """``(prod(shape[:-1]), shape[-1])`` for arrays of rank >= 2, else ``shape``: the matrix a
+    batching compressor sees (:func:`jaxcomm.compressors.powersgd_plan`)."""
+    return shape if len(shape) < 2 else (int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1]))
+
+
 def _batched_rounds(comm, phis, keys, states, compressors) -> tuple[dict, int]:
-    """Rounds of same-shaped tensors run as one batch (PyTorch PowerSGD's ``batch_tensors_with_same_shape``).
+    """Rounds of tensors with one matrix view run as one batch (PyTorch PowerSGD's ``batch_tensors_with_same_shape``).
 
     Tensors whose compressor has ``params["batch_tensors_with_same_shape"]`` and ``rounds``
-    are grouped by compressor, shape and dtype; each group of two or more runs
-    :func:`run_rounds` once under ``jax.vmap`` over the stacked tensors, keys and
-    states: batched matrix products and one collective per round for the whole
-    group, with each tensor's own key and state, so each result equals the tensor's
-    own run up to float rounding. Returns ``({index: (payload, state, sent)}, collectives run)``.
+    are grouped by compressor, dtype, state shapes and matrix view (:func:`_matrix_view`:
+    a ``(6, 4, 18)`` and a ``(24, 18)`` tensor share the view ``(24, 18)``, as PyTorch
+    groups its ``tensor.view(n, -1)`` matrices); such a compressor must give the same
+    result on a tensor and on its view, as PowerSGD does. Each group of two or more runs
+    :func:`run_rounds` and ``decompress`` once under ``jax.vmap`` over the stacked views,
+    keys and states: batched matrix products and one collective per round for the whole
+    group, with each tensor's own key and state, so each result equals the tensor's own
+    run up to float rounding. Returns ``({index: (payload, state, sent, total)},
+    collectives run)``; ``total`` (the decompressed sum) has the tensor's shape, the
+    payload the view's.
     """
     groups: dict = {}
     for i, (phi, st, c) in enumerate(zip(phis, states, compressors)):
         if c.rounds is not None and c.params.get("batch_tensors_with_same_shape"):
-            sig = (id(c), tuple(jnp.shape(phi)), jnp.result_type(phi), jax.tree.structure(st))
+            st_shapes = tuple(jnp.shape(v) for v in jax.tree.leaves(st))
+            sig = (id(c), _matrix_view(jnp.shape(phi)), jnp.result_type(phi), jax.tree.structure(st), st_shapes)
             groups.setdefault(sig, []).append(i)
     out, messages = {}, 0
-    for idx in groups.values():
+    for (_, view, *_), idx in groups.items():
         if len(idx) < 2:
             continue
         c = compressors[idx[0]]
-        stack = [jax.tree.map(lambda *v: jnp.stack(v), *[seq[i] for i in idx]) for seq in (phis, keys, states)]
-        payload, state, sent = jax.vmap(lambda x, k, s, c=c: run_rounds(c, x, k, s, comm))(*stack)
+        views = [jnp.reshape(phis[i], view) for i in idx]
+        seqs = (views, [keys[i] for i in idx], [states[i] for i in idx])
+        stack = [jax.tree.map(lambda *v: jnp.stack(v), *seq) for seq in seqs]
+
+        def one(x, k, s, c=c):
+            payload, state, sent = run_rounds(c, x, k, s, comm)
+            return payload, state, sent, c.decompress(payload)
+
+        payload, state, sent, total = jax.vmap(one)(*stack)
         messages += len(sent)
         for j, i in enumerate(idx):
-            out[i] = jax.tree.map(lambda v, j=j: v[j], (payload, state, sent))
+            p_j, s_j, sent_j, t_j = jax.tree.map(lambda v, j=j: v[j], (payload, state, sent, total))
+            out[i] = (p_j, s_j, sent_j, jnp.reshape(t_j, jnp.shape(phis[i])))
     return out, messages
 
 
@@ -570,9 +590,9 @@ def exchange(
     messages = messages if n > 1 else 0
     for i, (phi, key, state, c, a) in enumerate(zip(phis, keys, states, compressors, acc)):
         if i in batched:
-            payload, state, sent = batched[i]
+            payload, state, sent, total = batched[i]
             bits.append(count_bits(sum(_array_bits(m) for m in sent)))
-            totals.append(c.decompress(payload).astype(a))
+            totals.append(total.astype(a))
         elif rounds and c.rounds is not None:
             payload, state, sent = run_rounds(c, phi, key, state, comm if n > 1 else LOCAL)
             messages += len(sent) if n > 1 else 0

@@ -22,7 +22,7 @@ from jaxcomm.transforms import compressed_mean, doublesqueeze
 N = 4
 STEPS = 3
 LR = 0.1
-SHAPES = {"b": (5,), "v": (16, 12), "w": (16, 12)}
+SHAPES = {"b": (5,), "v": (16, 12), "w": (4, 4, 12)}  # v and w: one matrix view (16, 12)
 
 CASES = {
     # allreduce with a shared key: random-k values summed, positions regenerated from the key
@@ -42,7 +42,7 @@ CASES = {
     "powersgd_allreduce": lambda **where: compressed_mean(
         jc.compressors.powersgd(matrix_approximation_rank=1), memory=mem.residual(), **where
     ),
-    # PyTorch's options: a dense all-reduce on step 0, then the same-shaped v and w in one vmapped batch
+    # PyTorch's options: a dense all-reduce on step 0, then v and w (one matrix view) in one vmapped batch
     "powersgd_batched_warmup": lambda **where: compressed_mean(
         jc.compressors.powersgd(rank=1, start_powerSGD_iter=1, batch_tensors_with_same_shape=True),
         memory=mem.residual(),
