@@ -292,3 +292,27 @@ def test_custom_compressor_declares_its_randomness():
         testing.check_key_use(liar)
     with pytest.raises(TypeError, match="stochastic must be"):
         jc.compressors.Compressor.create(**kwargs, stochastic="yes")
+
+
+@pytest.mark.parametrize("seed", [2**32, 2**32 + 5, 2**64])
+def test_seeds_that_would_alias_are_refused(seed):
+    # Without x64, PRNGKey keeps 32 bits: PRNGKey(2**32) == PRNGKey(0). Such seeds are refused by name.
+    with pytest.raises(ValueError, match=r"seed must be below 2\*\*32"):
+        jc.compressors.randomk(ratio=0.3, seed=seed)
+    from flax import nnx
+
+    from jaxcomm.models import MLP
+    from jaxcomm.train import Trainer
+
+    with pytest.raises(ValueError, match=r"seed must be below 2\*\*32"):
+        Trainer(MLP(in_features=4, hidden=(2,), num_classes=2, rngs=nnx.Rngs(0)), jc.compressors.none(), seed=seed)
+
+
+def test_the_largest_seed_gives_its_own_key():
+    c = jc.compressors.randomk(ratio=0.3, seed=2**32 - 1)
+    state = c.init({"w": jnp.zeros(10)})
+    assert not np.array_equal(
+        np.asarray(state.key), np.asarray(jc.compressors.randomk(ratio=0.3).init({"w": jnp.zeros(10)}).key)
+    )
+    with pytest.raises((ValueError, TypeError), match="seed"):
+        jc.compressors.randomk(ratio=0.3, seed=-1)

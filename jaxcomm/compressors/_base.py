@@ -255,8 +255,13 @@ def check_finite_scalar(
     return value
 
 
+SEED_LIMIT = 2**32
+"""Seeds are integers in ``[0, 2**32)``: ``jax.random.PRNGKey`` keeps the low 32 bits without x64,
+so larger seeds would alias smaller ones (``PRNGKey(2**32) == PRNGKey(0)``)."""
+
+
 def check_seed(seed) -> int | Array:
-    """Validate a compressor's seed: an integer >= 0, or a traced integer scalar.
+    """Validate a seed: an integer in ``[0, 2**32)`` (:data:`SEED_LIMIT`), or a traced integer scalar.
 
     The seed is read once, by ``init`` (``PRNGKey(seed)``); the key then lives in
     the optax state. ``optax.inject_hyperparams`` injects it like any number, so a
@@ -268,7 +273,13 @@ def check_seed(seed) -> int | Array:
         return seed
     if isinstance(seed, jax.Array) and jnp.ndim(seed) == 0 and jnp.issubdtype(seed.dtype, jnp.integer):
         seed = seed.item()
-    return check_positive_int(seed, "seed", minimum=0)
+    seed = check_positive_int(seed, "seed", minimum=0)
+    if seed >= SEED_LIMIT:
+        raise ValueError(
+            f"seed must be below 2**32 = {SEED_LIMIT}; got {seed}: PRNGKey keeps 32 bits of it without x64, "
+            f"so {seed} would give the same key as {seed % SEED_LIMIT}"
+        )
+    return seed
 
 
 # --------------------------------------------------------------------------- #

@@ -111,6 +111,9 @@ class Trainer:
     replicated_params: bool = False
 
     def __post_init__(self):
+        from ..compressors._base import check_seed
+
+        self.seed = int(check_seed(self.seed))
         self.pure: PureModel = split_model(self.model)
         if callable(self.task):
             self.loss_fn = self.task
