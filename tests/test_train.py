@@ -342,3 +342,19 @@ def test_messages_count_the_arrays_handed_to_collectives():
         batches = data.WorkerBatches(data.split_iid(ds, workers, jax.random.PRNGKey(0)), 64, jax.random.PRNGKey(1))
         _, history = trainer.fit(trainer.init_state(), batches, 2, progress=False)
         assert [row["messages"] for row in history] == [workers * per_worker] * 2, c.name
+
+
+def test_wire_bit_counters_are_kept_per_tensor_and_summed_exactly():
+    # Two transforms' counters near int32's limit: a float32 sum would round, an int32 one would wrap.
+    from jaxcomm.train import collect_counter
+
+    big = np.int32(2**31 - 1)
+    state = (
+        jc.transforms.PeriodicAverageState(count=jnp.int32(1), wire_bits=jnp.array([big, 3]), messages=jnp.int32(1)),
+        {"inner": jc.transforms.PeriodicAverageState(jnp.int32(1), jnp.array([big]), jnp.int32(2))},
+    )
+    counts = collect_counter(state)
+    assert counts.dtype == jnp.int32 and counts.tolist() == [big, 3, big]
+    assert int(np.asarray(counts, np.int64).sum()) == 2 * (2**31 - 1) + 3
+    assert int(collect_counter(state, "messages").sum()) == 3
+    assert collect_counter({}).shape == (0,)

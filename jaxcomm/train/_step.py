@@ -62,21 +62,24 @@ def init_train_state(params, model_state, tx: optax.GradientTransformation, key)
 
 
 def collect_counter(opt_state, field: str = "wire_bits") -> jax.Array:
-    """Sum of every ``field`` attribute of NamedTuple states inside ``opt_state``.
+    """Every ``field`` attribute of NamedTuple states inside ``opt_state``, as one int32 vector.
 
     Communicating transforms record what they sent in the step in a state field
-    named ``wire_bits`` (bits sent by this worker) and ``messages``; the trainer
-    reports the sum. Returns float32 0 when no transform records ``field``.
+    named ``wire_bits`` (bits sent by this worker, one int32 count per tensor) and
+    ``messages``. The counts are concatenated, not summed: a float32 sum is inexact
+    past 2**24 bits and an int32 one wraps past 2**31, so the host sums them in
+    int64 (the trainer does). Empty (shape ``(0,)``) when no transform records ``field``.
     """
 
     def has(n):
         return hasattr(n, "_fields") and field in n._fields
 
-    total = jnp.zeros((), jnp.float32)
-    for node in jax.tree.leaves(opt_state, is_leaf=has):
-        if has(node):
-            total = total + jnp.asarray(getattr(node, field), jnp.float32).sum()
-    return total
+    parts = [
+        jnp.ravel(jnp.asarray(getattr(node, field))).astype(jnp.int32)
+        for node in jax.tree.leaves(opt_state, is_leaf=has)
+        if has(node)
+    ]
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)
 
 
 def _worker_step(loss_fn: LossFn, tx: optax.GradientTransformation):
@@ -90,8 +93,8 @@ def _worker_step(loss_fn: LossFn, tx: optax.GradientTransformation):
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics)
         metrics["loss"] = loss
-        metrics["wire_bits"] = collect_counter(opt_state, "wire_bits")
-        metrics["messages"] = collect_counter(opt_state, "messages")
+        metrics["wire_bits"] = collect_counter(opt_state, "wire_bits")  # per tensor: summed on the host
+        metrics["messages"] = collect_counter(opt_state, "messages").sum()
         new = TrainState(state.step + 1, params, model_state, opt_state, key)
         return new, metrics
 
@@ -133,7 +136,9 @@ def make_train_step(
 
     Returns:
       The jitted step. Metrics come back per worker (leading axis on a mesh):
-      ``loss``, ``wire_bits``, ``messages`` and the loss function's own.
+      ``loss``, ``wire_bits`` (int32 per-tensor counts, :func:`collect_counter`;
+      with ``comm``, every worker's, gathered), ``messages`` and the loss
+      function's own.
     """
     if (mesh is None) == (comm is None):
         raise ValueError("pass exactly one of mesh=... (shard_map over devices) or comm=... (one worker per process)")
@@ -147,8 +152,10 @@ def make_train_step(
                 # One small allreduce so every process reports the workers' mean
                 # (and the total of ``messages``), as the mesh backend's host side does.
                 size = comm.size
+                bits = comm.all_gather(metrics.pop("wire_bits"))  # int32 [workers, tensors], exact
                 totals = comm.sum({k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()})
                 metrics = {k: (v if k == "messages" else v / size) for k, v in totals.items()}
+                metrics["wire_bits"] = bits
             return new, metrics
 
         return jax.jit(body, donate_argnums=donate_argnums)
