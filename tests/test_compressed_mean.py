@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compressor_examples import MEAN_KWARGS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
@@ -338,18 +339,6 @@ def test_step_traces_once():
 # --------------------------------------------------------------------------- #
 # Every registered compressor through compressed_mean (vmap axis, cheap)
 # --------------------------------------------------------------------------- #
-KWARGS = {
-    "qsgd": dict(levels=4),
-    "randomk": dict(ratio=0.3),
-    "topk": dict(ratio=0.3),
-    "threshold": dict(v=0.5),
-    "dgc": dict(ratio=0.3),
-    "adaptive": dict(ratio=0.3),
-    "powersgd": dict(matrix_approximation_rank=2),
-    "qsparse": dict(ratio=0.3, levels=4),
-    "random_sparsification": dict(p=0.5),
-    "sketchml": dict(buckets=16),
-}
 
 
 def for_feedback(c, d: int):
@@ -362,7 +351,7 @@ def for_feedback(c, d: int):
 @pytest.mark.parametrize("name", jc.compressors.names())
 def test_every_compressor_matches_per_worker_roundtrips(name):
     """vmap-axis compressed_mean == mean over workers of each worker's own Q⁻¹(Q(φ)); memory φ − Q⁻¹(Q(φ))."""
-    c = jc.compressors.make(name, **KWARGS.get(name, {}))
+    c = jc.compressors.make(name, **MEAN_KWARGS.get(name, {}))
     if c.strategy == "allreduce" and c.rounds is not None:
         pytest.skip(f"{name} communicates in rounds; covered by its own tests and randk_hook")
     n, shape = 3, SHAPES["w"]
@@ -408,7 +397,7 @@ def test_every_compressor_traces_inside_shard_map(name):
     sparsifiers; values must keep consistent device-varying types through
     their loops and branches, or the step cannot be built inside shard_map.
     """
-    c = jc.compressors.make(name, **KWARGS.get(name, {}))
+    c = jc.compressors.make(name, **MEAN_KWARGS.get(name, {}))
     n, mesh = 4, mesh_of(4)
     c = for_feedback(c, 9216)  # the largest leaf; ω grows with the size
     tx = compressed_mean(c, "data", memory=mem.residual())
@@ -545,7 +534,7 @@ def test_fuse_does_not_change_the_numbers(name):
     leaves in one tree; the packed gather itself is checked for every dtype in tests/test_packing.py).
     Count-based payloads (dgc) are the exception for wire bits: each variable-length gather pads to
     its own bucket, so the padding depends on the grouping (tests/test_wire_accounting.py checks it)."""
-    c = for_feedback(jc.compressors.make(name, **KWARGS.get(name, {})), 42)
+    c = for_feedback(jc.compressors.make(name, **MEAN_KWARGS.get(name, {})), 42)
     n = 3
     g = {
         "a": jax.random.normal(jax.random.PRNGKey(1), (n, 40)),

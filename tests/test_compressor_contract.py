@@ -6,30 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compressor_examples import EXAMPLE_KWARGS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxcomm as jc
 from jaxcomm import testing
-
-# Small-tensor-friendly hyper-parameters for each registered name; a name
-# missing here is built with its defaults.
-EXAMPLE_KWARGS = {
-    "qsgd": dict(levels=4),
-    "randomk": dict(ratio=0.3),
-    "topk": dict(ratio=0.3),
-    "threshold": dict(v=0.5),
-    "dgc": dict(ratio=0.3),
-    "adaptive": dict(ratio=0.3),
-    "powersgd": dict(matrix_approximation_rank=2),
-    "qsparse": dict(ratio=0.3, levels=4),
-    "random_sparsification": dict(p=0.5),
-    "clipping": dict(bits=8),
-    "stochastic_rounding": dict(bits=4),
-    "sketchml": dict(buckets=16),
-    "inceptionn": dict(error_bound=0.01),
-}
-
 
 TOPK = jc.compressors.topk(ratio=0.3)
 

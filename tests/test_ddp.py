@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compressor_examples import MEAN_KWARGS
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,18 +28,6 @@ from jaxcomm.transforms import CompressionState, compressed_mean
 
 N = 4
 LR = 0.1
-KWARGS = {
-    "qsgd": dict(levels=4),
-    "randomk": dict(ratio=0.3),
-    "topk": dict(ratio=0.3),
-    "threshold": dict(v=0.5),
-    "dgc": dict(ratio=0.3),
-    "adaptive": dict(ratio=0.3),
-    "powersgd": dict(matrix_approximation_rank=2),
-    "qsparse": dict(ratio=0.3, levels=4),
-    "random_sparsification": dict(p=0.5),
-    "sketchml": dict(buckets=16),
-}
 X0 = {"b": np.linspace(-1.0, 1.0, 5, dtype=np.float32), "w": np.linspace(-2.0, 2.0, 42, dtype=np.float32).reshape(6, 7)}
 
 
@@ -130,7 +119,7 @@ def _vmap_mean(tx, grads):
 
 
 def _run(name, strategy):
-    c = jc.compressors.make(name, **KWARGS.get(name, {}))
+    c = jc.compressors.make(name, **MEAN_KWARGS.get(name, {}))
     mean_tx = compressed_mean(c, "data", strategy=strategy)
     tx = optax.chain(mean_tx, optax.sgd(LR))
     mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:N])

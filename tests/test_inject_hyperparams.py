@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compressor_examples import EXAMPLE_KWARGS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,22 +21,6 @@ import jaxcomm as jc
 # (compressor, hyper-parameter) pairs that may be traced.
 TRACEABLE = {("signum", "momentum"), ("onebit", "threshold"), ("threshold", "v")}
 
-# Valid values of the required hyper-parameters (and small ones for speed).
-BASE_KWARGS = {
-    "qsgd": dict(levels=4),
-    "randomk": dict(ratio=0.3),
-    "topk": dict(ratio=0.3),
-    "threshold": dict(v=0.5),
-    "dgc": dict(ratio=0.3),
-    "adaptive": dict(ratio=0.3),
-    "powersgd": dict(matrix_approximation_rank=2),
-    "qsparse": dict(ratio=0.3, levels=4),
-    "random_sparsification": dict(p=0.5),
-    "clipping": dict(bits=8),
-    "stochastic_rounding": dict(bits=4),
-    "sketchml": dict(buckets=16),
-    "inceptionn": dict(error_bound=0.01),
-}
 
 BUILTIN = sorted(n for n in jc.compressors.names() if n in jc.compressors.__all__)
 
@@ -43,7 +28,7 @@ BUILTIN = sorted(n for n in jc.compressors.names() if n in jc.compressors.__all_
 def _numeric_params(name, kwargs=None):
     """The hyper-parameters optax.inject_hyperparams would inject as arrays: numbers, not bools."""
     factory = getattr(jc.compressors, name)
-    kwargs = BASE_KWARGS.get(name, {}) if kwargs is None else kwargs
+    kwargs = EXAMPLE_KWARGS.get(name, {}) if kwargs is None else kwargs
     out = {}
     for p in inspect.signature(factory).parameters.values():
         value = kwargs.get(p.name, p.default)
@@ -53,7 +38,7 @@ def _numeric_params(name, kwargs=None):
 
 
 STRUCTURAL = [
-    (name, param, BASE_KWARGS.get(name, {}))
+    (name, param, EXAMPLE_KWARGS.get(name, {}))
     for name in BUILTIN
     for param in _numeric_params(name)
     if param != "seed" and (name, param) not in TRACEABLE

@@ -10,6 +10,7 @@ messages, step time), checkpoints with orbax and resumes bit-identically.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -234,24 +235,48 @@ class Trainer:
             # One process per worker: each keeps its own state (memories, keys) in its own folder.
             checkpoint_dir = Path(checkpoint_dir) / f"rank_{int(getattr(self.comm, 'rank', 0)):05d}"
         ckpt = Checkpointer(checkpoint_dir) if checkpoint_dir is not None else None  # one manager for the run
-        try:
-            return self._fit(
-                state,
-                batches,
-                num_steps,
-                ckpt,
-                eval_fn,
-                eval_every,
-                checkpoint_every,
-                metadata,
-                resume,
-                progress,
-                desc,
-                callback,
-            )
-        finally:
-            if ckpt is not None:
-                ckpt.close()  # waits for the last (asynchronous) save
+        with ckpt if ckpt is not None else contextlib.nullcontext():  # close() waits for the last save
+            from tqdm.auto import tqdm
+
+            history: list[dict] = []
+            step = self._agreed_step(ckpt.latest_step()) if ckpt is not None and resume else None
+            if ckpt is not None and step is not None:
+                state, position, _ = ckpt.restore(state, step=step, metadata=metadata)
+                if position is not None and hasattr(batches, "seek"):
+                    batches.seek(position)
+            start = int(_first_worker(state.step)) if self.mesh is not None else int(state.step)
+            bar = tqdm(total=num_steps, initial=start, desc=desc, disable=not progress, leave=False)
+            for step in range(start, num_steps):
+                batch = self.worker_batch(next(batches))
+                t0 = time.perf_counter()
+                state, metrics = self.step_fn(state, batch)
+                metrics = jax.tree.map(_to_host, metrics)
+                elapsed = time.perf_counter() - t0
+                row = {"step": step + 1, "step_time": elapsed}
+                for k, v in metrics.items():
+                    if k == "wire_bits":  # int32 per-tensor counts [workers, tensors]: exact int64 sums per worker
+                        v = np.asarray(v, np.int64)
+                        row[k] = float(v.reshape(-1, v.shape[-1]).sum(axis=-1).mean()) if v.size else 0.0
+                        continue
+                    v = np.asarray(v, np.float64)
+                    row[k] = float(v.sum()) if k == "messages" else float(v.mean())
+                if not math.isfinite(row["loss"]):
+                    bar.close()
+                    where = f"; the last good checkpoint is in {checkpoint_dir}" if checkpoint_dir else ""
+                    raise NonFiniteLossError(f"loss became {row['loss']} at step {step + 1}{where}")
+                if callback is not None:
+                    state = callback(step + 1, state, row)
+                if eval_fn is not None and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == num_steps):
+                    row.update({f"eval_{k}": v for k, v in eval_fn(state).items()})
+                history.append(row)
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.4f}")
+                if ckpt is not None and (
+                    (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == num_steps
+                ):
+                    ckpt.save(step + 1, state, position=getattr(batches, "position", None), metadata=metadata)
+            bar.close()
+            return state, history
 
     def _agreed_step(self, latest: int | None) -> int | None:
         """The step every process resumes from: the smallest of their latest complete checkpoints
@@ -263,61 +288,3 @@ class Trainer:
 
         agreed = mpi.allreduce(-1 if latest is None else int(latest), op=MPI.MIN)
         return None if agreed < 0 else agreed
-
-    def _fit(
-        self,
-        state,
-        batches,
-        num_steps,
-        ckpt,
-        eval_fn,
-        eval_every,
-        checkpoint_every,
-        metadata,
-        resume,
-        progress,
-        desc,
-        callback,
-    ):
-        from tqdm.auto import tqdm
-
-        history: list[dict] = []
-        checkpoint_dir = None if ckpt is None else ckpt.directory
-        step = self._agreed_step(ckpt.latest_step()) if ckpt is not None and resume else None
-        if step is not None:
-            state, position, _ = ckpt.restore(state, step=step, metadata=metadata)
-            if position is not None and hasattr(batches, "seek"):
-                batches.seek(position)
-        start = int(_first_worker(state.step)) if self.mesh is not None else int(state.step)
-        bar = tqdm(total=num_steps, initial=start, desc=desc, disable=not progress, leave=False)
-        for step in range(start, num_steps):
-            batch = self.worker_batch(next(batches))
-            t0 = time.perf_counter()
-            state, metrics = self.step_fn(state, batch)
-            metrics = jax.tree.map(_to_host, metrics)
-            elapsed = time.perf_counter() - t0
-            row = {"step": step + 1, "step_time": elapsed}
-            for k, v in metrics.items():
-                if k == "wire_bits":  # int32 per-tensor counts [workers, tensors]: exact int64 sums per worker
-                    v = np.asarray(v, np.int64)
-                    row[k] = float(v.reshape(-1, v.shape[-1]).sum(axis=-1).mean()) if v.size else 0.0
-                    continue
-                v = np.asarray(v, np.float64)
-                row[k] = float(v.sum()) if k == "messages" else float(v.mean())
-            if not math.isfinite(row["loss"]):
-                bar.close()
-                where = f"; the last good checkpoint is in {checkpoint_dir}" if checkpoint_dir else ""
-                raise NonFiniteLossError(f"loss became {row['loss']} at step {step + 1}{where}")
-            if callback is not None:
-                state = callback(step + 1, state, row)
-            if eval_fn is not None and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == num_steps):
-                row.update({f"eval_{k}": v for k, v in eval_fn(state).items()})
-            history.append(row)
-            bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.4f}")
-            if ckpt is not None and (
-                (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == num_steps
-            ):
-                ckpt.save(step + 1, state, position=getattr(batches, "position", None), metadata=metadata)
-        bar.close()
-        return state, history

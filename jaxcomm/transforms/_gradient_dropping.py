@@ -49,7 +49,7 @@ import numpy as np
 import optax
 
 from .. import memory as memory_lib
-from .._vma import cast_varying, varying_axes
+from .._vma import cast_varying, typed_cond, varying_axes
 from ..comm import resolve
 from ..compressors import index_dtype, topk
 from ..compressors._base import Compressor, check_finite_scalar, check_positive_int
@@ -358,15 +358,7 @@ def gradient_dropping(
             def dense(_):
                 return run(lambda phi: _threshold_rule(num_kept(ratio, int(np.size(phi)))), "allreduce")
 
-            axes = frozenset().union(*[varying_axes(g) for g in leaves + res_leaves])
-
-            def typed(branch):
-                def go(operand):
-                    return jax.tree.map(lambda x: cast_varying(x, axes), branch(operand))
-
-                return go
-
-            outs, new_state = jax.lax.cond(use_sparse, typed(sparse), typed(dense), None)
+            outs, new_state = typed_cond(use_sparse, sparse, dense)
         return treedef.unflatten(outs), new_state
 
     return optax.GradientTransformationExtraArgs(init, update)
