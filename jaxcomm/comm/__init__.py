@@ -46,6 +46,7 @@ from ._protocol import (
     use,
 )
 from ._rma import OneSidedEventGrad, RMAExchange, RMAExchangeTimeout
+from ._watchdog import WATCHDOG_ABORT_CODE, MPIWatchdog, MPIWatchdogError
 
 __all__ = [
     "ALL_GATHER",
@@ -66,6 +67,9 @@ __all__ = [
     "Local",
     "MeshAxis",
     "MPIComm",
+    "MPIWatchdog",
+    "MPIWatchdogError",
+    "WATCHDOG_ABORT_CODE",
     "OneSidedEventGrad",
     "RMAExchange",
     "RMAExchangeTimeout",

@@ -196,6 +196,18 @@ class MPIComm:
         """Identity: across processes every value is already per worker."""
         return tree
 
+    def watchdog(self, timeout_s: float, **kwargs):
+        """An :class:`~jaxcomm.comm.MPIWatchdog` on this communicator's processes (opt-in).
+
+        A process that hangs or stops while the others wait inside a jitted
+        step ends the job within about ``timeout_s`` seconds, named; see
+        :class:`~jaxcomm.comm.MPIWatchdog` (``kwargs``: ``poll_s``,
+        ``abort_on_fault``). Collective.
+        """
+        from ._watchdog import MPIWatchdog
+
+        return MPIWatchdog(timeout_s, self.comm, **kwargs)
+
     def _agree(self, op: str, tree, extra: str = "") -> None:
         """Trace-time agreement check (see the class docstring); raises ``ValueError``."""
         if self._agree_comm is None:
