@@ -270,44 +270,60 @@ class MPIWatchdog:
             self._stop.wait(min(self.poll_s, 0.05))
 
     def _judge(self, now: float) -> str | None:
-        """The verdict line if this process has waited too long and someone is to blame, else ``None``."""
+        """The verdict line if this process has waited too long and someone is to blame, else ``None``.
+
+        Only processes that can be holding this one up are named: in step ``k``,
+        those that have not entered it; at close, those that have not closed.
+        Among them: no heartbeat for ``timeout_s`` (dead or stopped); closed with
+        fewer steps than this process's, or still stepping past this process's
+        count at close (call-count mismatch: the ranks whose count differs from
+        the most common one); alive but without progress for ``timeout_s``, and
+        not themselves waiting inside a step for someone further behind (hung).
+        """
         waiting_in_step = self._entered > self._left
         if not (waiting_in_step or self._closing) or now - self._changed <= self.timeout_s:
             return None
-        me = self._beat()
+        mine = self._entered
         states = {q: self._state[q] for q in self._peers}
-        states[self.rank] = me
         stale = {q: now - self._heard[q] for q in self._peers if now - self._heard[q] > self.timeout_s}
         fresh = {q: st for q, st in states.items() if q not in stale}
-        where = f"step {self._entered - 1}" if waiting_in_step else f"close (after {self._entered} steps)"
+        if self._closing:  # held up by whoever has not closed
+            blockers = {q: st for q, st in fresh.items() if not st[_B_CLOSING]}
+            mismatched = [q for q, st in blockers.items() if st[_B_ENTERED] > mine]
+            behind = {q: st for q, st in blockers.items() if st[_B_ENTERED] <= mine}
+            where = f"close (after {mine} steps)"
+        else:  # held up by whoever has not entered this step
+            blockers = {q: st for q, st in fresh.items() if st[_B_ENTERED] < mine}
+            mismatched = [q for q, st in blockers.items() if st[_B_CLOSING]]
+            behind = {q: st for q, st in blockers.items() if not st[_B_CLOSING]}
+            where = f"step {mine - 1}"
+        if not self._closing:  # a peer already past this step is not holding it up
+            stale = {q: a for q, a in stale.items() if states[q][_B_ENTERED] <= mine}
         parts = [f"rank {self.rank} waited {now - self._changed:.1f} s in {where}"]
         culprits = set(stale)
         if stale:
             ages = {q: round(a, 1) for q, a in sorted(stale.items())}
             parts.append(f"ranks {sorted(stale)} sent no heartbeat for {ages} s (dead or stopped)")
-        closing = [q for q, st in fresh.items() if st[_B_CLOSING]]
-        counts = {q: int(st[_B_ENTERED]) for q, st in fresh.items()}
-        if closing and len(closing) < len(fresh) and len(set(counts.values())) > 1:
+        if mismatched:
+            counts = {q: int(st[_B_ENTERED]) for q, st in fresh.items()}
+            counts[self.rank] = mine
             odd = _odd_ones(counts)
             culprits.update(odd)
             parts.append(
-                f"call-count mismatch: ranks {sorted(closing)} are closing while the others wait in a step "
-                f"(steps per rank {dict(sorted(counts.items()))}); ranks {odd} differ from the most common count"
+                f"call-count mismatch: steps per rank {dict(sorted(counts.items()))}, closing ranks "
+                f"{sorted([q for q, st in fresh.items() if st[_B_CLOSING]] + ([self.rank] if self._closing else []))}; "
+                f"ranks {odd} differ from the most common count"
             )
         else:
-            top = max(counts.values())
-            hung = {}
-            for q, st in fresh.items():
-                if q == self.rank or st[_B_ENTERED] >= top or st[_B_CLOSING]:
-                    continue
+            lowest = min(int(st[_B_ENTERED]) for st in states.values())
+            for q, st in sorted(behind.items()):
                 idle = st[_B_IDLE_MS] / 1e3 + (now - self._heard[q])
-                if idle > self.timeout_s:
-                    hung[q] = (idle, st)
-            for q, (idle, st) in sorted(hung.items()):
                 inside = st[_B_ENTERED] > st[_B_LEFT]
+                if idle <= self.timeout_s or (inside and st[_B_ENTERED] > lowest):
+                    continue  # progressing, or itself waiting for someone further behind
+                culprits.add(q)
                 at = f"stuck inside step {st[_B_ENTERED] - 1}" if inside else f"not entered step {st[_B_ENTERED]}"
                 parts.append(f"rank {q} is alive but its application has {at} for {idle:.1f} s (hung)")
-            culprits.update(hung)
         if not culprits:
             return None
         return f"culprit ranks {sorted(culprits)}: " + "; ".join(parts)

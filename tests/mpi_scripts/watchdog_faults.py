@@ -10,6 +10,8 @@ Scenarios, the fault striking before or in step ``FAULT_STEP``:
   watchdog thread keeps beating): the others wait inside the next step.
 * ``stop``: the culprit stops itself (``SIGSTOP``) inside a step: no more heartbeats.
 * ``raise``: the culprit raises inside a step.
+* ``exit`` / ``kill``: the culprit exits with status 3 / is killed (``SIGKILL``)
+  inside a step: ``mpirun`` itself ends the job and names it.
 * ``fewer``: the culprit makes one step fewer than the others (it closes while
   they wait inside their last step).
 * ``fewer_local``: as ``fewer`` with a step without collectives, so every rank
@@ -54,10 +56,19 @@ def main(scenario: str, timeout: float) -> None:
         if bad and t == FAULT_STEP:
             if scenario == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif scenario == "exit":
+                os._exit(3)
+            elif scenario == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             elif scenario == "raise":
                 raise RuntimeError("the culprit's step failed")
         return jstep(x, state, key)
 
+    if local:
+        # Without collectives the ranks do not wait for each other, so a rank still compiling
+        # its first step when a faster one closes would (rightly) be named for not closing;
+        # compile before the watched loop.
+        jstep(x, state, jax.random.PRNGKey(0))
     steps = STEPS - 1 if (bad and scenario.startswith("fewer")) else STEPS
     with comm.watchdog(timeout_s=timeout) as wd:
         step = wd.watch(body)

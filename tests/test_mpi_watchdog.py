@@ -1,0 +1,193 @@
+"""The MPI watchdog (jaxcomm.comm.MPIWatchdog) around a jitted compressed_mean step under mpirun.
+
+Worker script: tests/mpi_scripts/watchdog_faults.py (3 processes, a 2 s timeout, the last
+rank at fault). The assertions are here, on what the job printed and its exit status.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpirun import ROOT, mpirun_env, mpirun_path
+
+pytest.importorskip("mpi4py")
+from jaxcomm.comm import WATCHDOG_ABORT_CODE, MPIWatchdog, MPIWatchdogError  # noqa: E402
+from jaxcomm.comm import _watchdog as wdm  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent / "mpi_scripts" / "watchdog_faults.py"
+TIMEOUT_S = 2.0
+SIZE = 3
+CULPRIT = SIZE - 1
+
+
+def run_job(scenario: str) -> tuple[subprocess.CompletedProcess, str]:
+    cmd = [mpirun_path(), "-n", str(SIZE), "--oversubscribe", sys.executable, str(SCRIPT), scenario, str(TIMEOUT_S)]
+    env = mpirun_env()
+    env["PYTHONPATH"] = str(ROOT)
+    # Backstop only: a job that does not end by itself fails the test, never hangs the suite.
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90, cwd=ROOT)
+    return proc, (proc.stdout + proc.stderr).replace("\0", "")
+
+
+def verdicts(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("jaxcomm: rank ")]
+
+
+def finals(text: str) -> list[str]:
+    return [line.split(" done ")[1] for line in text.splitlines() if " done " in line]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("scenario", ["ok", "slow"])
+def test_documented_usage_exits_cleanly_and_a_slow_rank_only_slows_the_job(scenario):
+    # "slow": the culprit sleeps TIMEOUT/3 before step 3; nobody may be named.
+    proc, text = run_job(scenario)
+    assert proc.returncode == 0, text[-3000:]
+    assert not verdicts(text), text[-3000:]
+    done = finals(text)
+    assert len(done) == SIZE and len(set(done)) == 1, text[-3000:]  # identical parameters everywhere
+    assert not np.allclose(np.array(eval(done[0])), 1.0)  # the steps moved the parameters
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "scenario, cause",
+    [
+        ("hang", f"rank {CULPRIT} is alive but its application has not entered step 3 for"),
+        ("stop", f"ranks [{CULPRIT}] sent no heartbeat for"),
+        ("fewer", "call-count mismatch: steps per rank {0: 8, 1: 8, 2: 7}"),
+    ],
+)
+def test_a_rank_that_holds_up_the_step_is_named_and_the_job_ends(scenario, cause):
+    """hang: the culprit's application sleeps between steps (its heartbeats go on); stop: it
+    stops itself (SIGSTOP) inside step 3; fewer: it closes after 7 steps while the others wait
+    inside their 8th. Every verdict names the culprit and only it, after at least the timeout."""
+    proc, text = run_job(scenario)
+    assert proc.returncode == WATCHDOG_ABORT_CODE, text[-3000:]
+    lines = verdicts(text)
+    assert lines, text[-3000:]
+    for line in lines:
+        assert "MPI watchdog: culprit ranks [2]:" in line and cause in line and "aborting the job" in line, line
+        waited = float(re.search(r"waited ([0-9.]+) s", line).group(1))
+        assert waited >= TIMEOUT_S, line  # never before the timeout
+    judges = {int(re.match(r"jaxcomm: rank (\d+):", line).group(1)) for line in lines}
+    if scenario != "fewer":
+        assert CULPRIT not in judges  # the hung or stopped rank itself is not waiting
+    assert not finals(text)
+
+
+@pytest.mark.mpi
+def test_exception_on_one_rank_aborts_the_job_naming_it():
+    # Without the watchdog this job hangs: the culprit blocks in MPI_Finalize, the others in the step.
+    proc, text = run_job("raise")
+    assert proc.returncode == WATCHDOG_ABORT_CODE, text[-3000:]
+    lines = verdicts(text)
+    assert lines == [
+        f"jaxcomm: rank {CULPRIT}: RuntimeError left the MPI watchdog block: the culprit's step failed; "
+        "aborting the job"
+    ], text[-3000:]
+
+
+@pytest.mark.mpi
+def test_call_count_mismatch_without_collectives_is_an_error_at_close():
+    proc, text = run_job("fewer_local")
+    assert proc.returncode == WATCHDOG_ABORT_CODE, text[-3000:]
+    lines = verdicts(text)
+    assert len(lines) == SIZE, text[-3000:]  # every rank gathers the counts and raises
+    for line in lines:
+        assert "MPIWatchdogError left the MPI watchdog block" in line, line
+        assert "call-count mismatch, ranks [2] made a different number of steps" in line, line
+        assert "(steps per rank {0: 8, 1: 8, 2: 7})" in line, line
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "scenario, named",
+    [
+        ("exit", r"exited with non-zero status.*Process name: *\[[^\]]*,2\].*Exit code: *3"),
+        ("kill", r"process rank 2 with PID \d+ on node \S+ exited on\s+signal 9"),
+    ],
+)
+def test_a_rank_that_dies_mid_step_ends_the_job_named_by_mpirun(scenario, named):
+    # No watchdog verdict is needed: mpirun notices the exit and ends the job itself.
+    proc, text = run_job(scenario)
+    assert proc.returncode != 0
+    assert re.search(named, text, re.S), text[-3000:]
+    assert not verdicts(text) and not finals(text)
+
+
+def test_single_process_watch_counts_steps_and_closes():
+    import jax
+    import jax.numpy as jnp
+
+    before = threading.active_count()
+    step = jax.jit(lambda x: 2 * x)
+    with MPIWatchdog(5.0) as wd:
+        watched = wd.watch(step)
+        x = jnp.arange(3.0)
+        for _ in range(3):
+            x = watched(x)
+        assert wd.steps == 3 and wd.size == 1
+    np.testing.assert_array_equal(np.asarray(x), 8 * np.arange(3.0))
+    assert threading.active_count() == before
+    with pytest.raises(MPIWatchdogError, match="closed"):
+        watched(x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"timeout_s": 0.0}, ValueError, "timeout_s"),
+        ({"timeout_s": float("inf")}, ValueError, "timeout_s"),
+        ({"timeout_s": 1.0, "poll_s": 2.0}, ValueError, "poll_s"),
+        ({"timeout_s": 1.0, "comm": 3}, TypeError, "comm"),
+        ({"timeout_s": 1.0, "abort_on_fault": 1}, TypeError, "abort_on_fault"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MPIWatchdog(**kwargs)
+
+
+def judge(mine: tuple, peers: dict, now: float = 100.0, timeout: float = 2.0) -> str | None:
+    """Run the verdict rule on a fake 4-process state: ``mine = (entered, left, closing, since)``,
+    ``peers[q] = (entered, left, closing, idle_s, heard_s_ago)``."""
+    wd = MPIWatchdog.__new__(MPIWatchdog)
+    wd.rank, wd.size, wd.timeout_s = 0, 4, timeout
+    wd._entered, wd._left, wd._closing, wd._changed = mine[0], mine[1], mine[2], now - mine[3]
+    wd._peers = sorted(peers)
+    wd._state = {q: np.array([q, e, l, int(1e3 * idle), c], np.int64) for q, (e, l, c, idle, _) in peers.items()}
+    wd._heard = {q: now - ago for q, (*_, ago) in peers.items()}
+    return wdm.MPIWatchdog._judge(wd, now)
+
+
+def test_verdict_rule_names_only_who_holds_the_step_up():
+    # In step 3 (entered 4) for 3 s. Peers in step 3 too, alive: a long step, nobody named.
+    assert judge((4, 3, 0, 3.0), {1: (4, 3, 0, 3.0, 0.1), 2: (4, 3, 0, 3.0, 0.1), 3: (4, 3, 0, 3.0, 0.1)}) is None
+    # Not waiting long enough yet: nobody named even if a peer is far behind.
+    assert judge((4, 3, 0, 1.0), {1: (4, 3, 0, 1.0, 0.1), 2: (4, 3, 0, 1.0, 0.1), 3: (1, 1, 0, 9.0, 0.1)}) is None
+    # Rank 3 has not entered step 3 and has been idle 2.5 s: hung; rank 2, behind but progressing, is not.
+    v = judge((4, 3, 0, 3.0), {1: (4, 3, 0, 3.0, 0.1), 2: (3, 3, 0, 0.5, 0.1), 3: (3, 3, 0, 2.5, 0.1)})
+    assert v.startswith("culprit ranks [3]:") and "(hung)" in v
+    # Rank 2 is stuck inside step 2 behind rank 3, which has not entered step 2: only rank 3.
+    v = judge((4, 3, 0, 3.0), {1: (4, 3, 0, 3.0, 0.1), 2: (3, 2, 0, 3.0, 0.1), 3: (2, 2, 0, 3.0, 0.1)})
+    assert v.startswith("culprit ranks [3]:")
+    # A stopped peer inside the same step (no heartbeat for 2.4 s) is named; a stale peer already
+    # past this step is not holding it up.
+    v = judge((4, 3, 0, 3.0), {1: (4, 3, 0, 3.0, 2.4), 2: (4, 3, 0, 3.0, 0.1), 3: (4, 3, 0, 3.0, 0.1)})
+    assert v.startswith("culprit ranks [1]:") and "dead or stopped" in v
+    assert judge((4, 3, 0, 3.0), {1: (5, 4, 0, 3.0, 2.4), 2: (4, 3, 0, 3.0, 0.1), 3: (4, 3, 0, 3.0, 0.1)}) is None
+    # At close after 8 steps: a rank still stepping past 8 is the odd one; if three ranks
+    # stepped to 9 while this one closed at 8, this one is.
+    v = judge((8, 8, 1, 3.0), {1: (8, 8, 1, 3.0, 0.1), 2: (8, 8, 1, 3.0, 0.1), 3: (9, 8, 0, 3.0, 0.1)})
+    assert v.startswith("culprit ranks [3]:") and "call-count mismatch" in v
+    v = judge((8, 8, 1, 3.0), {1: (9, 8, 0, 3.0, 0.1), 2: (9, 8, 0, 3.0, 0.1), 3: (9, 8, 0, 3.0, 0.1)})
+    assert v.startswith("culprit ranks [0]:")
+    # Not waiting (between steps): never a verdict.
+    assert judge((4, 4, 0, 30.0), {1: (1, 1, 0, 30.0, 30.0), 2: (4, 4, 0, 0, 0), 3: (4, 4, 0, 0, 0)}) is None
