@@ -6,6 +6,7 @@ rank at fault). The assertions are here, on what the job printed and its exit st
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -17,8 +18,8 @@ import pytest
 from mpirun import ROOT, mpirun_env, mpirun_path
 
 pytest.importorskip("mpi4py")
-from jaxcomm.comm import WATCHDOG_ABORT_CODE, MPIWatchdog, MPIWatchdogError  # noqa: E402
-from jaxcomm.comm import _watchdog as wdm  # noqa: E402
+from jaxcomm.comm import WATCHDOG_ABORT_CODE, MPIWatchdog, MPIWatchdogError
+from jaxcomm.comm import _watchdog as wdm
 
 SCRIPT = Path(__file__).resolve().parent / "mpi_scripts" / "watchdog_faults.py"
 TIMEOUT_S = 2.0
@@ -52,7 +53,7 @@ def test_documented_usage_exits_cleanly_and_a_slow_rank_only_slows_the_job(scena
     assert not verdicts(text), text[-3000:]
     done = finals(text)
     assert len(done) == SIZE and len(set(done)) == 1, text[-3000:]  # identical parameters everywhere
-    assert not np.allclose(np.array(eval(done[0])), 1.0)  # the steps moved the parameters
+    assert not np.allclose(np.array(json.loads(done[0])), 1.0)  # the steps moved the parameters
 
 
 @pytest.mark.mpi

@@ -42,7 +42,11 @@ def main(scenario: str, timeout: float) -> None:
     comm = MPIComm()
     bad = comm.rank == comm.size - 1
     local = scenario == "fewer_local"
-    tx = optax.sgd(0.1) if local else optax.chain(compressed_mean(jc.compressors.topk(ratio=0.5), comm=comm), optax.sgd(0.1))
+    tx = (
+        optax.sgd(0.1)
+        if local
+        else optax.chain(compressed_mean(jc.compressors.topk(ratio=0.5), comm=comm), optax.sgd(0.1))
+    )
     x = jnp.ones((8,), jnp.float32)
     state = tx.init(x)
 
