@@ -132,6 +132,11 @@ class MPIWatchdog:
         self._heard = dict.fromkeys(self._peers, now)
         self._stop = threading.Event()
         self._thread = None
+        # One pending receive per peer (its newest heartbeat lands in its buffer) and at most
+        # one heartbeat in flight to each peer; only the watchdog thread touches them after this.
+        self._bufs = {q: np.zeros(_B_LEN, np.int64) for q in self._peers}
+        self._recvs = {q: self._comm.Irecv(self._bufs[q], source=q, tag=_TAG_BEAT) for q in self._peers}
+        self._sends: dict[int, tuple] = {}
         if self.size > 1:
             self._thread = threading.Thread(target=self._run, name=f"jaxcomm-watchdog-{self.rank}", daemon=True)
             self._thread.start()
@@ -242,10 +247,7 @@ class MPIWatchdog:
 
     def _run(self):
         comm = self._comm
-        bufs = {q: np.zeros(_B_LEN, np.int64) for q in self._peers}
-        recvs = {q: comm.Irecv(bufs[q], source=q, tag=_TAG_BEAT) for q in self._peers}
-        sends: dict[int, tuple] = {}
-        self._recvs, self._sends, self._bufs = recvs, sends, bufs
+        bufs, recvs, sends = self._bufs, self._recvs, self._sends
         next_beat = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
