@@ -3,7 +3,7 @@
 The collectives of :class:`~jaxcomm.comm.MPIComm` are MPI calls compiled into
 the XLA program, so a process whose peer never arrives blocks inside the
 jitted step, in MPI, where no timeout can reach it. (A peer that *exits* or is
-killed mid-step is not the problem: ``mpirun`` ends the job within a second and
+killed mid-step is not the problem: ``mpirun`` itself ends the job and
 names it.) The watchdog works outside jit:
 
 * **Progress.** :meth:`MPIWatchdog.watch` wraps the step function: the wrapper
