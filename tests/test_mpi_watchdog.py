@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,15 @@ def run_job(scenario: str) -> tuple[subprocess.CompletedProcess, str]:
     env["PYTHONPATH"] = str(ROOT)
     # Backstop only: a job that does not end by itself fails the test, never hangs the suite.
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90, cwd=ROOT)
-    return proc, (proc.stdout + proc.stderr).replace("\0", "")
+    text = (proc.stdout + proc.stderr).replace("\0", "")
+    fault = re.search(rf"rank {CULPRIT} fault at ([0-9.]+)", text)
+    if fault is not None and scenario != "slow":
+        # Bounded: the job ends within the timeout plus the watchdog's and mpirun's reaction
+        # (seconds), not at the backstop. Generous, since the machine is shared.
+        elapsed = time.time() - float(fault.group(1))
+        print(f"{scenario}: the job ended {elapsed:.1f} s after the fault")
+        assert elapsed < 30, text[-3000:]
+    return proc, text
 
 
 def verdicts(text: str) -> list[str]:

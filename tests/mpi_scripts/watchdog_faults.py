@@ -58,6 +58,8 @@ def main(scenario: str, timeout: float) -> None:
 
     def body(x, state, key, t):
         if bad and t == FAULT_STEP:
+            if scenario in ("stop", "raise", "exit", "kill"):
+                print(f"rank {comm.rank} fault at {time.time():.3f}", flush=True)
             if scenario == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif scenario == "exit":
@@ -78,6 +80,8 @@ def main(scenario: str, timeout: float) -> None:
         step = wd.watch(body)
         for t in range(steps):
             if bad and t == FAULT_STEP:
+                if scenario in ("hang", "slow"):
+                    print(f"rank {comm.rank} fault at {time.time():.3f}", flush=True)
                 if scenario == "hang":
                     time.sleep(3600)
                 elif scenario == "slow":
