@@ -202,7 +202,7 @@ class MPIWatchdog:
                     raise MPIWatchdogError(f"rank {self.rank}: not every process closed the watchdog")
                 time.sleep(delay)
                 delay = min(self.poll_s, delay * 2)
-            self._shutdown()
+        self._shutdown()
         self._closed = True
         per_rank = dict(enumerate(counts.tolist())) if self.size > 1 else {0: self._entered}
         if len(set(per_rank.values())) > 1:
@@ -334,7 +334,8 @@ class MPIWatchdog:
         """After the close gather: stop beating, meet everyone, retire leftover heartbeats, free."""
         MPI = self._MPI
         self._stop.set()
-        self._thread.join(self.timeout_s + 30.0)
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + 30.0)
         sends = self._sends
         deadline = time.monotonic() + self.timeout_s
         while any(not req.Test() for req, _ in sends.values()) and time.monotonic() < deadline:
