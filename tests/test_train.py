@@ -358,3 +358,31 @@ def test_wire_bit_counters_are_kept_per_tensor_and_summed_exactly():
     assert int(np.asarray(counts, np.int64).sum()) == 2 * (2**31 - 1) + 3
     assert int(collect_counter(state, "messages").sum()) == 3
     assert collect_counter({}).shape == (0,)
+
+
+def test_process_trainer_under_the_mpi_watchdog_trains_the_same():
+    """``fit(watchdog_s=...)`` runs the steps under MPIComm's watchdog (here one process, the MPI
+    singleton): the same history as without it, the watchdog's thread gone afterwards; a
+    communicator without a watchdog is refused before any step."""
+    pytest.importorskip("mpi4jax")
+    import threading
+
+    from jaxcomm.comm import Local, MPIComm
+
+    train = data.load_digits()
+    comm = MPIComm()
+    losses = []
+    for watchdog_s in (None, 30.0):
+        model = models.MLP(in_features=64, hidden=(8,), num_classes=10, rngs=nnx.Rngs(0))
+        trainer = Trainer(model, optax.sgd(0.1), comm=comm)
+        batches = data.WorkerBatches([train], 16, jax.random.PRNGKey(0))
+        threads = threading.active_count()
+        _, history = trainer.fit(trainer.init_state(), batches, 3, progress=False, watchdog_s=watchdog_s)
+        assert threading.active_count() == threads
+        losses.append([row["loss"] for row in history])
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+    trainer = Trainer(
+        models.MLP(in_features=64, hidden=(8,), num_classes=10, rngs=nnx.Rngs(0)), optax.sgd(0.1), comm=Local()
+    )
+    with pytest.raises(ValueError, match="watchdog_s"):
+        trainer.fit(trainer.init_state(), data.WorkerBatches([train], 16, jax.random.PRNGKey(0)), 1, watchdog_s=5.0)

@@ -207,6 +207,7 @@ class Trainer:
         progress: bool = True,
         desc: str = "train",
         callback: Callable[[int, TrainState, dict], TrainState] | None = None,
+        watchdog_s: float | None = None,
     ):
         """Train until ``state.step == num_steps``; returns ``(state, history)``.
 
@@ -224,6 +225,15 @@ class Trainer:
             process has completed.
           callback: ``(step, state, row) -> state`` after each step (e.g. periodic
             parameter averaging).
+          watchdog_s: with an ``MPIComm`` (one process per worker), run the steps
+            under its :class:`~jaxcomm.comm.MPIWatchdog` with this timeout in
+            seconds: a process that holds up a step for longer (hung or stopped)
+            ends the job, named, and processes that make different numbers of
+            steps get an error. It must exceed a step's time plus the longest
+            gap between steps (evaluation, checkpoints) and the first step's
+            compilation. An exception leaving ``fit`` on one process (e.g.
+            :class:`NonFiniteLossError`) then aborts the job, since the others
+            would wait in the step forever. Default ``None``: no watchdog.
         Returns:
           ``(state, history)``: history is a list of per-step dicts with ``step``,
           ``loss``, metrics averaged over workers, ``wire_bits`` (per worker, this
@@ -234,8 +244,14 @@ class Trainer:
         if checkpoint_dir is not None and self.comm is not None and (self.num_workers or 1) > 1:
             # One process per worker: each keeps its own state (memories, keys) in its own folder.
             checkpoint_dir = Path(checkpoint_dir) / f"rank_{int(getattr(self.comm, 'rank', 0)):05d}"
+        if watchdog_s is not None and not callable(getattr(self.comm, "watchdog", None)):
+            raise ValueError(
+                f"watchdog_s needs a communicator with a watchdog (MPIComm); got comm={type(self.comm).__name__}"
+            )
         ckpt = Checkpointer(checkpoint_dir) if checkpoint_dir is not None else None  # one manager for the run
-        with ckpt if ckpt is not None else contextlib.nullcontext():  # close() waits for the last save
+        with contextlib.ExitStack() as stack:
+            if ckpt is not None:
+                stack.enter_context(ckpt)  # close() waits for the last save
             from tqdm.auto import tqdm
 
             history: list[dict] = []
@@ -245,11 +261,14 @@ class Trainer:
                 if position is not None and hasattr(batches, "seek"):
                     batches.seek(position)
             start = int(_first_worker(state.step)) if self.mesh is not None else int(state.step)
+            step_fn = self.step_fn
+            if watchdog_s is not None:  # after the restore; closed (step counts checked) before the checkpointer
+                step_fn = stack.enter_context(self.comm.watchdog(watchdog_s)).watch(step_fn)
             bar = tqdm(total=num_steps, initial=start, desc=desc, disable=not progress, leave=False)
             for step in range(start, num_steps):
                 batch = self.worker_batch(next(batches))
                 t0 = time.perf_counter()
-                state, metrics = self.step_fn(state, batch)
+                state, metrics = step_fn(state, batch)
                 metrics = jax.tree.map(_to_host, metrics)
                 elapsed = time.perf_counter() - t0
                 row = {"step": step + 1, "step_time": elapsed}
