@@ -69,6 +69,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 
@@ -220,7 +221,10 @@ class Torch:
         _, _, module, cls, kwargs = METHODS[method]
         if method == "powersgd":
             self.ensure_group()
-        comp = getattr(importlib.import_module(f"grace_dl.dist.compressor.{module}"), cls)(**kwargs)
+        with warnings.catch_warnings():  # GRACE's PowerSGD decorates with torch.jit.script, deprecated in torch 2.x
+            warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
+            grace_module = importlib.import_module(f"grace_dl.dist.compressor.{module}")
+        comp = getattr(grace_module, cls)(**kwargs)
         name = f"grace_compare.{method}"
 
         def fn(x):
