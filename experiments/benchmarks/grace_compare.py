@@ -188,6 +188,7 @@ class Torch:
             raise UsageError("--device cuda: torch sees no CUDA device")
         self._one = torch.ones((), dtype=torch.float32, device=device)
         self._group = False
+        self.backend = None  # of the one-process group, once GRACE's PowerSGD needs it
 
     def sync(self, out=None):
         if self.device == "cuda":
@@ -207,8 +208,15 @@ class Torch:
         if self._group or dist.is_initialized():
             return
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        backend = "nccl" if self.device == "cuda" and dist.is_nccl_available() else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        backends = ["nccl", "gloo"] if self.device == "cuda" and dist.is_nccl_available() else ["gloo"]
+        for i, backend in enumerate(backends):
+            try:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                self.backend = backend
+                break
+            except Exception:  # NCCL unusable here: gloo (which also reduces CUDA tensors)
+                if i + 1 == len(backends):
+                    raise
         self._group = True
 
     def close(self):
@@ -510,6 +518,7 @@ def main(argv=None) -> dict:
         command=" ".join(sys.argv),
         grace_path=None if torch is None else str(Path(args.grace).resolve()),
         machine=machine_info(args.device, torch),
+        torch_distributed_backend=None if tside is None else tside.backend,
         loadavg_start=load_start,
         loadavg_end=list(os.getloadavg()),
         sizes=sizes,
