@@ -54,8 +54,15 @@ folder holding ``grace_dl/``), also taken from ``GRACE_PATH``. ``--grace none``
 times jaxcomm and the jax memory pass only (no torch needed). On a GPU:
 ``--device cuda`` (torch on ``cuda``, jax on its GPU backend).
 
+Threads: on a CPU, torch's operations run on ``torch.get_num_threads()``
+OpenMP threads and XLA's on its own thread pool (both recorded). On a machine
+whose cores are oversubscribed by other processes, an OpenMP parallel region
+can take tens of times longer than the same work on one thread; there
+``--torch-threads 1`` gives torch its single-thread speed (the memory pass
+shows the effect: compare its GB/s with the jax pass's).
+
 usage: python experiments/benchmarks/grace_compare.py --grace PATH|none [--device cpu|cuda]
-       [--sizes 2621440,26214400] [--repeats 10] [--only topk,qsgd]
+       [--torch-threads N] [--sizes 2621440,26214400] [--repeats 10] [--only topk,qsgd]
        [--out experiments/benchmarks/results/grace_compare.json] | --markdown JSON
 """
 
@@ -472,6 +479,12 @@ def main(argv=None) -> dict:
         help="root of a GRACE checkout (holds grace_dl/); 'none': jaxcomm only. Default: $GRACE_PATH",
     )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both frameworks run")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch.set_num_threads for GRACE and the torch pass (default 0: torch's own choice)",
+    )
     ap.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma-separated entry counts")
     ap.add_argument("--repeats", type=int, default=10, help="timed rounds per measurement (median reported)")
     ap.add_argument("--only", default="", help=f"comma-separated methods (default all: {','.join(METHODS)})")
@@ -484,6 +497,8 @@ def main(argv=None) -> dict:
         return res
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.torch_threads < 0:
+        ap.error(f"--torch-threads must be >= 0, got {args.torch_threads}")
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s]
     except ValueError:
@@ -497,6 +512,8 @@ def main(argv=None) -> dict:
     if not args.grace:
         raise UsageError("give --grace PATH (a GRACE checkout; or set GRACE_PATH), or --grace none")
     torch = None if args.grace.lower() == "none" else load_grace(args.grace)
+    if torch is not None and args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     try:
         jdev = jax.devices("cpu" if args.device == "cpu" else "gpu")[0]
     except RuntimeError as e:
