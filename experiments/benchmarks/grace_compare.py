@@ -74,6 +74,7 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -387,7 +388,16 @@ def evaluate_targets(rows: list[dict]) -> dict:
 
 def machine_info(device: str, torch=None) -> dict:
     info = bench.machine_info()
+    root = Path(jc.__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
     info.update(
+        jaxcomm_path=str(root),
+        jaxcomm_commit=commit or None,
         device=device,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         jax_platforms=os.environ.get("JAX_PLATFORMS", ""),
