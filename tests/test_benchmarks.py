@@ -7,9 +7,12 @@ they cannot rot between the runs whose tables are in docs/benchmarks.md.
 
 import importlib.util
 import json
+import os
+import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 import jaxcomm as jc
@@ -269,3 +272,122 @@ def test_payload_bytes_benchmark_smoke(namespaces, tmp_path, capsys):
     assert "| `threshold` | allgather |" in text
     bench.main(["--markdown", str(out)])
     assert "measured / predicted" in capsys.readouterr().out
+
+
+def _grace_rows(speedups: dict, size: int) -> list[dict]:
+    """Rows as grace_compare.py writes them, with the given (GRACE / torch pass) / (jaxcomm / jax pass)."""
+    rows = []
+    for m, s in speedups.items():
+        rows.append(
+            dict(method=m, size=size, shape=[size], grace_ms=2.0 * s, jax_ms=2.0, speedup=s, speedup_raw=2.0 * s)
+        )
+    return rows
+
+
+def test_grace_compare_jaxcomm_only_tiny(tmp_path, capsys, monkeypatch):
+    """--grace none: jaxcomm and the jax memory pass only, torch never imported, GRACE columns absent."""
+    bench = _load("grace_compare")
+    monkeypatch.setitem(sys.modules, "torch", None)  # any `import torch` now raises ImportError
+    out = tmp_path / "grace.json"
+    result = bench.main(
+        ["--grace", "none", "--sizes", "2048", "--repeats", "1", "--only", "fp16,topk,powersgd", "--out", str(out)]
+    )
+    saved = json.loads(out.read_text())
+    assert result["results"] == saved["results"] and saved["sizes"] == [2048] and saved["grace_path"] is None
+    rows = {r["method"]: r for r in saved["results"]}
+    assert set(rows) == {"fp16", "topk", "powersgd"}
+    for r in rows.values():
+        assert "jax_error" not in r and "error" not in r, r
+        assert r["jax_ms"] > 0 and r["jax_ref_ms"] > 0
+        assert r["jax_ratio"] == pytest.approx(r["jax_ms"] / r["jax_ref_ms"])
+        assert r["jax_ref_gbps"] == pytest.approx(8 * 2048 / (r["jax_ref_ms"] * 1e-3) / 1e9)
+        assert not any(k.startswith(("grace_ms", "torch_ref", "speedup")) for k in r), r
+    assert rows["powersgd"]["shape"] == [32, 64] and rows["topk"]["shape"] == [2048]
+    assert rows["topk"]["wire_bits"] == 20 * (32 + 16)  # k = 1% of 2048, float32 values + uint16 indices
+    assert rows["powersgd"]["wire_bits"] == 32 * (32 + 64)  # rank 1: P (32 x 1) and Q (64 x 1) in float32
+    assert rows["topk"]["kwargs"] == {"ratio": 0.01} and rows["powersgd"]["kwargs"] == {"matrix_approximation_rank": 1}
+    assert saved["targets"] == {}  # 2048 entries: none of issue 16's sizes or shapes
+    assert "torch" not in saved["machine"] and saved["machine"]["device"] == "cpu"
+    capsys.readouterr()
+    bench.main(["--markdown", str(out)])
+    text = capsys.readouterr().out
+    assert "| TopK 1% | absent |" in text and "jax pass 2x+1" in text
+
+
+def test_grace_compare_clear_errors(tmp_path, monkeypatch, capsys):
+    """--grace pointing nowhere, a checkout without torch, no --grace at all: one line, exit status 2."""
+    bench = _load("grace_compare")
+    nowhere = tmp_path / "no-grace-here"
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--grace", str(nowhere), "--sizes", "64", "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(nowhere) in err[0] and "grace_dl" in err[0]
+    checkout = tmp_path / "grace"
+    (checkout / "grace_dl" / "dist" / "compressor").mkdir(parents=True)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--grace", str(checkout), "--sizes", "64", "--out", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "needs PyTorch" in err[0]
+    monkeypatch.delenv("GRACE_PATH", raising=False)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--sizes", "64", "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and "--grace none" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_grace_compare_targets():
+    """Issue 16's targets from the rows: geometric mean >= 5x and none slower, at 10 and 100 MiB, and
+    PowerSGD rank 1 on 1280 x 2048 within 4x the memory pass; unmeasured inputs give met=None."""
+    bench = _load("grace_compare")
+    assert bench.matrix_shape(2_621_440) == (1280, 2048) and bench.matrix_shape(26_214_400) == (5120, 5120)
+    assert bench.matrix_shape(7) == (1, 7) and bench.matrix_shape(12) == (3, 4)
+    small, large = bench.TARGET_SIZES
+    methods = list(bench.METHODS)
+    fast = {m: 2.0 ** (i % 5 + 1) for i, m in enumerate(methods)}  # 2, 4, 8, 16, 32, 2, ...: gmean 8
+    slow = dict(fast, fp16=0.5)
+    rows = _grace_rows(fast, small) + _grace_rows(slow, large)
+    rows[methods.index("powersgd")].update(shape=[1280, 2048], jax_ratio=3.5)  # PowerSGD runs on the matrix
+    t = bench.evaluate_targets(rows)
+    assert t["gmean_speedup@10MiB"]["value"] == pytest.approx(8.0) and t["gmean_speedup@10MiB"]["met"]
+    assert t["gmean_speedup@10MiB"]["raw"] == pytest.approx(16.0)
+    assert t["none_slower@10MiB"]["met"] and t["none_slower@10MiB"]["value"] == pytest.approx(2.0)
+    want = 8.0 * (0.5 / fast["fp16"]) ** (1 / len(methods))
+    assert t["gmean_speedup@100MiB"]["value"] == pytest.approx(want) and t["gmean_speedup@100MiB"]["met"] == (want >= 5)
+    assert not t["none_slower@100MiB"]["met"] and t["none_slower@100MiB"]["slower"] == ["fp16"]
+    assert t["powersgd_r1@1280x2048"] == dict(value=3.5, limit=4.0, met=True, error=None)
+    # A failed method counts as missed; a method not run, or no GRACE, leaves the target open.
+    failed = _grace_rows({m: 10.0 for m in methods if m != "qsgd"}, small)
+    failed.append(dict(method="qsgd", size=small, shape=[small], jax_ms=1.0, grace_error="RuntimeError: boom"))
+    t = bench.evaluate_targets(failed)
+    assert t["gmean_speedup@10MiB"]["met"] is False and t["gmean_speedup@10MiB"]["failed"] == ["qsgd"]
+    t = bench.evaluate_targets(_grace_rows(dict.fromkeys(methods[1:], 10.0), small))
+    assert t["gmean_speedup@10MiB"]["met"] is None and methods[0] in t["gmean_speedup@10MiB"]["why"]
+    t = bench.evaluate_targets([dict(method=m, size=large, shape=[large], jax_ms=1.0) for m in methods])
+    assert t["none_slower@100MiB"]["met"] is None and "10MiB" not in str(t)
+    t = bench.evaluate_targets([dict(method="powersgd", size=small, shape=[1280, 2048], jax_error="E: x")])
+    assert t["powersgd_r1@1280x2048"]["met"] is False
+
+
+def test_grace_compare_with_grace(tmp_path):
+    """With torch and a GRACE checkout ($GRACE_PATH; skipped in CI, which has neither): both sides
+    timed, GRACE's FP16 round trip equal to jaxcomm's on the same data."""
+    torch = pytest.importorskip("torch")
+    grace = os.environ.get("GRACE_PATH")
+    if not grace:
+        pytest.skip("GRACE_PATH not set")
+    bench = _load("grace_compare")
+    res = bench.main(["--grace", grace, "--sizes", "4096", "--repeats", "1", "--out", str(tmp_path / "g.json")])
+    rows = {r["method"]: r for r in res["results"]}
+    assert set(rows) == set(bench.METHODS)
+    for r in rows.values():
+        assert not any(k.endswith("error") for k in r), r
+        assert r["speedup"] == pytest.approx((r["grace_ms"] / r["torch_ref_ms"]) / (r["jax_ms"] / r["jax_ref_ms"]))
+    assert res["machine"]["torch"] == torch.__version__ and res["machine"]["torch_num_threads"] >= 1
+    x = np.random.default_rng(0).standard_normal(4096, dtype=np.float32)
+    side = bench.Torch(torch, "cpu")
+    got = side.roundtrip("fp16")(side.tensor(x)).numpy()
+    want = jc.compressors.make("fp16").decompress(jc.compressors.make("fp16").compress(jax.numpy.asarray(x))[0])
+    np.testing.assert_array_equal(got, np.asarray(want))
+    np.testing.assert_array_equal(side.reference(side.tensor(x)).numpy(), 2 * x + 1)

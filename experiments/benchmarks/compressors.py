@@ -31,6 +31,10 @@ Each compressor runs in its own subprocess (``--in-process`` turns this off),
 so that a compiler crash in one is recorded as an error instead of ending the
 sweep.
 
+The sweep runs on the CPU unless ``JAX_PLATFORMS`` names another platform
+(``JAX_PLATFORMS=cuda``: the GPU; the subprocesses inherit it); the devices used
+are recorded in the JSON (``machine.devices``).
+
 usage: python experiments/benchmarks/compressors.py [--sizes 262144,2621440,26214400]
        [--repeats 10] [--only topk,qsgd] [--out experiments/benchmarks/results/compressors.json]
        [--no-powersgd-matrix] [--powersgd-shape 1024x2560] [--in-process]
@@ -39,6 +43,7 @@ usage: python experiments/benchmarks/compressors.py [--sizes 262144,2621440,2621
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -194,10 +199,17 @@ def run_worker(job: str, sizes, repeats: int, shape=POWERSGD_MATRIX) -> list[dic
     return [dict(name=job, kwargs=KWARGS.get(job, {}), size=d, error=err) for d in sizes]
 
 
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def machine_info() -> dict:
     return dict(
         jax=jax.__version__,
-        jaxlib=getattr(jax.lib, "__version__", None) or jax.__version__,
+        jaxlib=_dist_version("jaxlib"),
         numpy=np.__version__,
         python=platform.python_version(),
         platform=platform.platform(),
