@@ -63,7 +63,7 @@ def randomk_indices(key, d: int, k: int) -> Array:
     # The selection runs on the counters i = 0..d-1 and hashes them inside each pass that
     # compares keys (keys_of is elementwise, so it fuses): the d words h(i) are never stored.
     idx, _ = top_indices(
-        jnp.arange(d, dtype=jnp.uint32),
+        d,
         k,
         jax.random.fold_in(_raw_key(key), 1),
         keys_of=lambda i: (bits_at(words, i, "murmur3") >> 1).astype(jnp.int32),
