@@ -164,6 +164,40 @@ def test_pack_codes_roundtrip(n, widths):
         assert leaf_bits(f) == bitpack.packed_code_bits(n, w) == field_bits(n, w)
 
 
+@settings(max_examples=10, deadline=None)
+@given(n=st.sampled_from([0, 1, 7, 31, 32, 33, 64, 95, 1000, 4099]), seed=st.integers(0, 2**31 - 1))
+def test_pack_reduce_matches_pack_and_numpy(n, seed):
+    """pack_reduce's bits are pack(mask, 1) exactly; its sum and max are NumPy's (sum to float32 rounding)."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n)).astype(np.float32)
+    bits, (total, top) = jax.jit(lambda v: bitpack.pack_reduce(v < 0, (jnp.abs(v), jnp.abs(v)), ("sum", "max")))(x)
+    np.testing.assert_array_equal(np.asarray(bits), np.asarray(bitpack.pack(jnp.asarray(x) < 0, 1)))
+    assert bits.shape == (bitpack.packed_size(n, 1),)
+    a = np.abs(x).astype(np.float64)
+    # float32 summation (rows of 32, then the row sums): error <= n eps sum|x|
+    assert abs(float(total) - a.sum()) <= n * 2.0**-24 * a.sum()
+    assert float(top) == (a.max() if n else -np.inf)
+
+
+def test_pack_reduce_propagates_nan():
+    x = np.ones(70, np.float32)
+    x[40] = np.nan
+    _, (total, top) = bitpack.pack_reduce(jnp.asarray(x) < 0, (jnp.asarray(x), jnp.asarray(x)), ("sum", "max"))
+    assert np.isnan(float(total)) and np.isnan(float(top))
+    with pytest.raises(ValueError, match="ops"):
+        bitpack.pack_reduce(jnp.asarray(x) < 0, (jnp.asarray(x),), ("min",))
+
+
+def test_bits_at_is_uniform_bits_at_the_counters():
+    key = jax.random.PRNGKey(3)
+    i = jnp.asarray([0, 5, 999, 17], jnp.uint32)
+    for scheme in ("murmur3", "lowbias32"):
+        full = random_bits.uniform_bits(key, 1000, scheme)
+        np.testing.assert_array_equal(
+            np.asarray(random_bits.bits_at(random_bits.key_words(key), i, scheme)), np.asarray(full)[np.asarray(i)]
+        )
+
+
 # --------------------------------------------------------------------------- #
 # The 1-bit family
 # --------------------------------------------------------------------------- #

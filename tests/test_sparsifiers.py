@@ -22,6 +22,7 @@ from jaxcomm.compressors import _randomk as RK
 from jaxcomm.compressors import _sparse as SP
 from jaxcomm.compressors import _threshold as TH
 from jaxcomm.compressors import payloads
+from jaxcomm.compressors._kernels import random_bits
 from jaxcomm.compressors._kernels import select as S
 
 KEY = jax.random.PRNGKey(0)
@@ -186,6 +187,30 @@ def test_randomk_indices_distinct_uniform():
     # two-sided tail 2e-9, x64 positions < 1.3e-7.
     q = k / d
     assert np.all(np.abs(counts - n * q) <= 6 * math.sqrt(n * q * (1 - q)))
+
+
+@pytest.mark.parametrize("d,k", [(100, 7), (10_000, 100), (50_000, 2_000)])
+def test_randomk_indices_are_the_top_hash_words(d, k):
+    """The documented draw: positions of the k largest 31-bit words h(i) >> 1, ties to the lower index."""
+    key = jax.random.PRNGKey(d)
+    h = np.asarray(random_bits.uniform_bits(key, d, "murmur3")) >> 1
+    want = np.sort(np.argsort(-h.astype(np.int64), kind="stable")[:k])
+    got = jax.jit(RK.randomk_indices, static_argnums=(1, 2))(key, d, k)
+    np.testing.assert_array_equal(np.sort(np.asarray(got)), want)
+
+
+@pytest.mark.parametrize("margin", [5.0, -50.0])  # the sampled path and the forced exact fallback
+def test_top_indices_counters_equal_stored_counters(margin):
+    """values = d (counters rebuilt in each pass) selects exactly what the stored arange selects."""
+    d, k = 9_000, 90
+    words = random_bits.key_words(jax.random.PRNGKey(5))
+
+    def keys_of(i):
+        return (random_bits.bits_at(words, i, "murmur3") >> 1).astype(jnp.int32)
+
+    got, _ = S.top_indices(d, k, KEY, keys_of=keys_of, margin=margin)
+    want, _ = S.top_indices(jnp.arange(d, dtype=jnp.uint32), k, KEY, keys_of=keys_of, margin=margin)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_randomk_large_tensor_and_shared_key():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._base import Compressor, Payload, check_ratio, payload_dataclass, register, static_field
-from ._kernels.random_bits import uniform_bits
+from ._kernels.random_bits import bits_at, key_words
 from ._kernels.scatter import scatter
 from ._kernels.select import top_indices
 from ._sparse import num_selected
@@ -59,11 +59,14 @@ def randomk_indices(key, d: int, k: int) -> Array:
     """
     if k >= d:
         return jnp.arange(d, dtype=jnp.int32)
+    words = key_words(key)
+    # The selection runs on the counters i = 0..d-1 and hashes them inside each pass that
+    # compares keys (keys_of is elementwise, so it fuses): the d words h(i) are never stored.
     idx, _ = top_indices(
-        uniform_bits(key, d, "murmur3"),
+        d,
         k,
         jax.random.fold_in(_raw_key(key), 1),
-        keys_of=lambda h: (h >> 1).astype(jnp.int32),
+        keys_of=lambda i: (bits_at(words, i, "murmur3") >> 1).astype(jnp.int32),
     )
     return idx
 

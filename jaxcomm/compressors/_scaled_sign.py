@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._base import Compressor, Payload, payload_dataclass, register, static_field
-from ._kernels.bitpack import pack, unpack
+from ._kernels.bitpack import pack_reduce, unpack
 
 __all__ = ["scaled_sign", "ScaledSignPayload"]
 
@@ -53,8 +53,8 @@ def _pow2(k):
     return jax.lax.bitcast_convert_type(((k + 127).astype(jnp.uint32) << 23), jnp.float32)
 
 
-def _rms(xf):
-    """``‖x‖₂ / √d`` of a float32 vector, safe over the whole float32 range.
+def _rms(xf, m=None):
+    """``‖x‖₂ / √d`` of a float32 vector, safe over the whole float32 range (``m``: ``max|x|`` if known).
 
     The vector is first scaled by an exact power of two ``2^k`` (applied as two
     factors ``2^k1 · 2^k2``, each a normal float) that brings ``max|x|`` into
@@ -63,7 +63,8 @@ def _rms(xf):
     back the same way. Non-finite entries give a non-finite result.
     """
     d = xf.shape[0]
-    m = jnp.max(jnp.abs(xf))
+    if m is None:
+        m = jnp.max(jnp.abs(xf))
     biased = (jax.lax.bitcast_convert_type(m, jnp.uint32) >> 23).astype(jnp.int32) & 0xFF
     k = 127 - biased  # 2^k · m ∈ [1, 2) for normal m
     k1 = k // 2
@@ -104,8 +105,9 @@ def scaled_sign(*, seed: int = 0) -> Compressor:
     def compress(x, key, state):
         del key
         xf = jnp.ravel(x).astype(jnp.float32)
-        scale = _rms(xf)
-        payload = ScaledSignPayload(bits=pack(xf < 0, 1), scale=scale, shape=tuple(x.shape), dtype=x.dtype)
+        bits, (m,) = pack_reduce(xf < 0, (jnp.abs(xf),), ("max",))  # signs and max|v| in one pass
+        scale = _rms(xf, m)
+        payload = ScaledSignPayload(bits=bits, scale=scale, shape=tuple(x.shape), dtype=x.dtype)
         return payload, state
 
     def decompress(p: ScaledSignPayload):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ._base import Compressor, Payload, check_finite_scalar, payload_dataclass, register, static_field
-from ._kernels.bitpack import pack, packed_size, popcount, unpack
+from ._kernels.bitpack import pack, pack_reduce, packed_size, popcount, unpack
 from ._primitives import flat32, restore, size_of
 from ._quantize import jitted_compressor, nan_unless_finite
 
@@ -132,16 +132,14 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
         del key
         xf = flat32(x)
         high = xf >= threshold
-        bits = pack(high, 1)
-        # One masked array, two fast reductions and a popcount of the packed
-        # bits (XLA:CPU materialises any computed input of a reduction, so
-        # fewer masked sums is faster). mu_0 uses sum(x) - sum_high: its
-        # rounding error is ~eps * sum|x| instead of ~eps * sum_low |x|, which
-        # matters only when the entries below tau carry a tiny part of the mass.
+        # The bits, sum_high and sum(x) in one pass (pack_reduce), then a popcount of the
+        # packed bits. mu_0 uses sum(x) - sum_high: its rounding error is ~eps * sum|x|
+        # instead of ~eps * sum_low |x|, which matters only when the entries below tau
+        # carry a tiny part of the mass.
+        bits, (s_high, s_all) = pack_reduce(high, (jnp.where(high, xf, 0.0), xf), ("sum", "sum"))
         n_high = jnp.sum(popcount(bits)).astype(jnp.float32)
         n_low = jnp.float32(xf.size) - n_high
-        s_high = jnp.sum(jnp.where(high, xf, 0.0))
-        s_low = jnp.sum(xf) - s_high
+        s_low = s_all - s_high
         payload = OneBitPayload(
             bits=bits,
             mean_low=s_low / jnp.maximum(n_low, 1.0),
@@ -243,8 +241,9 @@ def efsignsgd(*, seed: int = 0) -> Compressor:
     def compress(x, key, state):
         del key
         xf = flat32(x)
-        scale = jnp.sum(jnp.abs(xf)) / max(xf.size, 1)
-        return MeanAbsSignPayload(signs=pack(xf < 0, 1), scale=scale, shape=x.shape, dtype=x.dtype), state
+        signs, (l1,) = pack_reduce(xf < 0, (jnp.abs(xf),), ("sum",))  # one pass for both
+        scale = l1 / max(xf.size, 1)
+        return MeanAbsSignPayload(signs=signs, scale=scale, shape=x.shape, dtype=x.dtype), state
 
     def decompress(p: MeanAbsSignPayload):
         y = _signs(p.signs, p.shape) * p.scale

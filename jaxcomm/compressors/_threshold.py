@@ -169,8 +169,11 @@ def dgc(
         if d == 0:
             z = jnp.zeros((0,), x.dtype)
             return CountSparsePayload(z, z.astype(jnp.uint8), jnp.int32(0), shape, x.dtype), state
-        imp = _dgc_importance(x)
-        sample = imp[dgc_sample_indices(key, d, plan.num_samples)]
+        # The importance |x| (NaN -> +Inf) is elementwise: it is recomputed from x inside each
+        # pass that reads it (sample gather, selection, exact top-k) rather than stored as a
+        # d-entry array that the adaptation loop and the top-k branch would carry.
+        flat = jnp.ravel(x)
+        sample = _dgc_importance(flat[dgc_sample_indices(key, d, plan.num_samples)])
         # min over all top-k values (not [-1]): a one-element slice makes XLA rewrite top_k into a full sort.
         thr = jnp.min(lax.top_k(sample, plan.top_k_samples)[0])
         # The selection mask lives bit-packed: its popcount is the count, its compaction the indices
@@ -178,7 +181,7 @@ def dgc(
         packed = d > SMALL
 
         def select(t):
-            m = imp >= t
+            m = _dgc_importance(flat) >= t
             if packed:
                 w = pack_bits(m, 1, jnp.uint32)
                 return w, jnp.sum(popcount(w))
@@ -215,7 +218,10 @@ def dgc(
 
         def exact_topk():
             idx, _ = top_indices(
-                imp, k, jax.random.fold_in(key, 1), keys_of=lambda v: lax.bitcast_convert_type(v, jnp.int32)
+                flat,
+                k,
+                jax.random.fold_in(key, 1),
+                keys_of=lambda v: lax.bitcast_convert_type(_dgc_importance(v), jnp.int32),
             )
             return idx, jnp.int32(k) + jnp.zeros_like(count)
 

@@ -90,6 +90,57 @@ def unpack(packed: Array, bits: int, n: int) -> Array:
     return unpack_bits(packed, bits, n)
 
 
+def pack_reduce(mask, values=(), ops=()) -> tuple[Array, tuple[Array, ...]]:
+    """:func:`pack` ``(mask, 1)`` and reductions of ``values`` in one pass over the entries.
+
+    The bits and the reductions come out of one variadic reduction over rows
+    of 32 entries (bit ``j`` of a row's uint32 word is entry ``32 r + j``; the
+    words are split into bytes LSB first, the :func:`pack` layout), followed
+    by a reduction of the per-row partials. On XLA:CPU a reduction whose input
+    is computed (``|x|``, a masked ``x``) materialises that input first unless
+    it shares a variadic reduce, so this is one read of the tensor instead of
+    one per quantity plus a stored intermediate.
+
+    Args:
+      mask: bool ``(n,)``.
+      values: float32 ``(n,)`` arrays (elementwise expressions of the tensor fuse).
+      ops: one of ``"sum"``, ``"max"`` per value.
+    Returns:
+      ``(bits, reductions)``: uint8 ``(ceil(n/8),)`` equal to ``pack(mask, 1)``
+      and one float32 scalar per value (``sum``: 0 if ``n == 0``; ``max``:
+      ``-inf`` if ``n == 0``; NaN propagates through both).
+    """
+    if len(values) != len(ops) or any(op not in _REDUCE for op in ops):
+        raise ValueError(f"ops must name one of {tuple(_REDUCE)} per value; got {ops!r}")
+    n = mask.shape[0]
+    rows = n // 32
+    words, partials = [], [[] for _ in values]
+    if rows:
+        body = n - n % 32
+        bits = mask[:body].reshape(rows, 32).astype(jnp.uint32) << jnp.asarray(np.arange(32, dtype=np.uint32))
+        inits = (jnp.uint32(0),) + tuple(jnp.float32(_REDUCE[op][1]) for op in ops)
+        fns = (lax.add,) + tuple(_REDUCE[op][0] for op in ops)
+        operands = (bits,) + tuple(v[:body].reshape(rows, 32) for v in values)
+        out = lax.reduce(operands, inits, lambda a, b: tuple(f(x, y) for f, x, y in zip(fns, a, b)), (1,))
+        words.append(out[0])
+        for p, o in zip(partials, out[1:]):
+            p.append(o)
+    if n % 32:  # the tail of fewer than 32 entries
+        words.append(pack_bits(mask[rows * 32 :], 1, jnp.uint32))
+        for p, v in zip(partials, values):
+            p.append(v[rows * 32 :])
+    w = jnp.concatenate(words) if len(words) > 1 else words[0] if words else jnp.zeros((0,), jnp.uint32)
+    b = (w[:, None] >> jnp.asarray(np.array([0, 8, 16, 24], np.uint32))[None, :]).astype(jnp.uint8).reshape(-1)
+    reductions = []
+    for p, op in zip(partials, ops):
+        flat = jnp.concatenate(p) if len(p) > 1 else p[0] if p else jnp.zeros((0,), jnp.float32)
+        reductions.append(_REDUCE[op][2](flat) if flat.shape[0] else jnp.float32(_REDUCE[op][1]))
+    return b[: packed_size(n, 1)], tuple(reductions)
+
+
+_REDUCE = {"sum": (lax.add, 0.0, jnp.sum), "max": (lax.max, -np.inf, jnp.max)}
+
+
 def popcount(words) -> Array:
     """Set bits of each word, int32, shape of ``words``."""
     return lax.population_count(words).astype(jnp.int32)

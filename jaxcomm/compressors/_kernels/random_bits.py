@@ -72,6 +72,26 @@ def _lowbias32(i, words):
 _SCHEMES = {"murmur3": _murmur3, "lowbias32": _lowbias32}
 
 
+def bits_at(words, i, scheme: str) -> Array:
+    """The words ``F(i; words)`` at counters ``i`` (elementwise; ``uniform_bits(key, n)[i]`` for
+    ``words = key_words(key)``).
+
+    Being elementwise in ``i``, it fuses into whatever pass consumes it: a
+    selection that only compares the words (random-k) evaluates them inside its
+    passes instead of reading a materialised ``(n,)`` array.
+
+    Args:
+      words: uint32 ``(2,)`` from :func:`key_words`.
+      i: uint32 counters, any shape.
+      scheme: ``"murmur3"`` or ``"lowbias32"`` (static).
+    Returns:
+      uint32 array of ``i``'s shape.
+    """
+    if scheme not in _SCHEMES:
+        raise ValueError(f"scheme must be one of {tuple(_SCHEMES)}; got {scheme!r}")
+    return _SCHEMES[scheme](jnp.asarray(i).astype(jnp.uint32), words)
+
+
 def uniform_bits(key, n: int, scheme: str) -> Array:
     """``n`` pseudo-random uint32 words ``F(i; key_words(key))``, ``i = 0..n-1`` (module doc).
 
@@ -82,9 +102,7 @@ def uniform_bits(key, n: int, scheme: str) -> Array:
     Returns:
       uint32 array of shape ``(n,)``.
     """
-    if scheme not in _SCHEMES:
-        raise ValueError(f"scheme must be one of {tuple(_SCHEMES)}; got {scheme!r}")
-    return _SCHEMES[scheme](jnp.arange(n, dtype=jnp.uint32), key_words(key))
+    return bits_at(key_words(key), jnp.arange(n, dtype=jnp.uint32), scheme)
 
 
 def uniform_floats(key, n: int) -> Array:

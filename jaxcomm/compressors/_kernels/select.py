@@ -260,7 +260,10 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
     """Exact positions of the ``k`` largest keys ``keys_of(values)`` (ties: lowest index first).
 
     Args:
-      values: ``(d,)`` array; ``keys_of(values)`` are the int32 order keys.
+      values: ``(d,)`` array; ``keys_of(values)`` are the int32 order keys. A
+        Python int ``d`` stands for the counters ``0..d-1`` (uint32), which are
+        then generated inside each pass that reads them instead of stored (a
+        selection by a hash of the position: random-k).
       kmax: static capacity of the result (``k`` if ``k`` is static).
       key: PRNG key for the threshold sample (the result does not depend on it).
       k: traced int32 count ``<= kmax`` (default ``kmax``).
@@ -287,23 +290,39 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
     which turns them into selects). Small arrays use a stable sort. Every
     branch returns the same set.
     """
-    d = values.shape[0]
+    if isinstance(values, int):  # the counters 0..d-1: rebuilt where read, never a stored operand
+        d = values
+
+        def all_values():
+            return jnp.arange(d, dtype=jnp.uint32)
+
+        def gather(i):
+            return i.astype(jnp.uint32)
+    else:
+        d = values.shape[0]
+
+        def all_values():
+            return values
+
+        def gather(i):
+            return values[i]
+
     kk = jnp.int32(kmax) if k is None else jnp.asarray(k, jnp.int32)
     if kmax == 0 or d == 0:
         return jnp.zeros((kmax,), jnp.int32), jnp.int32(PATH_FULL)
     if k is None and kmax >= d:
         return jnp.arange(d, dtype=jnp.int32), jnp.int32(PATH_FULL)
     if d <= SMALL:
-        return _sorted_top(keys_of(values), kk, kmax), jnp.int32(PATH_FULL)
+        return _sorted_top(keys_of(all_values()), kk, kmax), jnp.int32(PATH_FULL)
 
     def full():
-        return _exact_top(keys_of(values), jnp.arange(d, dtype=jnp.int32), kk, kmax)
+        return _exact_top(keys_of(all_values()), jnp.arange(d, dtype=jnp.int32), kk, kmax)
 
     plan = _sample_plan(d, kmax, margin)
     if plan is None:
         return full(), jnp.int32(PATH_FULL)
     s, jmax, cap = plan
-    sample = keys_of(values[uniform_indices(key, s, d)])
+    sample = keys_of(gather(uniform_indices(key, s, d)))
     # Order-preserving map of the sampled keys to exactly representable floats
     # (drop 8 low bits), so that lax.top_k's float path (a partial sort on CPU)
     # applies. The j-th largest is taken as a masked min over *all* jmax values:
@@ -319,7 +338,7 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
         j = jnp.clip(jt, 1, jmax)
     jth = jnp.min(jnp.where(jnp.arange(jmax) < j, vals, jnp.inf))
     lo = jnp.maximum(jth.astype(jnp.int32) << 8, 0)
-    words = pack_bits(keys_of(values) >= lo, 1, jnp.uint32)
+    words = pack_bits(keys_of(all_values()) >= lo, 1, jnp.uint32)
     count = jnp.sum(popcount(words))
     # The common case runs outside any lax.cond: compacting the first C candidates and the
     # exact selection among them cost a few small passes, while the same work inside a
@@ -327,7 +346,7 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
     # 2.4 M-entry tensor). Only the rare fallbacks are branches.
     slots = jnp.arange(cap, dtype=jnp.int32)
     pos, _ = compact_words(words, cap)
-    ck = jnp.where(slots < count, keys_of(values[pos]), -1)
+    ck = jnp.where(slots < count, keys_of(gather(pos)), -1)
     # A zero of the input's own type: constants built from it are device-varying inside
     # shard_map like the branches computed from ``values``, so the lax.cond branches agree.
     zero = jnp.zeros_like(count)
@@ -338,18 +357,18 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
     def ties():
         # One compaction of [keys > lo, keys == lo]: all n_gt <= C strict candidates, then the
         # first 2C - n_gt ties (>= C >= k), both in index order.
-        allkeys = keys_of(values)
+        allkeys = keys_of(all_values())
         tpos, _ = compact(jnp.concatenate([allkeys > lo, allkeys == lo]), 2 * cap)
         tpos = jnp.where(tpos >= d, tpos - d, tpos)
         valid = jnp.arange(2 * cap, dtype=jnp.int32) < count
-        tk = jnp.where(valid, keys_of(values[tpos]), -1)
+        tk = jnp.where(valid, keys_of(gather(tpos)), -1)
         return _exact_top(tk, tpos, kk, kmax), jnp.int32(PATH_TIES) + zero
 
     def exact():
         return full() + zero, jnp.int32(PATH_FULL) + zero
 
     def not_sampled():
-        n_gt = jnp.sum(keys_of(values) > lo, dtype=jnp.int32)
+        n_gt = jnp.sum(keys_of(all_values()) > lo, dtype=jnp.int32)
         return lax.cond((count >= kk) & (n_gt <= cap), ties, exact)
 
     idx, path = lax.cond((count >= kk) & (count <= cap), sampled, not_sampled)
