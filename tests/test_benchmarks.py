@@ -51,22 +51,25 @@ def test_compressor_benchmark_tiny(tmp_path, capsys):
         assert "error" not in r, r
         assert r["median_s"] > 0 and r["ref_median_s"] > 0 and r["ratio"] > 0 and r["wire_bits"] > 0
     assert rows["topk"]["wire_bits"] == 20 * (32 + 16)  # k = 1% of 2000, float32 values + uint16 indices
-    # Every PowerSGD shape, each at ranks 1, 2, 4, against the reference on the same matrix.
-    assert [(r["shape"], r["kwargs"]["matrix_approximation_rank"]) for r in saved["powersgd_matrix"]] == [
-        (shape, rank) for shape in ([16, 40], [12, 30]) for rank in (1, 2, 4)
+    # Every PowerSGD shape, each at ranks 1, 2, 4, cold and warm, against the reference on the same matrix.
+    assert [(r["shape"], r["kwargs"]["matrix_approximation_rank"], r["start"]) for r in saved["powersgd_matrix"]] == [
+        (shape, rank, start) for shape in ([16, 40], [12, 30]) for rank in (1, 2, 4) for start in ("cold", "warm")
     ]
     for r in saved["powersgd_matrix"]:
         assert "error" not in r, r
         assert r["size"] == r["shape"][0] * r["shape"][1] and r["ratio"] > 0
         assert r["wire_bits"] == 32 * sum(r["shape"]) * r["kwargs"]["matrix_approximation_rank"]
     # Targets are evaluated only at 10 and 100 MB (not measured here), and for the PowerSGD matrices.
-    assert sorted(saved["targets"]) == sorted(f"powersgd_r{r}@{s}" for s in ("16x40", "12x30") for r in (1, 2, 4))
+    assert sorted(saved["targets"]) == sorted(
+        f"powersgd_r{r}@{s}{w}" for s in ("16x40", "12x30") for r in (1, 2, 4) for w in ("", "_warm")
+    )
     assert result["targets"] == saved["targets"]
     text = capsys.readouterr().out
     assert "| topk |" in text and "targets:" in text
     bench.main(["--markdown", str(out)])  # the docs' tables, from the JSON
     text = capsys.readouterr().out
-    assert "| PowerSGD on 16x40 |" in text and "| PowerSGD on 12x30 |" in text and text.count("| rank 4 |") == 2
+    assert "| PowerSGD on 16x40 |" in text and "| PowerSGD on 12x30 |" in text
+    assert text.count("| rank 4 | cold |") == 2 and text.count("| rank 4 | warm |") == 2
 
 
 def test_compressor_benchmark_targets_cover_issue_list():
@@ -96,8 +99,10 @@ def test_compressor_benchmark_targets_cover_issue_list():
         for r in (1, 2)
     ]
     psgd.append(dict(name="powersgd", kwargs=dict(matrix_approximation_rank=4), shape=[1280, 2048], error="boom"))
+    psgd.append(dict(psgd[0], start="warm", ratio=3.0))
     t = bench.evaluate_targets([], psgd)
     assert t["powersgd_r1@1280x2048"]["limit"] == 4.0 and not t["powersgd_r1@1280x2048"]["met"]
+    assert t["powersgd_r1@1280x2048_warm"]["limit"] == 4.0 and t["powersgd_r1@1280x2048_warm"]["met"]
     assert t["powersgd_r2@1280x2048"]["met"] and t["powersgd_r1@1024x2560"]["met"]
     assert not t["powersgd_r4@1280x2048"]["met"]
     assert bench.parse_shapes("1280x2048, 5120X5120") == [(1280, 2048), (5120, 5120)]

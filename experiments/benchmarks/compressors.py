@@ -24,6 +24,10 @@ PowerSGD is also timed on matrices (default 1280 x 2048 and 1024 x 2560, 10 MB
 each; ``--powersgd-shape`` takes a comma-separated list, e.g. adding 5120x5120)
 for ranks 1, 2, 4, each against the reference on the same matrix (the 1-D
 vectors of the main sweep are sent uncompressed by PowerSGD, as in PyTorch).
+Each is timed twice: ``cold``, from the initial state (the first step: ``Q``
+drawn from the key), and ``warm``, from the state one step left (every later
+training step: the previous ``Q``, orthogonalised; PowerSGD's default
+``warm_start``).
 Targets, as ratios to the reference: (issue 2) at 10 and 100 MB, elementwise
 quantizers (fp16, bf16, signsgd, onebit, efsignsgd, terngrad, qsgd, natural,
 eightbit) within 4x; top-k, dgc and qsparse within 10x; PowerSGD ranks 1, 2, 4
@@ -179,17 +183,27 @@ def bench_one(name: str, kwargs: dict, d: int, repeats: int, ref) -> dict:
 def bench_powersgd_matrix(repeats: int, ref, shapes=POWERSGD_SHAPES) -> list[dict]:
     """Rows for every (shape, rank): the round trip of one standard normal matrix, against the reference."""
     rows = []
+    key = jax.random.PRNGKey(1)
     for shape in shapes:
         x = jax.random.normal(jax.random.PRNGKey(0), shape, jnp.float32)
         for r in POWERSGD_RANKS:
             c = jc.compressors.powersgd(matrix_approximation_rank=r)
-            fn = roundtrip_fn(c)
-            row = dict(
-                name="powersgd", kwargs=dict(matrix_approximation_rank=r), shape=list(shape), size=int(np.prod(shape))
-            )
-            row.update(time_interleaved(fn, (x, jax.random.PRNGKey(1)), ref, (x,), repeats))
-            row["wire_bits"] = wire_bits_of(c, x, jax.random.PRNGKey(1))
-            rows.append(row)
+            warm_state = jax.jit(c.roundtrip)(x, jax.random.PRNGKey(2))[1]  # after one step
+            warm_fn = jax.jit(lambda x, key, state, c=c: c.decompress(c.compress(x, key, state)[0]))
+            for start, fn, args in (
+                ("cold", roundtrip_fn(c), (x, key)),
+                ("warm", warm_fn, (x, key, warm_state)),
+            ):
+                row = dict(
+                    name="powersgd",
+                    kwargs=dict(matrix_approximation_rank=r),
+                    shape=list(shape),
+                    size=int(np.prod(shape)),
+                    start=start,
+                )
+                row.update(time_interleaved(fn, args, ref, (x,), repeats))
+                row["wire_bits"] = wire_bits_of(c, x, key)
+                rows.append(row)
     return rows
 
 
@@ -216,9 +230,10 @@ def run_worker(job: str, sizes, repeats: int, shapes=POWERSGD_SHAPES) -> list[di
     err = f"subprocess exited with {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] if proc.stderr else ''}"
     if job == "powersgd-matrix":
         return [
-            dict(name="powersgd", kwargs=dict(matrix_approximation_rank=r), shape=list(shape), error=err)
+            dict(name="powersgd", kwargs=dict(matrix_approximation_rank=r), shape=list(shape), start=start, error=err)
             for shape in shapes
             for r in POWERSGD_RANKS
+            for start in ("cold", "warm")
         ]
     return [dict(name=job, kwargs=KWARGS.get(job, {}), size=d, error=err) for d in sizes]
 
@@ -272,7 +287,8 @@ def markdown_table(rows: list[dict], sizes, cpu: bool = False) -> str:
 def evaluate_targets(rows: list[dict], matrix_rows: list[dict]) -> dict:
     """``{"name@size": {ratio, limit, met}}`` for every target measured (an error counts as missed).
 
-    PowerSGD rows are keyed ``powersgd_r{rank}@{rows}x{cols}`` with the limit of :func:`powersgd_limit`.
+    PowerSGD rows are keyed ``powersgd_r{rank}@{rows}x{cols}`` (``..._warm`` for warm-started
+    rows) with the limit of :func:`powersgd_limit`.
     """
     targets = {}
     for group, (names, limit) in TARGETS.items():
@@ -291,7 +307,8 @@ def evaluate_targets(rows: list[dict], matrix_rows: list[dict]) -> dict:
         ratio = r.get("ratio", float("inf"))
         rank, shape = r["kwargs"].get("matrix_approximation_rank", "?"), r["shape"]
         limit = powersgd_limit(shape, rank) if rank != "?" else POWERSGD_TARGET
-        targets[f"powersgd_r{rank}@{shape[0]}x{shape[1]}"] = dict(
+        warm = "_warm" if r.get("start") == "warm" else ""
+        targets[f"powersgd_r{rank}@{shape[0]}x{shape[1]}{warm}"] = dict(
             group="powersgd",
             ratio=ratio,
             cpu_ratio=r.get("cpu_ratio"),
@@ -303,25 +320,26 @@ def evaluate_targets(rows: list[dict], matrix_rows: list[dict]) -> dict:
 
 
 def powersgd_table(matrix_rows: list[dict]) -> str:
-    """One table per matrix shape: a line per rank (wall and CPU ratios, ms, wire bits/entry)."""
+    """One table per matrix shape: a line per rank and start (wall and CPU ratios, ms, wire bits/entry)."""
     tables = {}
     for r in matrix_rows:
         tables.setdefault("x".join(map(str, r["shape"])), []).append(r)
     out = []
     for shape, shape_rows in tables.items():
         lines = [
-            f"| PowerSGD on {shape} | ratio | CPU-time ratio | ms | wire bits/entry |",
-            "|---|---:|---:|---:|---:|",
+            f"| PowerSGD on {shape} | Q | ratio | CPU-time ratio | ms | wire bits/entry |",
+            "|---|---|---:|---:|---:|---:|",
         ]
         for r in shape_rows:
             rank = r["kwargs"].get("matrix_approximation_rank", "?")
+            head = f"| rank {rank} | {r.get('start', 'cold')} |"
             if "ratio" in r:
                 lines.append(
-                    f"| rank {rank} | {r['ratio']:.1f}x | {r['cpu_ratio']:.1f}x | {1e3 * r['median_s']:.1f} | "
+                    f"{head} {r['ratio']:.1f}x | {r['cpu_ratio']:.1f}x | {1e3 * r['median_s']:.1f} | "
                     f"{r['wire_bits'] / r['size']:.4f} |"
                 )
             else:
-                lines.append(f"| rank {rank} | error: {r['error']} | | | |")
+                lines.append(f"{head} error: {r['error']} | | | |")
         out.append("\n".join(lines))
     return "\n\n".join(out)
 
