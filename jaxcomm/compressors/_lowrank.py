@@ -106,17 +106,17 @@ def _matmul(a, b):
     """``a @ b`` for ``a: (k, l)``, ``b: (l, j)`` (float32), as one row-major matrix product.
 
     PowerSGD's products all have one thin operand (``r`` columns or rows):
-    ``M Q``, ``P^T M`` and ``P Q^T``. Written naively, ``M^T P`` and ``P Q^T``
-    contract a dimension that is not the operands' last-by-first, and XLA also
-    folds the transposes of the thin factors into the product; XLA:CPU then
-    leaves its fast matrix-product kernels for a generic loop that is tens of
-    times slower than a pass over ``M``. Here both operands and the result go
-    through ``lax.optimization_barrier``, so the product is exactly
-    ``dot(a, b)`` contracting ``a``'s last with ``b``'s first dimension on
-    row-major buffers, and a small factor's transpose (``P^T: (r, n)``,
-    ``Q^T: (r, m)``) is written out as its own array. Under ``jax.vmap`` a
-    leading batch dimension of both operands becomes the product's batch
-    dimension.
+    ``M Q``, ``P^T M`` and ``P Q^T``. Written as ``M.T @ P`` or ``P @ Q.T``,
+    or with the transposes left for XLA to fold into the product, they
+    contract a dimension other than the operands' last-by-first; XLA:CPU then
+    runs them outside its matrix-product kernels, as a generic dot or (rank 1)
+    a loop with a column-wise reduction over ``M``, far slower than a pass
+    over ``M``. Here both operands and the result go through
+    ``lax.optimization_barrier``, so the product is exactly ``dot(a, b)``
+    contracting ``a``'s last with ``b``'s first dimension on row-major
+    buffers, and a thin factor's transpose (``P^T: (r, n)``, ``Q^T: (r, m)``)
+    is written out as its own small array. Under ``jax.vmap`` a leading batch
+    dimension of both operands becomes the product's batch dimension.
     """
     a, b = lax.optimization_barrier((a, b))
     return lax.optimization_barrier(lax.dot_general(a, b, (((1,), (0,)), ((), ()))))
