@@ -25,9 +25,9 @@ each; ``--powersgd-shape`` takes a comma-separated list, e.g. adding 5120x5120)
 for ranks 1, 2, 4, each against the reference on the same matrix (the 1-D
 vectors of the main sweep are sent uncompressed by PowerSGD, as in PyTorch).
 Each is timed twice: ``cold``, from the initial state (the first step: ``Q``
-drawn from the key), and ``warm``, from the state one step left (every later
-training step: the previous ``Q``, orthogonalised; PowerSGD's default
-``warm_start``).
+drawn from the key), and ``warm``, from the state one step left, returning the
+next state too (every later training step: the previous ``Q``, orthogonalised;
+PowerSGD's default ``warm_start``).
 Targets, as ratios to the reference: (issue 2) at 10 and 100 MB, elementwise
 quantizers (fp16, bf16, signsgd, onebit, efsignsgd, terngrad, qsgd, natural,
 eightbit) within 4x; top-k, dgc and qsparse within 10x; PowerSGD ranks 1, 2, 4
@@ -189,7 +189,7 @@ def bench_powersgd_matrix(repeats: int, ref, shapes=POWERSGD_SHAPES) -> list[dic
         for r in POWERSGD_RANKS:
             c = jc.compressors.powersgd(matrix_approximation_rank=r)
             warm_state = jax.jit(c.roundtrip)(x, jax.random.PRNGKey(2))[1]  # after one step
-            warm_fn = jax.jit(lambda x, key, state, c=c: c.decompress(c.compress(x, key, state)[0]))
+            warm_fn = jax.jit(c.roundtrip)  # output and next state, as in a training step
             for start, fn, args in (
                 ("cold", roundtrip_fn(c), (x, key)),
                 ("warm", warm_fn, (x, key, warm_state)),
