@@ -40,7 +40,7 @@ def test_compressor_benchmark_tiny(tmp_path, capsys):
             "--only",
             "fp16,qsgd,topk,powersgd",
             "--powersgd-shape",
-            "16x40",
+            "16x40,12x30",
             "--in-process",
             "--out",
             str(out),
@@ -54,14 +54,25 @@ def test_compressor_benchmark_tiny(tmp_path, capsys):
         assert "error" not in r, r
         assert r["median_s"] > 0 and r["ref_median_s"] > 0 and r["ratio"] > 0 and r["wire_bits"] > 0
     assert rows["topk"]["wire_bits"] == 20 * (32 + 16)  # k = 1% of 2000, float32 values + uint16 indices
-    assert [r["kwargs"]["matrix_approximation_rank"] for r in saved["powersgd_matrix"]] == [1, 2, 4]
-    # Targets are evaluated only at 10 and 100 MB (not measured here), and for the PowerSGD matrix.
-    assert sorted(saved["targets"]) == ["powersgd_r1@16x40", "powersgd_r2@16x40", "powersgd_r4@16x40"]
+    # Every PowerSGD shape, each at ranks 1, 2, 4, cold and warm, against the reference on the same matrix.
+    assert [(r["shape"], r["kwargs"]["matrix_approximation_rank"], r["start"]) for r in saved["powersgd_matrix"]] == [
+        (shape, rank, start) for shape in ([16, 40], [12, 30]) for rank in (1, 2, 4) for start in ("cold", "warm")
+    ]
+    for r in saved["powersgd_matrix"]:
+        assert "error" not in r, r
+        assert r["size"] == r["shape"][0] * r["shape"][1] and r["ratio"] > 0
+        assert r["wire_bits"] == 32 * sum(r["shape"]) * r["kwargs"]["matrix_approximation_rank"]
+    # Targets are evaluated only at 10 and 100 MB (not measured here), and for the PowerSGD matrices.
+    assert sorted(saved["targets"]) == sorted(
+        f"powersgd_r{r}@{s}{w}" for s in ("16x40", "12x30") for r in (1, 2, 4) for w in ("", "_warm")
+    )
     assert result["targets"] == saved["targets"]
     text = capsys.readouterr().out
     assert "| topk |" in text and "targets:" in text
     bench.main(["--markdown", str(out)])  # the docs' tables, from the JSON
-    assert "| rank 4 |" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "| PowerSGD on 16x40 |" in text and "| PowerSGD on 12x30 |" in text
+    assert text.count("| rank 4 | cold |") == 2 and text.count("| rank 4 | warm |") == 2
 
 
 def test_compressor_benchmark_targets_cover_issue_list():
@@ -84,6 +95,23 @@ def test_compressor_benchmark_targets_cover_issue_list():
     rows.append(dict(name="dgc", size=bench.TARGET_SIZES[0], error="boom"))
     t = bench.evaluate_targets(rows, [])
     assert not t["qsgd@10MB"]["met"] and t["topk@100MB"]["met"] and not t["dgc@10MB"]["met"]
+    # Issue 16: rank 1 on 1280x2048 within 4x; other ranks and shapes keep issue 2's 10x.
+    psgd = [
+        dict(name="powersgd", kwargs=dict(matrix_approximation_rank=r), shape=list(s), ratio=5.0)
+        for s in ((1280, 2048), (1024, 2560))
+        for r in (1, 2)
+    ]
+    psgd.append(dict(name="powersgd", kwargs=dict(matrix_approximation_rank=4), shape=[1280, 2048], error="boom"))
+    psgd.append(dict(psgd[0], start="warm", ratio=3.0))
+    t = bench.evaluate_targets([], psgd)
+    assert t["powersgd_r1@1280x2048"]["limit"] == 4.0 and not t["powersgd_r1@1280x2048"]["met"]
+    assert t["powersgd_r1@1280x2048_warm"]["limit"] == 4.0 and t["powersgd_r1@1280x2048_warm"]["met"]
+    assert t["powersgd_r2@1280x2048"]["met"] and t["powersgd_r1@1024x2560"]["met"]
+    assert not t["powersgd_r4@1280x2048"]["met"]
+    assert bench.parse_shapes("1280x2048, 5120X5120") == [(1280, 2048), (5120, 5120)]
+    for bad in ("1280", "0x5", "12x3x4", "axb", "12x30,"):
+        with pytest.raises(ValueError, match="powersgd-shape"):
+            bench.parse_shapes(bad)
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices (tests/conftest.py)")

@@ -61,6 +61,25 @@ def test_p_is_orthonormal_and_orthogonalize_matches_qr():
     np.testing.assert_allclose(e[:, 0], [0.5, 2.0 / 3.0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(37, 53, 1), (37, 53, 3), (2, 37, 53), (1, 37, 1)])
+def test_matmul_is_the_matrix_product(shape):
+    # L._matmul computes PowerSGD's three products (M Q, P^T M, P Q^T) as row-major dots behind
+    # optimization barriers: the value of a @ b, under jit and under vmap (a batch dimension).
+    k, l, j = shape
+    rs = np.random.RandomState(k * 100 + j)
+    a, b = rs.randn(k, l).astype(np.float32), rs.randn(l, j).astype(np.float32)
+    want = a.astype(np.float64) @ b
+    np.testing.assert_allclose(np.asarray(jax.jit(L._matmul)(a, b)), want, rtol=1e-5, atol=1e-5)
+    # the transposed operands the compressor passes (P^T, Q^T) are transposes of live arrays
+    got_t = jax.jit(lambda at, bt: L._matmul(at.T, bt.T))(jnp.asarray(a.T), jnp.asarray(b.T))
+    np.testing.assert_allclose(np.asarray(got_t), want, rtol=1e-5, atol=1e-5)
+    batch_a = np.stack([a, 2 * a, -a])
+    batch_b = np.stack([b, b, 3 * b])
+    got = np.asarray(jax.jit(jax.vmap(L._matmul))(batch_a, batch_b))
+    for i, s in enumerate([1.0, 2.0, -3.0]):
+        np.testing.assert_allclose(got[i], s * want, rtol=1e-5, atol=1e-4)
+
+
 def test_warm_start_converges_to_best_rank_r_approximation():
     # Spectrum 10, 5, 1, 0.5, ...: the error of the rank-2 approximation must reach the Eckart-Young
     # bound sqrt(sum_{i>2} s_i^2) as the warm-started power iteration converges (ratio s3/s2 = 0.2/step).

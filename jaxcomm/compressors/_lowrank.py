@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ._base import (
     Compressor,
@@ -99,6 +100,26 @@ def powersgd_plan(shape, rank: int, min_compression_rate: float) -> tuple[int, i
     if r < 1 or (n + m) * r * min_compression_rate >= n * m:
         return None
     return n, m, r
+
+
+def _matmul(a, b):
+    """``a @ b`` for ``a: (k, l)``, ``b: (l, j)`` (float32), as one row-major matrix product.
+
+    PowerSGD's products all have one thin operand (``r`` columns or rows):
+    ``M Q``, ``P^T M`` and ``P Q^T``. Written as ``M.T @ P`` or ``P @ Q.T``,
+    or with the transposes left for XLA to fold into the product, they
+    contract a dimension other than the operands' last-by-first; XLA:CPU then
+    runs them outside its matrix-product kernels, as a generic dot or (rank 1)
+    a loop with a column-wise reduction over ``M``, far slower than a pass
+    over ``M``. Here both operands and the result go through
+    ``lax.optimization_barrier``, so the product is exactly ``dot(a, b)``
+    contracting ``a``'s last with ``b``'s first dimension on row-major
+    buffers, and a thin factor's transpose (``P^T: (r, n)``, ``Q^T: (r, m)``)
+    is written out as its own small array. Under ``jax.vmap`` a leading batch
+    dimension of both operands becomes the product's batch dimension.
+    """
+    a, b = lax.optimization_barrier((a, b))
+    return lax.optimization_barrier(lax.dot_general(a, b, (((1,), (0,)), ((), ()))))
 
 
 def orthogonalize(p, epsilon: float = 0.0):
@@ -251,8 +272,8 @@ def powersgd(
         n, m, r = plan
         mat = jnp.reshape(x, (n, m)).astype(jnp.float32)
         q = start_q(key, state, m, r)
-        p = orthogonalize(mat @ q, eps)
-        q = mat.T @ p
+        p = orthogonalize(_matmul(mat, q), eps)
+        q = _matmul(p.T, mat).T  # M^T P, computed as (P^T M)^T
         return PowerSGDPayload(p=p, q=q, shape=shape, dtype=x.dtype), new_state(q)
 
     def rounds(x, key, state, size):
@@ -265,14 +286,14 @@ def powersgd(
         n, m, r = plan
         mat = jnp.reshape(x, (n, m)).astype(jnp.float32)
         q = start_q(key, state, m, r)
-        p = orthogonalize((yield mat @ q), eps)  # round 1: P = orth(sum_i M_i Q)
-        q = yield mat.T @ p  # round 2: Q = sum_i M_i^T P
+        p = orthogonalize((yield _matmul(mat, q)), eps)  # round 1: P = orth(sum_i M_i Q)
+        q = yield _matmul(p.T, mat).T  # round 2: Q = sum_i M_i^T P = (sum_i P^T M_i)^T
         return PowerSGDPayload(p=p, q=q, shape=shape, dtype=x.dtype), new_state(q / size)
 
     def decompress(payload):
         if isinstance(payload, DensePayload):
             return payload.data.astype(payload.dtype)
-        return (payload.p @ payload.q.T).reshape(payload.shape).astype(payload.dtype)
+        return _matmul(payload.p, payload.q.T).reshape(payload.shape).astype(payload.dtype)
 
     return Compressor.create(
         name="powersgd",
