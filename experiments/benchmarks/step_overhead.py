@@ -59,9 +59,14 @@ selection replaced by fixed, evenly spaced positions that cost nothing to
 find. Any exact top-k with error feedback does at least this work, so its
 ratio bounds what a faster selection could reach.
 
+``--devices N`` sets the number of workers (one device each; default 8). On
+one GPU (``JAX_PLATFORMS=cuda ... --devices 1 --batch B``) the collectives
+move nothing, so the ratio is the compressor's and memory's compute beside the
+network's forward/backward pass on that accelerator.
+
 usage: python experiments/benchmarks/step_overhead.py [--repeats 7] [--trees resnet20,vgg16]
        [--compressors topk,qsgd,topk_floor,...] [--memory residual|grace] [--batch 0] [--no-fuse]
-       [--check-vma] [--in-process] [--out experiments/benchmarks/results/step_overhead.json]
+       [--check-vma] [--in-process] [--devices 8] [--out experiments/benchmarks/results/step_overhead.json]
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm as jc
 from jaxcomm import memory as mem
 from jaxcomm.transforms import compressed_mean
+
+DEVICES = 8  # workers by default: simulated CPU devices (XLA_FLAGS above)
 
 # Hyper-parameters for the benchmark (1% density for sparsifiers, GRACE's usual setting).
 KWARGS = {
@@ -355,11 +362,17 @@ class Runner:
 
 
 def measure(
-    tree: str, name: str, repeats: int, check_vma: bool, memory: str = "residual", batch: int = 0, fuse: bool = True
+    tree: str,
+    name: str,
+    repeats: int,
+    check_vma: bool,
+    memory: str = "residual",
+    batch: int = 0,
+    fuse: bool = True,
+    n: int = DEVICES,
 ) -> dict:
-    """Time one compressor against none() on one tree (in this process); ``batch > 0``: with the tree's
-    network's forward/backward pass on ``batch`` images per worker."""
-    n = 8
+    """Time one compressor against none() on one tree (in this process) on ``n`` workers (one device
+    each); ``batch > 0``: with the tree's network's forward/backward pass on ``batch`` images per worker."""
     devices = jax.devices()
     if len(devices) < n:
         raise SystemExit(f"need {n} devices (XLA_FLAGS=--xla_force_host_platform_device_count={n})")
@@ -454,11 +467,12 @@ def run_one(
     memory: str = "residual",
     batch: int = 0,
     fuse: bool = True,
+    n: int = DEVICES,
 ) -> dict:
     """One (tree, compressor) measurement, in a subprocess unless ``in_process``; a failure becomes an error row."""
     if in_process:
         try:
-            return measure(tree, name, repeats, check_vma, memory, batch, fuse)
+            return measure(tree, name, repeats, check_vma, memory, batch, fuse, n)
         except Exception as e:  # record and go on
             return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
     cmd = [
@@ -476,6 +490,7 @@ def run_one(
     ]
     cmd += [] if fuse else ["--no-fuse"]
     cmd += ["--check-vma"] if check_vma else []
+    cmd += ["--devices", str(n)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -512,6 +527,13 @@ def main(argv=None) -> dict:
         help="compressed_mean(fuse=False): one all-gather per tensor instead of one per step",
     )
     ap.add_argument("--check-vma", action="store_true", help="build the shard_map with check_vma=True")
+    ap.add_argument(
+        "--devices",
+        type=int,
+        default=DEVICES,
+        help=f"workers, one device each (default {DEVICES} simulated CPU devices; 1 on a single GPU "
+        "with JAX_PLATFORMS=cuda: the compressor's compute beside the model's, no communication)",
+    )
     ap.add_argument("--in-process", action="store_true", help="no subprocess per (tree, compressor)")
     ap.add_argument("--markdown", metavar="JSON", help="print the table of a results file and exit")
     ap.add_argument("--one", nargs=2, metavar=("TREE", "NAME"), help=argparse.SUPPRESS)
@@ -521,7 +543,7 @@ def main(argv=None) -> dict:
         print(markdown_table(json.loads(Path(args.markdown).read_text())))
         return {}
     if args.one:  # child process: one measurement, one JSON line
-        r = measure(*args.one, args.repeats, args.check_vma, args.memory, args.batch, not args.no_fuse)
+        r = measure(*args.one, args.repeats, args.check_vma, args.memory, args.batch, not args.no_fuse, args.devices)
         print("RESULT " + json.dumps(r, default=str), flush=True)
         return r
     names = [c for c in args.compressors.split(",") if c] or [c for c in jc.compressors.names() if c != "none"]
@@ -529,15 +551,17 @@ def main(argv=None) -> dict:
     trees = [t for t in args.trees.split(",") if t]
     if unknown or set(trees) - set(TREES):
         ap.error(f"unknown compressor(s) {unknown} or tree(s) {sorted(set(trees) - set(TREES))}")
+    if args.devices < 1:
+        ap.error(f"--devices must be >= 1; got {args.devices}")
     if args.batch < 0:
         ap.error(f"--batch must be >= 0; got {args.batch}")
     if args.batch and set(trees) - set(MODELS):
         ap.error(f"--batch needs a tree with a network ({', '.join(MODELS)}); got {', '.join(trees)}")
-    n = 8
+    n = args.devices
     out = {
         "meta": {
             "benchmark": "step_overhead",
-            "devices": f"{n} simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count={n})",
+            "devices": f"{n} of {[str(d) for d in jax.devices()][:n]}",
             "host_cpus": os.cpu_count(),
             "load_average_at_start": list(os.getloadavg()),
             "platform": platform.platform(),
@@ -574,7 +598,15 @@ def main(argv=None) -> dict:
         out["trees"][tree] = {"num_params": num_params, "num_tensors": len(shapes), "results": results}
         for name in names:
             r = run_one(
-                tree, name, args.repeats, args.check_vma, args.in_process, args.memory, args.batch, not args.no_fuse
+                tree,
+                name,
+                args.repeats,
+                args.check_vma,
+                args.in_process,
+                args.memory,
+                args.batch,
+                not args.no_fuse,
+                args.devices,
             )
             results[name] = r
             save(out, args.out)  # after every measurement: an interrupted run keeps what it measured
