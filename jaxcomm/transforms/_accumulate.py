@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from .._vma import typed_cond
-from ..compressors._base import check_positive_int
+from ..compressors._base import check_positive_int, check_same_tree
 
 __all__ = ["AccumulateState", "accumulate", "warn_multisteps", "zero_counters"]
 
@@ -129,6 +129,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
         return AccumulateState(jnp.zeros((), jnp.int32), grad_sum, inner.init(params))
 
     def update(updates, state, params=None, **extra_args):
+        check_same_tree(updates, state.grad_sum, "the accumulated gradient")
         count = state.count + 1
         total = jax.tree.map(lambda s, g: s + g.astype(s.dtype), state.grad_sum, updates)
 
