@@ -476,7 +476,7 @@ def eager_sgd(
     Args:
       mode: ``"solo"``, ``"majority"`` or ``"sync"``.
       imbalance: load-imbalance model with ``num_workers`` equal to the axis size.
-      key: PRNG key or int seed shared by all workers.
+      key: PRNG key, or an int seed in ``[0, 2**32)`` (others are refused: they would alias), shared by all workers.
       axis_name / comm: the communicator (at most one; neither: the ambient one).
       clock, comm_ms, sync_every, max_lag: see :class:`EagerSGDConfig`.
     """

@@ -197,7 +197,8 @@ def check_key(key, name: str = "key") -> None:
     else:
         what = type(key).__name__
     raise TypeError(
-        f"{name} must be a single JAX PRNG key (jax.random.PRNGKey(seed), uint32[2], or jax.random.key(seed)); got {what}"
+        f"{name} must be a single JAX PRNG key (jax.random.PRNGKey(seed), uint32[2], or jax.random.key(seed)); "
+        f"got {what}"
     )
 
 
@@ -207,7 +208,8 @@ def check_same_tree(updates, reference, what: str, name: str = "updates") -> Non
     got, want = jax.tree_util.tree_structure(updates), jax.tree_util.tree_structure(reference)
     if got != want:
         raise ValueError(
-            f"{name} has tree structure {got} but {what} was initialised for {want}; init and update must see the same tree"
+            f"{name} has tree structure {got} but {what} was initialised for {want}; "
+            "init and update must see the same tree"
         )
     for i, (g, r) in enumerate(zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(reference))):
         if tuple(jnp.shape(g)) != tuple(jnp.shape(r)):
@@ -224,6 +226,8 @@ def check_state_matches(compressor, x, state, name: str = "state") -> None:
     shape; an update with another shape must fail here, not deep inside the arithmetic.
     Checked on shapes and dtypes only (``jax.eval_shape``), so it costs nothing at run time.
     """
+    if compressor.init_state is _no_state and not jax.tree_util.tree_leaves(state):
+        return  # stateless: nothing shaped to compare
     want = jax.eval_shape(compressor.init_state, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)))
     got_def, want_def = jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(want)
     got = [tuple(jnp.shape(a)) for a in jax.tree_util.tree_leaves(state)]
@@ -568,6 +572,11 @@ class Compressor:
         """``(payload, new_state)`` for one floating array ``x`` (``state`` defaults to ``init_state(x)``).
 
         ``key`` is required unless the compressor is deterministic (``stochastic=False``).
+
+        Raises:
+          TypeError: ``x`` is not a real floating array; ``key`` is not one PRNG key
+            (``uint32[2]`` or a typed key), or is missing for a stochastic compressor.
+          ValueError: ``x`` has no entries.
         """
         check_float_input(x, "x", nonempty=True)
         x = jnp.asarray(x)
@@ -585,7 +594,11 @@ class Compressor:
         return self.compress_fn(x, key, state)
 
     def decompress(self, payload):
-        """``x_hat``: the payload decoded to the original shape and dtype."""
+        """``x_hat``: the payload decoded to the original shape and dtype.
+
+        Raises:
+          TypeError: ``payload`` is not a :class:`Payload`.
+        """
         if not isinstance(payload, Payload):
             raise TypeError(
                 f"payload must be a jaxcomm.compressors.Payload, as returned by {self!r}.compress; "
@@ -618,7 +631,13 @@ class Compressor:
 
     def update(self, updates, state: CompressorState, params_tree=None, **extra_args):
         """optax ``update``: every leaf replaced by its lossy round trip; ``key, step_key = split(key)``
-        and leaf ``i`` uses ``split(step_key, num_leaves)[i]``."""
+        and leaf ``i`` uses ``split(step_key, num_leaves)[i]``.
+
+        Raises:
+          ValueError: ``updates`` has another number of leaves than ``init`` saw, an empty leaf, or
+            (stateful compressors) a leaf whose shape its state was not built for.
+          TypeError: a leaf is not real floating point.
+        """
         del params_tree, extra_args
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         if len(leaves) != len(state.leaf_states):

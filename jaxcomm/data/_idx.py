@@ -34,9 +34,7 @@ _IDX_CODES = {np.dtype(v).newbyteorder("=").str: k for k, v in _IDX_DTYPES.items
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-REFETCH_HINT = (
-    "delete it and re-run `python -m jaxcomm.data.fetch` (or replace it with a good copy of your own)"
-)
+REFETCH_HINT = "delete it and re-run `python -m jaxcomm.data.fetch` (or replace it with a good copy of your own)"
 
 
 class DatasetError(ValueError):
@@ -50,11 +48,12 @@ class DatasetError(ValueError):
 
 
 def check_labels(labels: np.ndarray, num_classes: int, path) -> np.ndarray:
-    """``labels`` as ``int32`` if they are integers in ``[0, num_classes)``, else :class:`DatasetError` naming ``path``."""
+    """``labels`` as ``int32`` if they are integers in ``[0, num_classes)``, else :class:`DatasetError`
+    naming ``path``."""
     labels = np.asarray(labels)
-    if labels.size and not np.issubdtype(labels.dtype, np.integer):
-        if not np.all(np.isfinite(labels)) or not np.all(labels == np.round(labels)):
-            raise DatasetError(path, f"labels must be integers; got {labels.dtype} values that are not")
+    floating = labels.size and not np.issubdtype(labels.dtype, np.integer)
+    if floating and (not np.all(np.isfinite(labels)) or not np.all(labels == np.round(labels))):
+        raise DatasetError(path, f"labels must be integers; got {labels.dtype} values that are not")
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         bad = int(np.argmax((labels < 0) | (labels >= num_classes)))
         raise DatasetError(

@@ -117,7 +117,8 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
       ``update`` are passed to ``inner`` on the communicating micro-step.
     Raises:
       TypeError: ``inner`` is not an optax transformation.
-      ValueError: ``every_k`` is not an integer ``>= 1``.
+      ValueError: ``every_k`` is not an integer ``>= 1``; at ``update``, gradients whose tree or
+        leaf shapes differ from the parameters ``init`` saw.
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(f"inner must be an optax GradientTransformation; got {type(inner).__name__}")

@@ -47,7 +47,7 @@ class DoubleSqueezeConfig:
         """``ValueError`` for a method that is not a name of :data:`METHODS` (or no method at all)."""
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
-            raise ValueError(f"DoubleSqueezeConfig.methods must be names from {list(METHODS)}; got unknown {unknown}")
+            raise ValueError(f"DoubleSqueezeConfig.methods must be names from {list(METHODS)}; unknown: {unknown}")
 
     @classmethod
     def default(cls) -> DoubleSqueezeConfig:

@@ -53,7 +53,7 @@ class GradientDroppingConfig:
         """``ValueError`` for a method that is not a name of :data:`METHODS` (or no method at all)."""
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
-            raise ValueError(f"GradientDroppingConfig.methods must be names from {list(METHODS)}; got unknown {unknown}")
+            raise ValueError(f"GradientDroppingConfig.methods must be names from {list(METHODS)}; unknown: {unknown}")
 
     @classmethod
     def default(cls) -> GradientDroppingConfig:
