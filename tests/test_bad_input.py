@@ -221,7 +221,7 @@ CASES = [
     ("from-matrix-not-stochastic", lambda: topology.from_matrix(np.ones((3, 3))), ValueError, r"weights"),
     ("spectral-gap-str", lambda: topology.spectral_gap("abc"), TypeError, r"weights must be a numeric"),
     ("spectral-gap-non-square", lambda: topology.spectral_gap(np.ones((2, 3))), ValueError, r"weights must be"),
-    ("topk-count-size", lambda: algorithms.topk_count(-1, 0.5), ValueError, r"size must be >= 1"),
+    ("topk-count-size", lambda: algorithms.topk_count(-1, 0.5), ValueError, r"size must be >= 0"),
     ("topk-count-ratio", lambda: algorithms.topk_count(10, 0.0), ValueError, r"ratio must be in \(0, 1\]"),
     ("eventgrad-horizon", lambda: algorithms.eventgrad("ring", 0.1, num_workers=4, horizon=-1), ValueError, "horizon"),
     ("dpsgd-lr", lambda: algorithms.dpsgd("ring", -1.0, num_workers=4), ValueError, r"learning rate|optimizer"),
