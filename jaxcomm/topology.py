@@ -103,7 +103,12 @@ def spectral_gap(weights) -> float:
     ``rho = max(|lambda_2|, |lambda_n|)**2 < 1``, i.e. a positive gap; consensus
     error contracts by ``sqrt(rho) = 1 - gap`` per mixing step. ``n = 1`` gives 1.
     """
-    w = np.asarray(weights, dtype=np.float64)
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"weights must be a numeric [n, n] matrix; got {type(weights).__name__}") from None
+    if w.ndim != 2 or w.shape[0] != w.shape[1] or w.shape[0] < 1 or not np.all(np.isfinite(w)):
+        raise ValueError(f"weights must be a finite square [n, n] matrix with n >= 1; got shape {w.shape}")
     if w.shape[0] == 1:
         return 1.0
     lam = np.sort(np.linalg.eigvalsh((w + w.T) / 2))[::-1]  # lam[0] == 1 for a doubly stochastic W

@@ -1,6 +1,7 @@
 """The command line: listing, bad names and keys, a smoke run writing JSON + PNG."""
 
 import json
+import re
 
 import pytest
 
@@ -304,6 +305,31 @@ def test_bad_config_is_one_line_exit_2_and_creates_nothing(tmp_path, override, k
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], proc.stderr
     assert proc.stdout == ""
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "name, override, message",
+    [
+        ("quickstart", "seed=-1", r"QuickstartConfig.seed must be in \[0, 2\*\*32\); got -1"),
+        ("grace", "seed=4294967296", r"GraceConfig.seed must be in \[0, 2\*\*32\); got 4294967296"),
+        ("eventgrad", "seed=-1", r"EventGradConfig.seed must be in \[0, 2\*\*32\)"),
+        ("eager-hyperplane", "seed=4294967296", r"HyperplaneConfig.seed must be in \[0, 2\*\*32\)"),
+        ("eager-microbench", "seed=-1", r"MicrobenchConfig.seed must be in \[0, 2\*\*32\)"),
+        ("doublesqueeze", "methods=nosuch", r"DoubleSqueezeConfig.methods must be names from .*\['nosuch'\]"),
+        ("gradient-dropping", "methods=nosuch", r"GradientDroppingConfig.methods must be names from"),
+        ("time-to-accuracy", "methods=nosuch", r"TimeToAccuracyConfig.methods must be names from"),
+        ("time-to-accuracy", "learning_rate=-1", r"TimeToAccuracyConfig.learning_rate must be > 0"),
+    ],
+)
+def test_every_study_refuses_bad_seeds_and_methods_in_one_line(tmp_path, name, override, message):
+    """Seeds outside [0, 2**32) would alias (PRNGKey keeps 32 bits) and unknown methods would fail mid-run:
+    both are refused by the config check, exit 2, one line, nothing created."""
+    out = tmp_path / "run"
+    proc = _cli_subprocess("run", name, "--smoke", "--set", override, "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(message, lines[0]), proc.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 

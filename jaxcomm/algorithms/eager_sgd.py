@@ -163,7 +163,12 @@ class EagerSGDState(NamedTuple):
 
 def _as_key(key) -> jax.Array:
     if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-        return jax.random.key(int(key))
+        from ..compressors._base import check_seed
+
+        try:
+            return jax.random.key(int(check_seed(key)))
+        except (TypeError, ValueError) as e:  # the seed's message, about this argument
+            raise type(e)(f"key: an int key is a seed; {e}") from None
     if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key
     if isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape[-1:] == (2,):
@@ -471,7 +476,7 @@ def eager_sgd(
     Args:
       mode: ``"solo"``, ``"majority"`` or ``"sync"``.
       imbalance: load-imbalance model with ``num_workers`` equal to the axis size.
-      key: PRNG key or int seed shared by all workers.
+      key: PRNG key, or an int seed in ``[0, 2**32)`` (others are refused: they would alias), shared by all workers.
       axis_name / comm: the communicator (at most one; neither: the ambient one).
       clock, comm_ms, sync_every, max_lag: see :class:`EagerSGDConfig`.
     """

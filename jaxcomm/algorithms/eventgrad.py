@@ -184,7 +184,15 @@ class EventGradState(NamedTuple):
 
 
 def topk_count(size: int, ratio: float) -> int:
-    """Entries sent by top-K of a tensor of ``size`` entries: ``ceil(ratio * size)`` (at least 1)."""
+    """Entries sent by top-K of a tensor of ``size`` entries: ``ceil(ratio * size)`` (at least 1).
+
+    Raises:
+      ValueError: ``size < 0`` or ``ratio`` outside ``(0, 1]``.
+    """
+    from ..compressors._base import check_ratio
+
+    size = _check_int(size, "size", 0)
+    ratio = check_ratio(ratio, "ratio")
     return max(1, int(math.ceil(ratio * size - 1e-9)))
 
 

@@ -48,6 +48,9 @@ __all__ = [
     "check_finite_scalar",
     "check_static",
     "check_seed",
+    "check_key",
+    "check_state_matches",
+    "check_same_tree",
 ]
 
 COMPRESSOR_STRATEGIES = ("allreduce", "allgather")
@@ -159,13 +162,81 @@ def wire_bits(payload) -> int | Array:
 # --------------------------------------------------------------------------- #
 # Input validation shared by the factories
 # --------------------------------------------------------------------------- #
-def check_float_input(x, name: str = "x") -> None:
-    """Raise ``TypeError`` unless ``x`` has a real floating dtype."""
-    dtype = jnp.result_type(x)
+def check_float_input(x, name: str = "x", *, nonempty: bool = False) -> None:
+    """Raise ``TypeError`` unless ``x`` is an array with a real floating dtype; with ``nonempty``,
+    ``ValueError`` if it has no entries (a size-0 array has no scale, norm or selection to compute)."""
+    try:
+        dtype = jnp.result_type(x)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a JAX or NumPy array with a real floating dtype; got {type(x).__name__} "
+            "(wrap a list with jnp.asarray(..., jnp.float32))"
+        ) from None
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
             f"{name} must have a real floating dtype (float16/bfloat16/float32/float64); got {dtype}. "
             "Compressors act on gradients, which are real floating point."
+        )
+    if nonempty and np.size(x) == 0:
+        raise ValueError(
+            f"{name} has no entries (shape {tuple(np.shape(x))}); compressors act on non-empty arrays: "
+            "leave size-0 leaves out of the compressed tree (e.g. with optax.masked)"
+        )
+
+
+def check_key(key, name: str = "key") -> None:
+    """Raise ``TypeError`` unless ``key`` is a JAX PRNG key: a raw ``uint32[2]`` array
+    (``jax.random.PRNGKey``) or a scalar typed key (``jax.random.key``); traced keys are checked by shape and dtype."""
+    if isinstance(key, (jax.Array, jax.core.Tracer, np.ndarray)):
+        dtype = jnp.result_type(key)
+        if jnp.issubdtype(dtype, jax.dtypes.prng_key) and jnp.ndim(key) == 0:
+            return
+        if dtype == jnp.uint32 and jnp.shape(key) == (2,):
+            return
+        what = f"a {dtype} array of shape {tuple(jnp.shape(key))}"
+    else:
+        what = type(key).__name__
+    raise TypeError(
+        f"{name} must be a single JAX PRNG key (jax.random.PRNGKey(seed), uint32[2], or jax.random.key(seed)); "
+        f"got {what}"
+    )
+
+
+def check_same_tree(updates, reference, what: str, name: str = "updates") -> None:
+    """Raise ``ValueError`` unless ``updates`` has ``reference``'s tree structure and leaf shapes
+    (``reference``: a state tree built by ``init`` from the parameters, described by ``what``)."""
+    got, want = jax.tree_util.tree_structure(updates), jax.tree_util.tree_structure(reference)
+    if got != want:
+        raise ValueError(
+            f"{name} has tree structure {got} but {what} was initialised for {want}; "
+            "init and update must see the same tree"
+        )
+    for i, (g, r) in enumerate(zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(reference))):
+        if tuple(jnp.shape(g)) != tuple(jnp.shape(r)):
+            raise ValueError(
+                f"{name}: leaf {i} has shape {tuple(jnp.shape(g))} but {what} was initialised for shape "
+                f"{tuple(jnp.shape(r))}; init and update must see the same leaf shapes"
+            )
+
+
+def check_state_matches(compressor, x, state, name: str = "state") -> None:
+    """Raise ``ValueError`` if ``state`` is not shaped like ``compressor.init_state(x)`` (stateful compressors).
+
+    A compressor's per-array state (PowerSGD's ``Q``, signum's momentum) is built for one
+    shape; an update with another shape must fail here, not deep inside the arithmetic.
+    Checked on shapes and dtypes only (``jax.eval_shape``), so it costs nothing at run time.
+    """
+    if compressor.init_state is _no_state and not jax.tree_util.tree_leaves(state):
+        return  # stateless: nothing shaped to compare
+    want = jax.eval_shape(compressor.init_state, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)))
+    got_def, want_def = jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(want)
+    got = [tuple(jnp.shape(a)) for a in jax.tree_util.tree_leaves(state)]
+    expect = [tuple(a.shape) for a in jax.tree_util.tree_leaves(want)]
+    if got_def != want_def or got != expect:
+        raise ValueError(
+            f"updates: a tensor of shape {tuple(jnp.shape(x))} does not match its {compressor.name!r} {name}, "
+            f"initialised for another shape (state shapes {got}, expected {expect}); init and update must see "
+            "the same tree with the same leaf shapes"
         )
 
 
@@ -501,9 +572,16 @@ class Compressor:
         """``(payload, new_state)`` for one floating array ``x`` (``state`` defaults to ``init_state(x)``).
 
         ``key`` is required unless the compressor is deterministic (``stochastic=False``).
+
+        Raises:
+          TypeError: ``x`` is not a real floating array; ``key`` is not one PRNG key
+            (``uint32[2]`` or a typed key), or is missing for a stochastic compressor.
+          ValueError: ``x`` has no entries.
         """
-        check_float_input(x, "x")
+        check_float_input(x, "x", nonempty=True)
         x = jnp.asarray(x)
+        if key is not None:
+            check_key(key, "key")
         if key is None:
             if self.stochastic is not False:
                 raise TypeError(
@@ -516,7 +594,16 @@ class Compressor:
         return self.compress_fn(x, key, state)
 
     def decompress(self, payload):
-        """``x_hat``: the payload decoded to the original shape and dtype."""
+        """``x_hat``: the payload decoded to the original shape and dtype.
+
+        Raises:
+          TypeError: ``payload`` is not a :class:`Payload`.
+        """
+        if not isinstance(payload, Payload):
+            raise TypeError(
+                f"payload must be a jaxcomm.compressors.Payload, as returned by {self!r}.compress; "
+                f"got {type(payload).__name__}"
+            )
         return self.decompress_fn(payload)
 
     def roundtrip(self, x, key=None, state=None):
@@ -536,7 +623,7 @@ class Compressor:
         """optax ``init``: the key ``PRNGKey(seed)`` and one compressor state per leaf."""
         leaves = jax.tree_util.tree_leaves(params_tree)
         for leaf in leaves:
-            check_float_input(leaf, "params")
+            check_float_input(leaf, "params", nonempty=True)
         return CompressorState(
             key=jax.random.PRNGKey(self.seed),
             leaf_states=tuple(self.init_state(jnp.asarray(leaf)) for leaf in leaves),
@@ -544,7 +631,13 @@ class Compressor:
 
     def update(self, updates, state: CompressorState, params_tree=None, **extra_args):
         """optax ``update``: every leaf replaced by its lossy round trip; ``key, step_key = split(key)``
-        and leaf ``i`` uses ``split(step_key, num_leaves)[i]``."""
+        and leaf ``i`` uses ``split(step_key, num_leaves)[i]``.
+
+        Raises:
+          ValueError: ``updates`` has another number of leaves than ``init`` saw, an empty leaf, or
+            (stateful compressors) a leaf whose shape its state was not built for.
+          TypeError: a leaf is not real floating point.
+        """
         del params_tree, extra_args
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         if len(leaves) != len(state.leaf_states):
@@ -552,6 +645,9 @@ class Compressor:
                 f"updates has {len(leaves)} leaves but the compressor state was initialised "
                 f"for {len(state.leaf_states)}; init and update must see the same tree"
             )
+        for g, s in zip(leaves, state.leaf_states):
+            check_float_input(g, "updates", nonempty=True)
+            check_state_matches(self, g, s)
         key, keys = step_keys(state.key, len(leaves))
         out, new_states = [], []
         for i, (g, s) in enumerate(zip(leaves, state.leaf_states)):

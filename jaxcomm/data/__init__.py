@@ -15,7 +15,7 @@ with :class:`jaxcomm.models.ResNet20` is the project's CIFAR-class workload.
 ((4, 16, 8, 8, 1), BatchPosition(epoch=0, index=1))
 """
 
-from ._idx import open_maybe_gzip, read_csv_images, read_idx, write_idx
+from ._idx import DatasetError, open_maybe_gzip, read_csv_images, read_idx, write_idx
 from ._sources import (
     Dataset,
     data_dir,
@@ -33,6 +33,7 @@ __all__ = [
     "BatchPosition",
     "CharCorpus",
     "Dataset",
+    "DatasetError",
     "WorkerBatches",
     "data_dir",
     "load_digits",

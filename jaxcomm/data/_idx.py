@@ -12,11 +12,12 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["read_idx", "write_idx", "read_csv_images", "open_maybe_gzip"]
+__all__ = ["read_idx", "write_idx", "read_csv_images", "open_maybe_gzip", "DatasetError"]
 
 PathLike = str | os.PathLike
 
@@ -31,6 +32,36 @@ _IDX_DTYPES: dict[int, np.dtype] = {
 }
 _IDX_CODES = {np.dtype(v).newbyteorder("=").str: k for k, v in _IDX_DTYPES.items()}
 _GZIP_MAGIC = b"\x1f\x8b"
+
+
+REFETCH_HINT = "delete it and re-run `python -m jaxcomm.data.fetch` (or replace it with a good copy of your own)"
+
+
+class DatasetError(ValueError):
+    """A dataset file that is truncated, corrupt or malformed, or whose labels lie outside
+    ``[0, num_classes)``. The message is one line: the file's path, what is wrong, and the fix."""
+
+    def __init__(self, path, problem: str, hint: str = REFETCH_HINT):
+        self.path = str(path)
+        self.problem = " ".join(str(problem).split())  # one line, whatever the cause's text
+        super().__init__(f"{self.path!r}: {self.problem}; {hint}")
+
+
+def check_labels(labels: np.ndarray, num_classes: int, path) -> np.ndarray:
+    """``labels`` as ``int32`` if they are integers in ``[0, num_classes)``, else :class:`DatasetError`
+    naming ``path``."""
+    labels = np.asarray(labels)
+    floating = labels.size and not np.issubdtype(labels.dtype, np.integer)
+    if floating and (not np.all(np.isfinite(labels)) or not np.all(labels == np.round(labels))):
+        raise DatasetError(path, f"labels must be integers; got {labels.dtype} values that are not")
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        bad = int(np.argmax((labels < 0) | (labels >= num_classes)))
+        raise DatasetError(
+            path,
+            f"labels must lie in [0, {num_classes}); label {labels[bad]:g} at index {bad} "
+            f"(range [{labels.min():g}, {labels.max():g}])",
+        )
+    return labels.astype(np.int32)
 
 
 def _check_exists(path: Path, what: str = "file") -> Path:
@@ -52,11 +83,18 @@ def open_maybe_gzip(path: PathLike) -> bytes:
       the (decompressed) file content.
     Raises:
       FileNotFoundError: ``path`` does not exist (the message names it and says how to fetch).
+      DatasetError: a truncated or corrupt gzip stream (one line naming ``path``).
     """
     path = _check_exists(Path(path))
     raw = path.read_bytes()
     if raw[:2] == _GZIP_MAGIC:
-        raw = gzip.decompress(raw)
+        try:
+            raw = gzip.decompress(raw)
+        except EOFError:
+            raise DatasetError(path, f"truncated gzip file ({len(raw)} bytes; the stream ends early)") from None
+        except (zlib.error, gzip.BadGzipFile, OSError) as e:
+            kind = "zlib.error" if isinstance(e, zlib.error) else type(e).__name__
+            raise DatasetError(path, f"corrupt gzip file ({kind}: {e})") from None
     return raw
 
 
@@ -71,25 +109,27 @@ def read_idx(path: PathLike) -> np.ndarray:
       stored dtype (``uint8``, ``int8``, ``int16``, ``int32``, ``float32`` or ``float64``).
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      ValueError: bad magic number, unknown type code, or a payload whose length does not
-        match the header's dimensions (the message names the path).
+      DatasetError: (a ``ValueError``) truncated or corrupt gzip, bad magic number, unknown
+        type code, or a payload whose length does not match the header's dimensions (one
+        line naming the path and the fix).
     """
     data = open_maybe_gzip(path)
     if len(data) < 4 or data[0] != 0 or data[1] != 0:
-        raise ValueError(f"{str(path)!r} is not an IDX file (magic number must start with two zero bytes)")
+        raise DatasetError(path, "not an IDX file (magic number must start with two zero bytes)")
     code, ndim = data[2], data[3]
     if code not in _IDX_DTYPES:
-        raise ValueError(f"{str(path)!r}: unknown IDX type code 0x{code:02x}")
+        raise DatasetError(path, f"unknown IDX type code 0x{code:02x}")
     header = 4 + 4 * ndim
     if len(data) < header:
-        raise ValueError(f"{str(path)!r}: truncated IDX header ({len(data)} bytes for {ndim} dimensions)")
+        raise DatasetError(path, f"truncated IDX header ({len(data)} bytes for {ndim} dimensions)")
     shape = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
     dtype = _IDX_DTYPES[code]
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if len(data) - header != expected:
-        raise ValueError(
-            f"{str(path)!r}: IDX header says shape {shape} of {dtype.name} ({expected} bytes) "
-            f"but the file holds {len(data) - header} bytes of data"
+        raise DatasetError(
+            path,
+            f"IDX header says shape {shape} of {dtype.name} ({expected} bytes) "
+            f"but the file holds {len(data) - header} bytes of data",
         )
     arr = np.frombuffer(data, dtype=dtype, offset=header).reshape(shape)
     return arr.astype(dtype.newbyteorder("="), copy=True)
@@ -151,9 +191,15 @@ def read_csv_images(
       and ``int32 [N]``.
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      ValueError: a row whose width is not ``prod(image_shape) + 1``, or a non-integer label.
+      DatasetError: (a ``ValueError``) truncated or corrupt gzip, text that is not UTF-8, a row
+        whose width is not ``prod(image_shape) + 1``, a non-numeric field or a non-integer label
+        (one line naming the path and the fix).
     """
-    text = open_maybe_gzip(path).decode("utf-8")
+    raw = open_maybe_gzip(path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(path, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if lines:
         first = lines[0].split(delimiter)
@@ -164,18 +210,23 @@ def read_csv_images(
     width = int(np.prod(image_shape)) + 1
     if not lines:
         return np.zeros((0, *image_shape), np.float32), np.zeros((0,), np.int32)
+    rows = [ln.split(delimiter) for ln in lines]
+    for i, row in enumerate(rows):
+        if len(row) != width:
+            raise DatasetError(
+                path,
+                f"row {i + 1} of the data has {len(row)} fields; image_shape={image_shape} needs {width} "
+                "(pixels plus one label), so the file is truncated or malformed",
+            )
     try:
-        table = np.asarray([ln.split(delimiter) for ln in lines], dtype=np.float64)
-    except ValueError as e:  # ragged or non-numeric rows
-        raise ValueError(f"{str(path)!r}: every row must have {width} numeric fields ({e})") from None
-    if table.ndim != 2 or table.shape[1] != width:
-        raise ValueError(
-            f"{str(path)!r}: rows have {table.shape[-1]} fields; image_shape={image_shape} needs {width} "
-            "(pixels plus one label)"
-        )
+        table = np.asarray(rows, dtype=np.float64)
+    except ValueError as e:  # non-numeric fields
+        raise DatasetError(path, f"every field must be a number ({e})") from None
+    if not np.all(np.isfinite(table)):
+        raise DatasetError(path, "holds non-finite values (nan or inf)")
     label_column = label_column % width
     labels = table[:, label_column]
     if not np.all(labels == np.round(labels)):
-        raise ValueError(f"{str(path)!r}: label_column={label_column} holds non-integer values")
+        raise DatasetError(path, f"label_column={label_column} holds non-integer values")
     pixels = np.delete(table, label_column, axis=1).astype(np.float32)
     return pixels.reshape((-1, *image_shape)), labels.astype(np.int32)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._idx import _check_exists, read_csv_images, read_idx
+from ._idx import DatasetError, _check_exists, check_labels, read_csv_images, read_idx
 
 __all__ = [
     "Dataset",
@@ -36,6 +36,7 @@ __all__ = [
     "load_digits",
     "standardize",
     "FETCH_HINT",
+    "DatasetError",
 ]
 
 PathLike = str | os.PathLike
@@ -100,17 +101,21 @@ def _find_idx(directory: Path, prefix: str, kind: str) -> Path:
 
 def _load_idx_pair(directory: Path, split: str, normalize: bool, num_classes: int) -> Dataset:
     prefix = "train" if split == "train" else "t10k"
-    images = read_idx(_find_idx(directory, prefix, "images"))
-    labels = read_idx(_find_idx(directory, prefix, "labels"))
-    if images.ndim != 3 or labels.ndim != 1 or images.shape[0] != labels.shape[0]:
-        raise ValueError(
-            f"{str(directory)!r}: {prefix} images {images.shape} and labels {labels.shape} do not pair "
-            "(need [N, H, W] and [N])"
+    images_path, labels_path = _find_idx(directory, prefix, "images"), _find_idx(directory, prefix, "labels")
+    images = read_idx(images_path)
+    labels = read_idx(labels_path)
+    if images.ndim != 3:
+        raise DatasetError(images_path, f"images must be [N, H, W]; the IDX header says shape {images.shape}")
+    if labels.ndim != 1 or images.shape[0] != labels.shape[0]:
+        raise DatasetError(
+            labels_path,
+            f"labels {labels.shape} do not pair with the {images.shape[0]} images of {images_path.name} (need [N])",
         )
+    labels = check_labels(labels, num_classes, labels_path)
     images = images[..., None]  # NHWC with C = 1
     if normalize:
         images = images.astype(np.float32) / np.float32(255.0)
-    return Dataset(images, labels.astype(np.int32), num_classes)
+    return Dataset(images, labels, num_classes)
 
 
 def _resolve_dir(path: PathLike | None, name: str) -> Path:
@@ -134,6 +139,8 @@ def load_mnist(path: PathLike | None = None, split: str = "train", normalize: bo
     Raises:
       FileNotFoundError: ``path`` (or a file in it) does not exist; the message says how to fetch.
       ValueError: ``split`` is not ``"train"``/``"test"``.
+      DatasetError: (a ``ValueError``) a truncated, corrupt or malformed file, images and labels
+        whose counts differ, or a label outside ``0..9``: one line naming the file and the fix.
     """
     return _load_idx_pair(_resolve_dir(path, "mnist"), _check_split(split), normalize, 10)
 
@@ -155,6 +162,8 @@ def load_fashion_mnist(path: PathLike | None = None, split: str = "train", norma
     Raises:
       FileNotFoundError: ``path`` (or a file in it) does not exist; the message says how to fetch.
       ValueError: ``split`` is not ``"train"``/``"test"``.
+      DatasetError: (a ``ValueError``) a truncated, corrupt or malformed file, images and labels
+        whose counts differ, or a label outside ``0..9``: one line naming the file and the fix.
     """
     return _load_idx_pair(_resolve_dir(path, "fashion_mnist"), _check_split(split), normalize, 10)
 
@@ -171,12 +180,15 @@ def load_mnist5k(path: PathLike | None = None, normalize: bool = True) -> Datase
       :class:`Dataset` with images ``[5000, 28, 28, 1]``, labels ``int32`` in 0..9, 10 classes.
     Raises:
       FileNotFoundError: the file does not exist; the message says how to fetch.
+      DatasetError: (a ``ValueError``) a truncated, corrupt or malformed CSV, or a label outside
+        ``0..9``: one line naming the file and the fix.
     """
     target = Path(path).expanduser() if path is not None else data_dir() / "mnist5k"
     _check_exists(target, "mnist5k dataset")
     if target.is_dir():
         target = _check_exists(target / "mnist_5k.csv.gz", "mnist5k CSV")
     pixels, labels = read_csv_images(target, image_shape=(28, 28, 1), label_column=-1)
+    labels = check_labels(labels, 10, target)
     if normalize:
         pixels = pixels / np.float32(255.0)
     return Dataset(pixels.astype(np.float32), labels, 10)

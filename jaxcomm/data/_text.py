@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._idx import _check_exists
+from ._idx import DatasetError, _check_exists
 from ._sources import FETCH_HINT, data_dir
 from ._split import BatchPosition, WorkerBatches, _check_int, _iid_index_shards
 
@@ -56,6 +56,7 @@ def load_shakespeare(path: PathLike | None = None, strip_markdown: bool = True) 
       the corpus text.
     Raises:
       FileNotFoundError: ``path`` does not exist or the directory holds no text files.
+      DatasetError: (a ``ValueError``) a file that is not UTF-8 text (one line naming it and the fix).
     """
     target = Path(path).expanduser() if path is not None else data_dir() / "shakespeare"
     _check_exists(target, "shakespeare corpus")
@@ -64,7 +65,11 @@ def load_shakespeare(path: PathLike | None = None, strip_markdown: bool = True) 
         raise FileNotFoundError(f"no .md or .txt files under {str(target)!r}; {FETCH_HINT}")
     parts = []
     for f in files:
-        text = f.read_text(encoding="utf-8")
+        raw = f.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DatasetError(f, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
         if strip_markdown and f.suffix == ".md":
             text = strip_play_markdown(text)
         parts.append(text)

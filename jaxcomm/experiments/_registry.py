@@ -176,7 +176,12 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "eval_every": (1, float("inf"), True, True),
     "learning_rate": (0.0, float("inf"), False, True),
     "momentum": (0.0, 1.0, True, False),
+    "seed": (0, 2**32, True, False),  # PRNGKey keeps 32 bits: a larger seed would alias a smaller one
 }
+
+
+def _number(v: float) -> str:
+    return "2**32" if v == 2**32 else f"{v:g}"
 
 
 IMAGE_DATASETS = ("mnist", "fashion_mnist", "mnist5k", "digits")
@@ -200,9 +205,9 @@ def _check_range(cls_name: str, key: str, value) -> None:
     ok = (value >= low if low_in else value > low) and (value <= high if high_in else value < high)
     if not ok:
         if high == float("inf"):
-            want = f"{'>=' if low_in else '>'} {low:g}"
+            want = f"{'>=' if low_in else '>'} {_number(low)}"
         else:
-            want = f"in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+            want = f"in {'[' if low_in else '('}{_number(low)}, {_number(high)}{']' if high_in else ')'}"
         raise ValueError(f"{cls_name}.{key} must be {want}; got {value!r}")
 
 

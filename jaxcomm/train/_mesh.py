@@ -21,6 +21,8 @@ def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
         num_workers = available
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be a positive integer; got {num_workers!r}")
+    if not isinstance(axis_name, str) or not axis_name:
+        raise TypeError(f"axis_name must be a non-empty string; got {axis_name!r}")
     if num_workers > available:
         raise ValueError(
             f"num_workers={num_workers} but this process sees only {available} device(s) "
@@ -33,6 +35,8 @@ def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
 
 def stack_workers(tree, num_workers: int):
     """Repeat every leaf on a new leading worker axis: ``(n, *leaf.shape)``."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive integer; got {num_workers!r}")
     return jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x), (num_workers, *jnp.shape(x))), tree)
 
 

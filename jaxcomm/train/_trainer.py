@@ -115,6 +115,10 @@ class Trainer:
         from ..compressors._base import check_seed
 
         self.seed = int(check_seed(self.seed))
+        if not (callable(getattr(self.tx, "init", None)) and callable(getattr(self.tx, "update", None))):
+            raise TypeError(
+                f"tx must be an optax GradientTransformation (e.g. optax.sgd(0.1)); got {type(self.tx).__name__}"
+            )
         self.pure: PureModel = split_model(self.model)
         if callable(self.task):
             self.loss_fn = self.task

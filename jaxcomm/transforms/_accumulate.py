@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from .._vma import typed_cond
-from ..compressors._base import check_positive_int
+from ..compressors._base import check_positive_int, check_same_tree
 
 __all__ = ["AccumulateState", "accumulate", "warn_multisteps", "zero_counters"]
 
@@ -117,7 +117,8 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
       ``update`` are passed to ``inner`` on the communicating micro-step.
     Raises:
       TypeError: ``inner`` is not an optax transformation.
-      ValueError: ``every_k`` is not an integer ``>= 1``.
+      ValueError: ``every_k`` is not an integer ``>= 1``; at ``update``, gradients whose tree or
+        leaf shapes differ from the parameters ``init`` saw.
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(f"inner must be an optax GradientTransformation; got {type(inner).__name__}")
@@ -129,6 +130,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
         return AccumulateState(jnp.zeros((), jnp.int32), grad_sum, inner.init(params))
 
     def update(updates, state, params=None, **extra_args):
+        check_same_tree(updates, state.grad_sum, "the accumulated gradient")
         count = state.count + 1
         total = jax.tree.map(lambda s, g: s + g.astype(s.dtype), state.grad_sum, updates)
 

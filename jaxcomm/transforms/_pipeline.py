@@ -66,7 +66,7 @@ from ..comm import (
     has_counted_fields,
     require,
 )
-from ..compressors._base import Compressor, check_float_input, wire_bits
+from ..compressors._base import Compressor, check_float_input, check_state_matches, wire_bits
 
 __all__ = [
     "STRATEGIES",
@@ -301,7 +301,7 @@ def init_state(
     """The state for ``params`` (floating leaves): zero memories, fresh compressor states, ``PRNGKey(seed)``."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
     for leaf in leaves:
-        check_float_input(leaf, "params")
+        check_float_input(leaf, "params", nonempty=True)
     leaves = [jnp.asarray(x) for x in leaves]
     groups = groups_of(len(leaves), scope)
     check_feedback(compressor, memory, [sum(int(np.size(leaves[i])) for i in g) for g in groups])
@@ -331,7 +331,7 @@ def flatten_updates(updates, state: CompressionState, scope: str = "leaf"):
             f"{len(state.compressor_states)}; init and update must see the same tree"
         )
     for g in leaves:
-        check_float_input(g, "updates")
+        check_float_input(g, "updates", nonempty=True)
     return leaves, treedef, mem_leaves
 
 
@@ -792,6 +792,8 @@ def compress_step(
     phi_leaves = [memory.compensate(m, g) for m, g in zip(mem_leaves, leaves)]
     phis = [group_vector(phi_leaves, idx) for idx in groups]
     compressors = [compressor if isinstance(compressor, Compressor) else compressor(phi) for phi in phis]
+    for c, phi, cs in zip(compressors, phis, state.compressor_states):
+        check_state_matches(c, phi, cs, "compressor state")
     owner = owner_step(keys) if owner_step is not None else None
     ex = exchange(
         comm,

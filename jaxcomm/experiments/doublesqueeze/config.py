@@ -43,6 +43,12 @@ class DoubleSqueezeConfig:
     test_examples: int = 2000
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        """``ValueError`` for a method that is not a name of :data:`METHODS` (or no method at all)."""
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"DoubleSqueezeConfig.methods must be names from {list(METHODS)}; unknown: {unknown}")
+
     @classmethod
     def default(cls) -> DoubleSqueezeConfig:
         """The full study: Fashion-MNIST, ResNet-20-style network, 8 workers, every method."""

@@ -49,6 +49,12 @@ class GradientDroppingConfig:
     corpus_chars: int = 0
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        """``ValueError`` for a method that is not a name of :data:`METHODS` (or no method at all)."""
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"GradientDroppingConfig.methods must be names from {list(METHODS)}; unknown: {unknown}")
+
     @classmethod
     def default(cls) -> GradientDroppingConfig:
         """The full study: 1000 steps, every method with and without sync."""

@@ -62,6 +62,12 @@ class TimeToAccuracyConfig:
     seeds: tuple[int, ...] = (0,)
     timeout_s: float = 7200.0
 
+    def __post_init__(self) -> None:
+        """``ValueError`` for a method that is not a name of :data:`METHODS` (or no method at all)."""
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"TimeToAccuracyConfig.methods must be names from {list(METHODS)}; unknown: {unknown}")
+
     @classmethod
     def default(cls) -> TimeToAccuracyConfig:
         """The full study: ResNet-20 on Fashion-MNIST, 4 processes, 100 Mbit/s, 1 Gbit/s, unshaped."""
