@@ -20,6 +20,7 @@ from ._kernels.bitpack import pack, unpack
 from ._kernels.scatter import scatter, scatter_count, subtract_sparse, sum_scatter
 from ._kernels.select import magnitude_keys, top_indices
 from ._primitives import dequantize, index_dtype, quantize
+from ._quantize import mean_of
 from ._sparse import num_selected
 from ._topk import topk_indices
 
@@ -129,7 +130,7 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
 
             idx, _ = top_indices(xf, kcap, jax.random.fold_in(key, i), k=k, keys_of=keys_of)
             vals = jnp.where(slots < k, xf[idx], 0.0)
-            mean = jnp.where(k > 0, jnp.sum(vals) / jnp.maximum(k, 1).astype(jnp.float32), 0.0)
+            mean = jnp.where(k > 0, mean_of(vals, jnp.maximum(k, 1).astype(jnp.float32)), 0.0)  # no overflow
             sides.append((idx, mean))
         (idx_pos, mean_pos), (idx_neg, mean_neg) = sides
         j = jnp.arange(cap, dtype=jnp.int32)
@@ -150,7 +151,7 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
         j = jnp.arange(cap, dtype=jnp.int32)
         c0, c1 = p.counts[0], p.counts[1]
         vals = jnp.where(j < c0, p.means[0], jnp.where(j < c0 + c1, p.means[1], 0.0))
-        return scatter_count(vals, p.indices, c0 + c1, p.shape, p.dtype)
+        return scatter_count(vals, p.indices, c0 + c1, p.shape, p.dtype, unique=True)
 
     return Compressor.create(
         name="adaptive",
@@ -251,7 +252,7 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
         return dequantize(level, sign, p.norm, p.num_levels, jnp.float32)
 
     def decompress(p: QSparsePayload):
-        return scatter(values(p), p.indices, p.shape, p.dtype)
+        return scatter(values(p), p.indices, p.shape, p.dtype, unique=True)
 
     def decompress_sum(g: QSparsePayload, dtype):
         return sum_scatter(jax.vmap(values)(g), g.indices, g.shape, dtype, value_dtype=g.dtype)

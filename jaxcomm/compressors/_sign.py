@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from ._base import Compressor, Payload, check_finite_scalar, payload_dataclass, register, static_field
 from ._kernels.bitpack import pack, packed_size, popcount, unpack
 from ._primitives import flat32, restore, size_of
-from ._quantize import jitted_compressor, nan_unless_finite
+from ._quantize import jitted_compressor, mean_of, nan_unless_finite
 
 __all__ = [
     "onebit",
@@ -140,12 +140,23 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
         # matters only when the entries below tau carry a tiny part of the mass.
         n_high = jnp.sum(popcount(bits)).astype(jnp.float32)
         n_low = jnp.float32(xf.size) - n_high
-        s_high = jnp.sum(jnp.where(high, xf, 0.0))
-        s_low = jnp.sum(xf) - s_high
+
+        def means(f):  # the two means, the sums taken on x * f (f a power of two: exact)
+            s_high = jnp.sum(jnp.where(high, xf * f, 0.0))
+            s_low = jnp.sum(xf * f) - s_high
+            return s_low / jnp.maximum(n_low, 1.0) / f, s_high / jnp.maximum(n_high, 1.0) / f
+
+        mean_low, mean_high = means(jnp.float32(1.0))
+        # a sum that overflows (finite entries near the float32 maximum) is redone at 2^-64
+        mean_low, mean_high = jax.lax.cond(
+            jnp.isfinite(mean_low) & jnp.isfinite(mean_high),
+            lambda: (mean_low, mean_high),
+            lambda: means(jnp.float32(2.0**-64)),
+        )
         payload = OneBitPayload(
             bits=bits,
-            mean_low=s_low / jnp.maximum(n_low, 1.0),
-            mean_high=s_high / jnp.maximum(n_high, 1.0),
+            mean_low=mean_low,
+            mean_high=mean_high,
             shape=x.shape,
             dtype=x.dtype,
         )
@@ -243,7 +254,7 @@ def efsignsgd(*, seed: int = 0) -> Compressor:
     def compress(x, key, state):
         del key
         xf = flat32(x)
-        scale = jnp.sum(jnp.abs(xf)) / max(xf.size, 1)
+        scale = mean_of(jnp.abs(xf), max(xf.size, 1))  # no overflow of the sum: finite when the mean is
         return MeanAbsSignPayload(signs=pack(xf < 0, 1), scale=scale, shape=x.shape, dtype=x.dtype), state
 
     def decompress(p: MeanAbsSignPayload):

@@ -128,11 +128,11 @@ class MaskSparsePayload(Payload):
 
 
 def _decompress_sparse(p: SparsePayload):
-    return scatter(p.values, p.indices, p.shape, p.dtype)
+    return scatter(p.values, p.indices, p.shape, p.dtype, unique=True)
 
 
 def _decompress_count(p: CountSparsePayload):
-    return scatter_count(p.values, p.indices, p.count, p.shape, p.dtype, p.scale)
+    return scatter_count(p.values, p.indices, p.count, p.shape, p.dtype, p.scale, unique=True)
 
 
 def _decompress_sum_sparse(g: SparsePayload, dtype):
@@ -180,7 +180,7 @@ def _decompress_mask(p: MaskSparsePayload):
     else:
         pos, _ = compact_words(bytes_to_words(p.mask), cap)
     # the first min(set bits, cap) == p.count slots of p.values are the sent entries
-    return scatter_count(p.values.astype(jnp.float32), pos, p.count, p.shape, p.dtype, p.scale)
+    return scatter_count(p.values, pos, p.count, p.shape, p.dtype, p.scale, unique=True)
 
 
 def _sparse_payload(x, idx, k_valid=None):

@@ -17,7 +17,7 @@ from ._base import Compressor, Payload, check_positive_int, payload_dataclass, r
 from ._kernels.bitpack import code_width, pack, pack_codes, packed_code_bits, unpack, unpack_codes
 from ._kernels.random_bits import uniform_bits, uniform_floats
 from ._primitives import flat32, packed_size, restore, size_of
-from ._quantize import jitted_compressor, max_abs, nan_unless_finite
+from ._quantize import big_scale_factor, jitted_compressor, l2_norm, max_abs, nan_unless_finite
 
 Array = jax.Array
 
@@ -74,7 +74,7 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
 
     def compress(x, key, state):
         xf = flat32(x)
-        norm = jnp.sqrt(jnp.sum(xf * xf))
+        norm = l2_norm(xf)  # no overflow of the squares for huge entries, nor underflow for tiny ones
         safe = jnp.where(norm > 0, norm, 1.0)
         scaled = jnp.clip(jnp.abs(xf) * (levels / safe), 0.0, float(levels))
         scaled = jnp.where(jnp.isfinite(scaled), scaled, 0.0)
@@ -250,7 +250,10 @@ def stochastic_rounding(*, bits: int = 4, seed: int = 0) -> Compressor:
     def compress(x, key, state):
         xf = flat32(x)
         scale = max_abs(xf)
-        y = (xf + scale) * (top / (2.0 * jnp.where(scale > 0, scale, 1.0)))
+        # y = (x + M) (L - 1) / (2M); for M near the float32 maximum both x and M are first
+        # scaled by 2^-8 (exact), so x + M cannot overflow (the same y otherwise).
+        pre = big_scale_factor(scale)
+        y = (xf * pre + scale * pre) * (top / (2.0 * jnp.where(scale > 0, scale * pre, 1.0)))
         y = jnp.clip(jnp.where(jnp.isfinite(y), y, 0.0), 0.0, top)
         low = jnp.floor(y)
         k = jnp.minimum(low + (uniform_floats(key, xf.size) < y - low).astype(low.dtype), top).astype(jnp.int32)
