@@ -43,6 +43,7 @@ def saturate(v, dtype):
     top = float(jnp.finfo(dtype).max)
     if top >= float(jnp.finfo(v.dtype).max):
         return v
+    v = v.astype(jnp.promote_types(v.dtype, jnp.float32))  # the bound itself may round up in v's dtype (bf16)
     return jnp.where(jnp.isinf(v), v, jnp.clip(v, -top, top))
 
 
