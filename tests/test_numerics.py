@@ -337,14 +337,18 @@ _X64_SCRIPT = textwrap.dedent(
         for case in cases:
             c = build(case)
             res = {}
-            for dt in ("float32", "float64"):
-                x = jnp.asarray(x32.astype(dt))
-                payload, _ = jax.jit(lambda x, k: c.compress(x, k))(x, key)
-                y = jax.jit(c.decompress)(payload)
-                err = jax.jit(c.error)(x, payload)
+
+            @jax.jit
+            def run(x, k, c=c):  # compress, decompress, error, sum decoding and bits in one program
+                payload, _ = c.compress(x, k)
+                y = c.decompress(payload)
                 stacked = jax.tree.map(lambda a: jnp.stack([a, a]), payload)
                 total = c.decompress_sum(stacked, y.dtype) if c.decompress_sum else y + y
-                bits = jax.jit(lambda p: jnp.asarray(jc.compressors.wire_bits(p)))(payload)
+                return y, c.error(x, payload), total, jnp.asarray(jc.compressors.wire_bits(payload))
+
+            for dt in ("float32", "float64"):
+                x = jnp.asarray(x32.astype(dt))
+                y, err, total, bits = run(x, key)
                 y = np.asarray(y)
                 res[dt] = dict(
                     dtype=str(y.dtype), shape=list(y.shape), finite=bool(np.isfinite(y).all()),

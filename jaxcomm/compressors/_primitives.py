@@ -112,7 +112,7 @@ def quantize(x: jax.Array, levels: int, key: jax.Array, norm: jax.Array | None =
     scaled = jnp.clip(jnp.abs(xf) / safe * levels, 0.0, float(levels))
     scaled = jnp.where(jnp.isfinite(scaled), scaled, 0.0)
     low = jnp.floor(scaled)
-    up = jax.random.uniform(key, xf.shape) < (scaled - low)
+    up = jax.random.uniform(key, xf.shape, jnp.float32) < (scaled - low)  # float32 draws with x64 too
     level = (low + up.astype(low.dtype)).astype(index_dtype(levels + 1))
     return level, xf < 0, norm
 
