@@ -79,7 +79,9 @@ def eightbit(*, seed: int = 0) -> Compressor:
     The nearest code is computed arithmetically (6 threshold comparisons for the
     exponent, then the fraction cell), not by a search over the table: one pass.
 
-    Wire bits: ``8 d + 32``. Non-finite input: the whole tensor decodes to NaN.
+    Wire bits: ``8 d + 32``. Non-finite input (a NaN or Inf entry): the whole
+    tensor decodes to NaN. Scales up to the float32 maximum are exact (``1/M``
+    is formed at ``2^-8`` scale there, :func:`~._quantize.big_scale_factor`).
     """
     mags = _eightbit_magnitudes()
     # Thresholds between the exponent groups: the midpoint between the lowest

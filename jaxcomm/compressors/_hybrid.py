@@ -98,7 +98,8 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
     run on each sign), which is the estimator those approximate.
 
     NaN entries have no sign: never kept (they decode to 0); ``+-Inf`` are the
-    largest of their sign, so a kept ``+Inf`` makes ``mean_+ = +Inf``.
+    largest of their sign, so a kept ``+Inf`` makes ``mean_+ = +Inf``. The means
+    are computed without overflow (:func:`~._quantize.mean_of`).
 
     Payload :class:`AdaptivePayload` (capacity ``min(d, k + 2)`` positions,
     ``k = max(1, round(ratio d))``); wire bits ``(k_+ + k_-) bits(index) + 128``.
@@ -211,9 +212,11 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
     ``Q(v)_i = ||v||_2 sign(v_i) xi_i / s`` with ``E[xi_i] = s |v_i| / ||v||_2``.
     Hence ``E[Q(x)] = top_k(x)``: biased (top-k), unbiased given the support.
 
-    NaN counts as the largest magnitude (as in :func:`topk`); a kept NaN makes
-    ``||v||`` NaN and every sent value NaN; a kept Inf likewise makes the norm
-    Inf (finite entries then decode to 0 or NaN). Payload
+    NaN counts as the largest magnitude (as in :func:`topk`); a kept NaN or Inf
+    makes ``||v||`` non-finite and every kept entry decodes to NaN. The norm is
+    computed without overflow (:func:`~._quantize.l2_norm`): finite values
+    decode to finite ones while ``||v||`` is below the float32 maximum, and
+    beyond a float16 tensor's range they saturate at 65504. Payload
     :class:`QSparsePayload`; wire bits ``k (bits(index) + w + 1) + 32`` up to
     byte padding, ``w`` the packed level width. Strategy ``"allgather"``.
 

@@ -34,11 +34,24 @@ under an outer ``jit``).
 
 Non-finite input. Methods with a tensor-wide scale (``eightbit``, ``qsgd``,
 ``terngrad``, ``stochastic_rounding``, ``sketchml``) decode the *whole* tensor
-to NaN when the scale (or a bucket mean) is not finite: any NaN or Inf entry,
-or a norm that overflows float32. Elementwise codes follow IEEE: see each
-factory's docstring (``natural``: NaN and Inf decode to +-Inf; ``clipping``: Inf
-exact, NaN kept NaN when its top kept mantissa bits are non-zero;
-``inceptionn``: non-finite entries are sent raw, exactly).
+to NaN when the scale (or a bucket mean) is not finite: any NaN or Inf entry
+(:func:`max_abs` sees a NaN in a tensor of any size), or a QSGD norm beyond
+the float32 range. Elementwise codes follow IEEE: see each factory's
+docstring (``natural``: NaN and Inf decode to +-Inf; ``clipping``: Inf exact,
+NaN kept NaN when its top kept mantissa bits are non-zero; ``inceptionn``:
+non-finite entries are sent raw, exactly).
+
+Huge, tiny and half-precision input. Scales are computed without overflow:
+norms by :func:`l2_norm` (rescaled by a power of two when the squares overflow
+or underflow), means by :func:`mean_of`, and max-abs grids pre-scaled by
+``2^-8`` near the float32 maximum (:func:`big_scale_factor`), so finite input
+gives finite output wherever the payload's float32 scale can hold it, and the
+result of ``2^s x`` is exactly ``2^s`` times that of ``x``. A decoded value
+beyond a float16/bfloat16 tensor's range saturates at its largest finite value
+(:func:`~._primitives.saturate`). Subnormal float32 inputs quantize to zero:
+XLA:CPU reads subnormal operands of arithmetic as zero and flushes subnormal
+results. The table of every compressor's behaviour is in
+``docs/guide/compressors.md`` (Numerics).
 
 Modules: :mod:`._eightbit`, :mod:`._stochastic` (QSGD, natural compression,
 TernGrad, stochastic rounding), :mod:`._inceptionn`, :mod:`._sketchml` and
@@ -93,14 +106,15 @@ def l2_norm(xf):
     of subnormals only, which XLA:CPU treats as zeros).
     """
     ss = jnp.sum(xf * xf)
+    return jax.lax.cond(jnp.isfinite(ss) & (ss >= _TINY_SUMSQ), lambda: jnp.sqrt(ss), lambda: scaled_l2_norm(xf))
 
-    def scaled():
-        _, e = jnp.frexp(max_abs(xf))
-        m = jnp.ldexp(jnp.float32(1.0), jnp.clip(e - 1, -126, 127).astype(jnp.int32))
-        y = xf / m
-        return m * jnp.sqrt(jnp.sum(y * y))
 
-    return jax.lax.cond(jnp.isfinite(ss) & (ss >= _TINY_SUMSQ), lambda: jnp.sqrt(ss), scaled)
+def scaled_l2_norm(xf):
+    """:func:`l2_norm`'s rescaled form, always (no ``lax.cond``; two reductions): ``m sqrt(sum (x/m)^2)``."""
+    _, e = jnp.frexp(max_abs(xf))
+    m = jnp.ldexp(jnp.float32(1.0), jnp.clip(e - 1, -126, 127).astype(jnp.int32))
+    y = xf / m
+    return m * jnp.sqrt(jnp.sum(y * y))
 
 
 def mean_of(v, n):

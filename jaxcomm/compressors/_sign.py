@@ -123,8 +123,9 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
     Args:
       threshold: tau, a finite real number (default 0); may be traced
         (``optax.inject_hyperparams``), then computed in float32 and unchecked.
-    Wire bits: ``8 ceil(d/8) + 64``. Non-finite input (or a mean that
-    overflows): the whole tensor decodes to NaN. NaN entries are coded '0'.
+    Wire bits: ``8 ceil(d/8) + 64``. Non-finite input: the whole tensor decodes
+    to NaN (the means are computed without overflow, so finite input gives
+    finite means). NaN entries are coded '0'.
     """
     threshold = check_finite_scalar(threshold, "threshold", traceable=True)
 
@@ -248,7 +249,8 @@ def efsignsgd(*, seed: int = 0) -> Compressor:
     by error feedback (``jaxcomm.memory``). Biased.
 
     Wire bits: ``8 ceil(d/8) + 32``. Non-finite input: the scale is not finite
-    and the whole tensor decodes to NaN.
+    and the whole tensor decodes to NaN. The mean is computed without overflow
+    (:func:`~._quantize.mean_of`): finite for finite input.
     """
 
     def compress(x, key, state):

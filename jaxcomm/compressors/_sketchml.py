@@ -90,7 +90,8 @@ def sketchml(*, buckets: int = 64, seed: int = 0) -> Compressor:
     Args:
       buckets: B, an integer in ``[2, 65536]``.
     Wire bits: ``pw(d, ceil(log2 B)) + 32 B``. Non-finite input (a non-finite
-    bucket mean): all NaN.
+    bucket mean): all NaN. Bucket sums that overflow are redone at ``2^-64``
+    scale, so finite input gives finite means.
     """
     buckets = check_positive_int(buckets, "buckets", minimum=2, why="it fixes the number of buckets and the code width")
     if buckets > _CELLS:

@@ -15,6 +15,12 @@ values and their positions; the receiver scatters them into zeros.
 * ``random_sparsification``: keep ``g_i / p`` with probability ``p``
   (DoubleSqueeze, Tang et al. 2019; Wangni et al. 2018 with uniform ``p``).
 
+Decoding writes the sent values into zeros (a scatter-set of distinct
+positions), so lossless settings (``topk(ratio=1)``, ``threshold(v=0)``,
+``randomk(ratio=1)``, ``random_sparsification(p=1)``) are bit-exact, subnormal
+values included; summing several payloads (``decompress_sum``) adds, and
+XLA:CPU flushes subnormal sums to 0.
+
 Count-based methods (threshold, dgc, random sparsification) return a
 fixed-capacity buffer plus a count, so shapes stay static under ``jit``; their
 ``wire_bits`` is a traced ``int32`` computed from the count.

@@ -65,7 +65,11 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
 
     Args:
       levels: s, an integer in ``[1, 65536]``.
-    Wire bits: ``pw(d, ceil(log2(2s+1))) + 32``. Non-finite input: all NaN.
+    Wire bits: ``pw(d, ceil(log2(2s+1))) + 32``. Non-finite input, or a norm
+    beyond the float32 range (``~3.4e38``): all NaN. The norm is computed without
+    overflow or underflow (:func:`~._quantize.l2_norm`), so huge finite entries
+    (``~1e20``) quantize as well as unit ones; decoded values beyond a float16
+    tensor's range saturate at 65504.
     """
     levels = check_positive_int(levels, "levels", why="it fixes the number of quantization levels and the code width")
     if levels > _MAX_LEVELS:
@@ -131,7 +135,8 @@ def natural(*, seed: int = 0) -> Compressor:
     Wire: the sign bit (packed) and the 8-bit exponent field: ``8 ceil(d/8) +
     8 d`` bits. Non-finite input: the exponent field 255 decodes to +-Inf, so Inf
     is exact and NaN decodes to +-Inf (its sign bit); finite values of at least
-    ``2^127`` may round up to Inf.
+    ``2^127`` may round up to Inf (``2^128``); for a float16 or bfloat16 tensor a
+    round-up past its range saturates at its largest finite value.
     """
 
     def compress(x, key, state):
@@ -185,7 +190,7 @@ def terngrad(*, seed: int = 0) -> Compressor:
     ``{-s, 0, s}``; ``E Q(x) = x``. (Wen et al.'s optional gradient clipping
     and per-layer scalar sharing are not part of the operator.)
 
-    Wire bits: ``8 ceil(d/4) + 32``. Non-finite input: all NaN.
+    Wire bits: ``8 ceil(d/4) + 32``. Non-finite input (a NaN or Inf entry): all NaN.
     """
 
     def compress(x, key, state):
@@ -240,7 +245,9 @@ def stochastic_rounding(*, bits: int = 4, seed: int = 0) -> Compressor:
 
     Args:
       bits: grid index width, an integer in ``[1, 16]``.
-    Wire bits: ``pw(d, bits) + 32``. Non-finite input: all NaN.
+    Wire bits: ``pw(d, bits) + 32``. Non-finite input (a NaN or Inf entry): all
+    NaN. Scales up to the float32 maximum are exact (``x + M`` is formed at
+    ``2^-8`` scale there, :func:`~._quantize.big_scale_factor`).
     """
     bits = check_positive_int(bits, "bits", why="it fixes the number of levels and the code width")
     if bits > 16:
