@@ -12,6 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from ._base import Compressor, DensePayload, register
+from ._primitives import saturate
 
 __all__ = ["none", "fp16", "bf16"]
 
@@ -24,7 +25,7 @@ def _cast_compressor(name: str, wire_dtype, seed: int) -> Compressor:
         return DensePayload(data=data, dtype=x.dtype), state
 
     def decompress(p: DensePayload):
-        return p.data.astype(p.dtype)
+        return saturate(p.data, p.dtype).astype(p.dtype)  # e.g. bf16's 65536 back to float16: 65504, not Inf
 
     return Compressor.create(
         name=name,

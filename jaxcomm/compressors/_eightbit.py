@@ -10,7 +10,7 @@ import numpy as np
 
 from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._primitives import flat32, restore, size_of
-from ._quantize import jitted_compressor, max_abs, nan_unless_finite
+from ._quantize import big_scale_factor, jitted_compressor, max_abs, nan_unless_finite
 
 Array = jax.Array
 
@@ -79,7 +79,9 @@ def eightbit(*, seed: int = 0) -> Compressor:
     The nearest code is computed arithmetically (6 threshold comparisons for the
     exponent, then the fraction cell), not by a search over the table: one pass.
 
-    Wire bits: ``8 d + 32``. Non-finite input: the whole tensor decodes to NaN.
+    Wire bits: ``8 d + 32``. Non-finite input (a NaN or Inf entry): the whole
+    tensor decodes to NaN. Scales up to the float32 maximum are exact (``1/M``
+    is formed at ``2^-8`` scale there, :func:`~._quantize.big_scale_factor`).
     """
     mags = _eightbit_magnitudes()
     # Thresholds between the exponent groups: the midpoint between the lowest
@@ -100,7 +102,9 @@ def eightbit(*, seed: int = 0) -> Compressor:
         scale = max_abs(xf)
         # With a non-finite scale y may be NaN; its code is then whatever XLA's
         # float -> uint8 conversion gives (0 on CPU), and it decodes to NaN anyway.
-        y = jnp.abs(xf) * (1.0 / jnp.where(scale > 0, scale, 1.0))
+        # 1 / M is subnormal (read as 0 by XLA:CPU) for M > 2^126: scale both by 2^-8 there (exact).
+        pre = big_scale_factor(scale)
+        y = (jnp.abs(xf) * pre) * (1.0 / jnp.where(scale > 0, scale * pre, 1.0))
         sl, off, lo = jnp.float32(slope[0]), jnp.float32(offset[0]), jnp.float32(first[0])
         for e, t in enumerate(group_thresholds, start=1):
             below = y < t

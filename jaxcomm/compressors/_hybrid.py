@@ -20,6 +20,7 @@ from ._kernels.bitpack import pack, unpack
 from ._kernels.scatter import scatter, scatter_count, subtract_sparse, sum_scatter
 from ._kernels.select import magnitude_keys, top_indices
 from ._primitives import dequantize, index_dtype, quantize
+from ._quantize import mean_of
 from ._sparse import num_selected
 from ._topk import topk_indices
 
@@ -97,7 +98,8 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
     run on each sign), which is the estimator those approximate.
 
     NaN entries have no sign: never kept (they decode to 0); ``+-Inf`` are the
-    largest of their sign, so a kept ``+Inf`` makes ``mean_+ = +Inf``.
+    largest of their sign, so a kept ``+Inf`` makes ``mean_+ = +Inf``. The means
+    are computed without overflow (:func:`~._quantize.mean_of`).
 
     Payload :class:`AdaptivePayload` (capacity ``min(d, k + 2)`` positions,
     ``k = max(1, round(ratio d))``); wire bits ``(k_+ + k_-) bits(index) + 128``.
@@ -129,7 +131,7 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
 
             idx, _ = top_indices(xf, kcap, jax.random.fold_in(key, i), k=k, keys_of=keys_of)
             vals = jnp.where(slots < k, xf[idx], 0.0)
-            mean = jnp.where(k > 0, jnp.sum(vals) / jnp.maximum(k, 1).astype(jnp.float32), 0.0)
+            mean = jnp.where(k > 0, mean_of(vals, jnp.maximum(k, 1).astype(jnp.float32)), 0.0)  # no overflow
             sides.append((idx, mean))
         (idx_pos, mean_pos), (idx_neg, mean_neg) = sides
         j = jnp.arange(cap, dtype=jnp.int32)
@@ -150,7 +152,7 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
         j = jnp.arange(cap, dtype=jnp.int32)
         c0, c1 = p.counts[0], p.counts[1]
         vals = jnp.where(j < c0, p.means[0], jnp.where(j < c0 + c1, p.means[1], 0.0))
-        return scatter_count(vals, p.indices, c0 + c1, p.shape, p.dtype)
+        return scatter_count(vals, p.indices, c0 + c1, p.shape, p.dtype, unique=True)
 
     return Compressor.create(
         name="adaptive",
@@ -210,9 +212,11 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
     ``Q(v)_i = ||v||_2 sign(v_i) xi_i / s`` with ``E[xi_i] = s |v_i| / ||v||_2``.
     Hence ``E[Q(x)] = top_k(x)``: biased (top-k), unbiased given the support.
 
-    NaN counts as the largest magnitude (as in :func:`topk`); a kept NaN makes
-    ``||v||`` NaN and every sent value NaN; a kept Inf likewise makes the norm
-    Inf (finite entries then decode to 0 or NaN). Payload
+    NaN counts as the largest magnitude (as in :func:`topk`); a kept NaN or Inf
+    makes ``||v||`` non-finite and every kept entry decodes to NaN. The norm is
+    computed without overflow (:func:`~._quantize.l2_norm`): finite values
+    decode to finite ones while ``||v||`` is below the float32 maximum, and
+    beyond a float16 tensor's range they saturate at 65504. Payload
     :class:`QSparsePayload`; wire bits ``k (bits(index) + w + 1) + 32`` up to
     byte padding, ``w`` the packed level width. Strategy ``"allgather"``.
 
@@ -251,7 +255,7 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
         return dequantize(level, sign, p.norm, p.num_levels, jnp.float32)
 
     def decompress(p: QSparsePayload):
-        return scatter(values(p), p.indices, p.shape, p.dtype)
+        return scatter(values(p), p.indices, p.shape, p.dtype, unique=True)
 
     def decompress_sum(g: QSparsePayload, dtype):
         return sum_scatter(jax.vmap(values)(g), g.indices, g.shape, dtype, value_dtype=g.dtype)

@@ -44,6 +44,7 @@ from ._base import (
     register,
     static_field,
 )
+from ._quantize import scaled_l2_norm
 
 Array = jax.Array
 
@@ -134,6 +135,9 @@ def orthogonalize(p, epsilon: float = 0.0):
     ``epsilon == 0`` stays zero (PyTorch would divide by zero; its error message
     says to recover the column as zeros). With ``epsilon = 0`` and full column
     rank the result is the ``Q`` of a QR decomposition up to column signs.
+    Norms are computed without overflow (:func:`~._quantize.scaled_l2_norm`); a column
+    with a NaN or infinite entry becomes NaN (not zero), so non-finite input
+    propagates to the reconstruction.
     """
     r = p.shape[1]
     for i in range(r):
@@ -142,9 +146,9 @@ def orthogonalize(p, epsilon: float = 0.0):
             prev = p[:, :i]
             for _ in range(2):
                 col = col - prev @ (prev.T @ col)
-        norm = jnp.linalg.norm(col)
+        norm = scaled_l2_norm(col)  # no overflow for huge entries, no lax.cond; NaN for a NaN column
         if epsilon == 0.0:
-            col = jnp.where(norm > 0, col / jnp.where(norm > 0, norm, 1.0), 0.0)
+            col = jnp.where(norm == 0, 0.0, col / jnp.where(norm == 0, 1.0, norm))
         else:
             col = col / (norm + epsilon)
         p = p.at[:, i].set(col)

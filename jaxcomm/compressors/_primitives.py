@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._kernels.bitpack import pack, packed_size, unpack  # noqa: F401  (GRACE's pack/unpack live with the other packers)
+from ._quantize import l2_norm
 
 
 def flat32(x):
@@ -23,8 +24,27 @@ def flat32(x):
 
 
 def restore(flat, shape, dtype):
-    """A flat vector back to ``shape`` and ``dtype``."""
-    return flat.reshape(shape).astype(dtype)
+    """A flat vector back to ``shape`` and ``dtype`` (finite values saturate: :func:`saturate`)."""
+    return saturate(flat, dtype).reshape(shape).astype(dtype)
+
+
+def saturate(v, dtype):
+    """``v`` with its finite entries clipped to the finite range of ``dtype``, ready to cast to it.
+
+    For a ``dtype`` narrower in range than ``v``'s (float16 ``65504``, bfloat16
+    ``~3.39e38`` from float32), a finite decoded value beyond that range becomes
+    the largest finite value instead of ``Inf``; ``+-Inf`` and NaN are kept.
+    Clipping towards a representable input can only reduce ``|Q(x)_i - x_i|``.
+    Other dtypes: ``v`` unchanged.
+    """
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or not jnp.issubdtype(v.dtype, jnp.floating):
+        return v
+    top = float(jnp.finfo(dtype).max)
+    if top >= float(jnp.finfo(v.dtype).max):
+        return v
+    v = v.astype(jnp.promote_types(v.dtype, jnp.float32))  # the bound itself may round up in v's dtype (bf16)
+    return jnp.where(jnp.isinf(v), v, jnp.clip(v, -top, top))
 
 
 def size_of(shape) -> int:
@@ -79,20 +99,20 @@ def quantize(x: jax.Array, levels: int, key: jax.Array, norm: jax.Array | None =
       x: float array, any shape.
       levels: s >= 1 (static).
       key: PRNG key.
-      norm: scalar scale (default ``||x||_2``).
+      norm: scalar scale (default ``||x||_2``, computed without overflow: :func:`~._quantize.l2_norm`).
     Returns:
       (level, sign, norm): ``level`` uint8/uint16/int32 in ``[0, s]`` with x's
       shape, ``sign`` bool (x < 0), ``norm`` float32 scalar.
     """
     xf = jnp.asarray(x, jnp.float32)
     if norm is None:
-        norm = jnp.linalg.norm(xf.ravel())
+        norm = l2_norm(xf.ravel())
     norm = jnp.asarray(norm, jnp.float32)
     safe = jnp.where(norm > 0, norm, 1.0)
     scaled = jnp.clip(jnp.abs(xf) / safe * levels, 0.0, float(levels))
     scaled = jnp.where(jnp.isfinite(scaled), scaled, 0.0)
     low = jnp.floor(scaled)
-    up = jax.random.uniform(key, xf.shape) < (scaled - low)
+    up = jax.random.uniform(key, xf.shape, jnp.float32) < (scaled - low)  # float32 draws with x64 too
     level = (low + up.astype(low.dtype)).astype(index_dtype(levels + 1))
     return level, xf < 0, norm
 

@@ -34,11 +34,24 @@ under an outer ``jit``).
 
 Non-finite input. Methods with a tensor-wide scale (``eightbit``, ``qsgd``,
 ``terngrad``, ``stochastic_rounding``, ``sketchml``) decode the *whole* tensor
-to NaN when the scale (or a bucket mean) is not finite: any NaN or Inf entry,
-or a norm that overflows float32. Elementwise codes follow IEEE: see each
-factory's docstring (``natural``: NaN and Inf decode to +-Inf; ``clipping``: Inf
-exact, NaN kept NaN when its top kept mantissa bits are non-zero;
-``inceptionn``: non-finite entries are sent raw, exactly).
+to NaN when the scale (or a bucket mean) is not finite: any NaN or Inf entry
+(:func:`max_abs` sees a NaN in a tensor of any size), or a QSGD norm beyond
+the float32 range. Elementwise codes follow IEEE: see each factory's
+docstring (``natural``: NaN and Inf decode to +-Inf; ``clipping``: Inf exact,
+NaN kept NaN when its top kept mantissa bits are non-zero; ``inceptionn``:
+non-finite entries are sent raw, exactly).
+
+Huge, tiny and half-precision input. Scales are computed without overflow:
+norms by :func:`l2_norm` (rescaled by a power of two when the squares overflow
+or underflow), means by :func:`mean_of`, and max-abs grids pre-scaled by
+``2^-8`` near the float32 maximum (:func:`big_scale_factor`), so finite input
+gives finite output wherever the payload's float32 scale can hold it, and the
+result of ``2^s x`` is exactly ``2^s`` times that of ``x``. A decoded value
+beyond a float16/bfloat16 tensor's range saturates at its largest finite value
+(:func:`~._primitives.saturate`). Subnormal float32 inputs quantize to zero:
+XLA:CPU reads subnormal operands of arithmetic as zero and flushes subnormal
+results. The table of every compressor's behaviour is in
+``docs/guide/compressors.md`` (Numerics).
 
 Modules: :mod:`._eightbit`, :mod:`._stochastic` (QSGD, natural compression,
 TernGrad, stochastic rounding), :mod:`._inceptionn`, :mod:`._sketchml` and
@@ -54,8 +67,67 @@ from ._base import Compressor
 
 
 def max_abs(xf):
-    """``max_i |x_i|`` (float32 scalar; NaN if any entry is NaN; 0 when empty)."""
-    return jnp.max(jnp.abs(xf)) if xf.size else jnp.float32(0)
+    """``max_i |x_i|`` (float32 scalar; ``+Inf`` if any entry is NaN or infinite; 0 when empty).
+
+    NaN is mapped to ``+Inf`` before the reduction: XLA:CPU's vectorised ``max``
+    reduction does not propagate NaN, so a NaN entry could otherwise be dropped
+    and the scale stay finite.
+    """
+    if not xf.size:
+        return jnp.float32(0)
+    a = jnp.abs(xf)
+    return jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a))
+
+
+def big_scale_factor(scale):
+    """``2^-8`` where the float32 scale exceeds ``2^120``, else 1 (float32 scalar).
+
+    Multiplying a tensor and its max-abs scale ``M`` by it is exact, except for
+    entries below ``2^-118``, which become subnormal (read as 0 by XLA:CPU): they
+    are ``2^-238`` of ``M`` or less, so their codes do not change. It keeps
+    ``x + M`` and ``1 / M`` in range for scales near the float32 maximum.
+    """
+    return jnp.where(scale > jnp.float32(2.0**120), jnp.float32(2.0**-8), jnp.float32(1.0))
+
+
+_TINY_SUMSQ = 2.0**-100
+"""Below this ``sum x_i^2`` the squares may have lost precision (underflow): :func:`l2_norm` rescales."""
+
+
+def l2_norm(xf):
+    """``||x||_2`` of a float32 vector, without overflow or underflow of the squares.
+
+    ``sqrt(sum_i x_i^2)`` when that sum is finite and at least ``2^-100`` (the
+    common case: one pass); otherwise ``m sqrt(sum_i (x_i/m)^2)`` with ``m`` a
+    power of two next to ``max|x|``, so dividing by ``m`` and multiplying back
+    are exact. The result is finite whenever the norm itself is below the
+    float32 maximum (``~3.4e38``); NaN when an entry is NaN, ``+Inf`` when one
+    is infinite or the norm exceeds that range, and 0 for a zero vector (or one
+    of subnormals only, which XLA:CPU treats as zeros).
+    """
+    ss = jnp.sum(xf * xf)
+    return jax.lax.cond(jnp.isfinite(ss) & (ss >= _TINY_SUMSQ), lambda: jnp.sqrt(ss), lambda: scaled_l2_norm(xf))
+
+
+def scaled_l2_norm(xf):
+    """:func:`l2_norm`'s rescaled form, always (no ``lax.cond``; two reductions): ``m sqrt(sum (x/m)^2)``."""
+    _, e = jnp.frexp(max_abs(xf))
+    m = jnp.ldexp(jnp.float32(1.0), jnp.clip(e - 1, -126, 127).astype(jnp.int32))
+    y = xf / m
+    return m * jnp.sqrt(jnp.sum(y * y))
+
+
+def mean_of(v, n):
+    """``sum(v) / n`` in float32 without overflow of the sum (finite whenever the mean is).
+
+    One reduction; only when the sum overflows is it redone on ``v * 2^-64``
+    (exact scaling; entries small enough to lose bits there are far below the
+    sum's resolution) and scaled back after the division.
+    """
+    s = jnp.sum(v)
+    return jax.lax.cond(
+        jnp.isfinite(s), lambda: s / n, lambda: (jnp.sum(v * jnp.float32(2.0**-64)) / n) * jnp.float32(2.0**64)
+    )
 
 
 def nan_unless_finite(y, scale):

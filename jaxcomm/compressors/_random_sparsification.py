@@ -58,7 +58,10 @@ def random_sparsification(*, p: float, seed: int = 0) -> Compressor:
     expectation, else a count plus index list (:class:`CountSparsePayload`),
     both in a buffer of capacity ``p d + 8 sigma + 24`` (overflow probability
     ``< 2e-16``, the excess, highest indices, would be dropped). NaN/Inf are
-    ordinary values (NaN/p = NaN). Strategy ``"allgather"``.
+    ordinary values (NaN/p = NaN); a finite ``x_i / p`` beyond the dtype's range
+    saturates at its largest finite value. ``p = 1`` is exact for subnormals
+    too; with ``p < 1`` the multiplication by ``1/p`` flushes subnormal values
+    to 0 on XLA:CPU. Strategy ``"allgather"``.
 
     Args:
       p: keep probability in (0, 1].

@@ -115,7 +115,7 @@ def randomk(*, ratio: float, unbiased: bool = False, seed: int = 0) -> Compresso
     def decompress(p: RandomKPayload):
         d = int(np.prod(p.shape, dtype=np.int64))
         idx = randomk_indices(p.key, d, p.values.shape[0])
-        return scatter(p.values, idx, p.shape, p.dtype, p.scale)
+        return scatter(p.values, idx, p.shape, p.dtype, p.scale, unique=True)  # distinct positions
 
     return Compressor.create(
         name="randomk",

@@ -123,8 +123,9 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
     Args:
       threshold: tau, a finite real number (default 0); may be traced
         (``optax.inject_hyperparams``), then computed in float32 and unchecked.
-    Wire bits: ``8 ceil(d/8) + 64``. Non-finite input (or a mean that
-    overflows): the whole tensor decodes to NaN. NaN entries are coded '0'.
+    Wire bits: ``8 ceil(d/8) + 64``. Non-finite input: the whole tensor decodes
+    to NaN (the means are computed without overflow, so finite input gives
+    finite means). NaN entries are coded '0'.
     """
     threshold = check_finite_scalar(threshold, "threshold", traceable=True)
 
@@ -132,18 +133,35 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
         del key
         xf = flat32(x)
         high = xf >= threshold
+
         # The bits, sum_high and sum(x) in one pass (pack_reduce), then a popcount of the
         # packed bits. mu_0 uses sum(x) - sum_high: its rounding error is ~eps * sum|x|
         # instead of ~eps * sum_low |x|, which matters only when the entries below tau
         # carry a tiny part of the mass.
-        bits, (s_high, s_all) = pack_reduce(high, (jnp.where(high, xf, 0.0), xf), ("sum", "sum"))
+        def bits_and_sums(f):  # f a power of two: the sums of x * f are exact rescalings
+            xs = xf * f
+            return pack_reduce(high, (jnp.where(high, xs, 0.0), xs), ("sum", "sum"))
+
+        bits, (s_high, s_all) = bits_and_sums(jnp.float32(1.0))
         n_high = jnp.sum(popcount(bits)).astype(jnp.float32)
         n_low = jnp.float32(xf.size) - n_high
-        s_low = s_all - s_high
+
+        def means(s_high, s_all, f):
+            return (s_all - s_high) / jnp.maximum(n_low, 1.0) / f, s_high / jnp.maximum(n_high, 1.0) / f
+
+        # Sums that overflow (finite entries near the float32 maximum) are redone at 2^-64, by the
+        # same one-pass kernel (the bits it recomputes are the same).
+        ok = jnp.all(jnp.isfinite(jnp.stack(means(s_high, s_all, jnp.float32(1.0)))))
+        f, bits, (s_high, s_all) = jax.lax.cond(
+            ok,
+            lambda: (jnp.float32(1.0), bits, (s_high, s_all)),
+            lambda: (jnp.float32(2.0**-64), *bits_and_sums(jnp.float32(2.0**-64))),
+        )
+        mean_low, mean_high = means(s_high, s_all, f)
         payload = OneBitPayload(
             bits=bits,
-            mean_low=s_low / jnp.maximum(n_low, 1.0),
-            mean_high=s_high / jnp.maximum(n_high, 1.0),
+            mean_low=mean_low,
+            mean_high=mean_high,
             shape=x.shape,
             dtype=x.dtype,
         )
@@ -235,14 +253,28 @@ def efsignsgd(*, seed: int = 0) -> Compressor:
     by error feedback (``jaxcomm.memory``). Biased.
 
     Wire bits: ``8 ceil(d/8) + 32``. Non-finite input: the scale is not finite
-    and the whole tensor decodes to NaN.
+    and the whole tensor decodes to NaN. The mean is computed without overflow
+    (:func:`~._quantize.mean_of`): finite for finite input.
     """
 
     def compress(x, key, state):
         del key
         xf = flat32(x)
-        signs, (l1,) = pack_reduce(xf < 0, (jnp.abs(xf),), ("sum",))  # one pass for both
-        scale = l1 / max(xf.size, 1)
+        n = max(xf.size, 1)
+
+        def signs_and_l1(f):  # the signs and sum |x| * f in one pass (f a power of two: exact)
+            signs, (l1,) = pack_reduce(xf < 0, (jnp.abs(xf) * f,), ("sum",))
+            return signs, l1
+
+        signs, l1 = signs_and_l1(jnp.float32(1.0))
+        # A sum that overflows (finite entries near the float32 maximum) is redone at 2^-64, by the
+        # same one-pass kernel (the signs it recomputes are the same).
+        f, signs, l1 = jax.lax.cond(
+            jnp.isfinite(l1),
+            lambda: (jnp.float32(1.0), signs, l1),
+            lambda: (jnp.float32(2.0**-64), *signs_and_l1(jnp.float32(2.0**-64))),
+        )
+        scale = l1 / n / f
         return MeanAbsSignPayload(signs=signs, scale=scale, shape=x.shape, dtype=x.dtype), state
 
     def decompress(p: MeanAbsSignPayload):

@@ -90,7 +90,8 @@ def sketchml(*, buckets: int = 64, seed: int = 0) -> Compressor:
     Args:
       buckets: B, an integer in ``[2, 65536]``.
     Wire bits: ``pw(d, ceil(log2 B)) + 32 B``. Non-finite input (a non-finite
-    bucket mean): all NaN.
+    bucket mean): all NaN. Bucket sums that overflow are redone at ``2^-64``
+    scale, so finite input gives finite means.
     """
     buckets = check_positive_int(buckets, "buckets", minimum=2, why="it fixes the number of buckets and the code width")
     if buckets > _CELLS:
@@ -103,7 +104,13 @@ def sketchml(*, buckets: int = 64, seed: int = 0) -> Compressor:
         bucket, cell_bucket, cell_counts = sketch_buckets(xf, buckets)
         sums = jax.ops.segment_sum(xf, bucket, buckets)
         counts = jax.ops.segment_sum(cell_counts, cell_bucket, buckets)  # from the sketch: 2^16 adds
-        means = sums / jnp.maximum(counts, 1).astype(jnp.float32)
+        n = jnp.maximum(counts, 1).astype(jnp.float32)
+        # a bucket sum that overflows (entries near the float32 maximum) is redone at 2^-64 (exact scaling)
+        means = jax.lax.cond(
+            jnp.all(jnp.isfinite(sums)),
+            lambda: sums / n,
+            lambda: jax.ops.segment_sum(xf * jnp.float32(2.0**-64), bucket, buckets) / n * jnp.float32(2.0**64),
+        )
         return SketchPayload(codes=pack_codes(bucket, width), means=means, shape=x.shape, dtype=x.dtype), state
 
     def decompress(p: SketchPayload):

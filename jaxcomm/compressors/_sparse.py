@@ -15,6 +15,12 @@ values and their positions; the receiver scatters them into zeros.
 * ``random_sparsification``: keep ``g_i / p`` with probability ``p``
   (DoubleSqueeze, Tang et al. 2019; Wangni et al. 2018 with uniform ``p``).
 
+Decoding writes the sent values into zeros (a scatter-set of distinct
+positions), so lossless settings (``topk(ratio=1)``, ``threshold(v=0)``,
+``randomk(ratio=1)``, ``random_sparsification(p=1)``) are bit-exact, subnormal
+values included; summing several payloads (``decompress_sum``) adds, and
+XLA:CPU flushes subnormal sums to 0.
+
 Count-based methods (threshold, dgc, random sparsification) return a
 fixed-capacity buffer plus a count, so shapes stay static under ``jit``; their
 ``wire_bits`` is a traced ``int32`` computed from the count.
@@ -128,11 +134,11 @@ class MaskSparsePayload(Payload):
 
 
 def _decompress_sparse(p: SparsePayload):
-    return scatter(p.values, p.indices, p.shape, p.dtype)
+    return scatter(p.values, p.indices, p.shape, p.dtype, unique=True)
 
 
 def _decompress_count(p: CountSparsePayload):
-    return scatter_count(p.values, p.indices, p.count, p.shape, p.dtype, p.scale)
+    return scatter_count(p.values, p.indices, p.count, p.shape, p.dtype, p.scale, unique=True)
 
 
 def _decompress_sum_sparse(g: SparsePayload, dtype):
@@ -180,7 +186,7 @@ def _decompress_mask(p: MaskSparsePayload):
     else:
         pos, _ = compact_words(bytes_to_words(p.mask), cap)
     # the first min(set bits, cap) == p.count slots of p.values are the sent entries
-    return scatter_count(p.values.astype(jnp.float32), pos, p.count, p.shape, p.dtype, p.scale)
+    return scatter_count(p.values, pos, p.count, p.shape, p.dtype, p.scale, unique=True)
 
 
 def _sparse_payload(x, idx, k_valid=None):

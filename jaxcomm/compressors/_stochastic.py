@@ -17,7 +17,7 @@ from ._base import Compressor, Payload, check_positive_int, payload_dataclass, r
 from ._kernels.bitpack import code_width, pack, pack_codes, packed_code_bits, unpack, unpack_codes
 from ._kernels.random_bits import uniform_bits, uniform_floats
 from ._primitives import flat32, packed_size, restore, size_of
-from ._quantize import jitted_compressor, max_abs, nan_unless_finite
+from ._quantize import big_scale_factor, jitted_compressor, l2_norm, max_abs, nan_unless_finite
 
 Array = jax.Array
 
@@ -65,7 +65,11 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
 
     Args:
       levels: s, an integer in ``[1, 65536]``.
-    Wire bits: ``pw(d, ceil(log2(2s+1))) + 32``. Non-finite input: all NaN.
+    Wire bits: ``pw(d, ceil(log2(2s+1))) + 32``. Non-finite input, or a norm
+    beyond the float32 range (``~3.4e38``): all NaN. The norm is computed without
+    overflow or underflow (:func:`~._quantize.l2_norm`), so huge finite entries
+    (``~1e20``) quantize as well as unit ones; decoded values beyond a float16
+    tensor's range saturate at 65504.
     """
     levels = check_positive_int(levels, "levels", why="it fixes the number of quantization levels and the code width")
     if levels > _MAX_LEVELS:
@@ -74,7 +78,7 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
 
     def compress(x, key, state):
         xf = flat32(x)
-        norm = jnp.sqrt(jnp.sum(xf * xf))
+        norm = l2_norm(xf)  # no overflow of the squares for huge entries, nor underflow for tiny ones
         safe = jnp.where(norm > 0, norm, 1.0)
         scaled = jnp.clip(jnp.abs(xf) * (levels / safe), 0.0, float(levels))
         scaled = jnp.where(jnp.isfinite(scaled), scaled, 0.0)
@@ -131,7 +135,8 @@ def natural(*, seed: int = 0) -> Compressor:
     Wire: the sign bit (packed) and the 8-bit exponent field: ``8 ceil(d/8) +
     8 d`` bits. Non-finite input: the exponent field 255 decodes to +-Inf, so Inf
     is exact and NaN decodes to +-Inf (its sign bit); finite values of at least
-    ``2^127`` may round up to Inf.
+    ``2^127`` may round up to Inf (``2^128``); for a float16 or bfloat16 tensor a
+    round-up past its range saturates at its largest finite value.
     """
 
     def compress(x, key, state):
@@ -185,7 +190,7 @@ def terngrad(*, seed: int = 0) -> Compressor:
     ``{-s, 0, s}``; ``E Q(x) = x``. (Wen et al.'s optional gradient clipping
     and per-layer scalar sharing are not part of the operator.)
 
-    Wire bits: ``8 ceil(d/4) + 32``. Non-finite input: all NaN.
+    Wire bits: ``8 ceil(d/4) + 32``. Non-finite input (a NaN or Inf entry): all NaN.
     """
 
     def compress(x, key, state):
@@ -240,7 +245,9 @@ def stochastic_rounding(*, bits: int = 4, seed: int = 0) -> Compressor:
 
     Args:
       bits: grid index width, an integer in ``[1, 16]``.
-    Wire bits: ``pw(d, bits) + 32``. Non-finite input: all NaN.
+    Wire bits: ``pw(d, bits) + 32``. Non-finite input (a NaN or Inf entry): all
+    NaN. Scales up to the float32 maximum are exact (``x + M`` is formed at
+    ``2^-8`` scale there, :func:`~._quantize.big_scale_factor`).
     """
     bits = check_positive_int(bits, "bits", why="it fixes the number of levels and the code width")
     if bits > 16:
@@ -250,7 +257,10 @@ def stochastic_rounding(*, bits: int = 4, seed: int = 0) -> Compressor:
     def compress(x, key, state):
         xf = flat32(x)
         scale = max_abs(xf)
-        y = (xf + scale) * (top / (2.0 * jnp.where(scale > 0, scale, 1.0)))
+        # y = (x + M) (L - 1) / (2M); for M near the float32 maximum both x and M are first
+        # scaled by 2^-8 (exact), so x + M cannot overflow (the same y otherwise).
+        pre = big_scale_factor(scale)
+        y = (xf * pre + scale * pre) * (top / (2.0 * jnp.where(scale > 0, scale * pre, 1.0)))
         y = jnp.clip(jnp.where(jnp.isfinite(y), y, 0.0), 0.0, top)
         low = jnp.floor(y)
         k = jnp.minimum(low + (uniform_floats(key, xf.size) < y - low).astype(low.dtype), top).astype(jnp.int32)

@@ -184,7 +184,7 @@ def dgc(
             m = _dgc_importance(flat) >= t
             if packed:
                 w = pack_bits(m, 1, jnp.uint32)
-                return w, jnp.sum(popcount(w))
+                return w, jnp.sum(popcount(w), dtype=jnp.int32)  # int32 with x64 too
             return m, jnp.sum(m, dtype=jnp.int32)
 
         words, count = select(thr)

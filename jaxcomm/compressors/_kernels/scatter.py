@@ -14,15 +14,40 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._primitives import desparsify
+from .._primitives import desparsify, saturate
 
 
-def scatter(values, indices, shape, dtype, scale=1.0):
-    """Scatter-add float32 ``values * scale`` at flat ``indices`` into zeros of ``shape``; cast to ``dtype``."""
-    v = values.astype(jnp.float32)
-    if scale != 1.0:
-        v = v * jnp.float32(scale)
-    return desparsify(v, indices, shape, jnp.float32).astype(dtype)
+def _wide(dtype):
+    """The dtype values are scaled and scattered in: float32, or the values' own when wider (float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _scaled(values, scale):
+    """``values * scale`` in :func:`_wide`; a finite value the scale takes past the dtype's range saturates."""
+    v = values.astype(_wide(values.dtype))
+    if scale == 1.0:
+        return v
+    top = float(jnp.finfo(v.dtype).max)
+    return jnp.where(jnp.isfinite(v), jnp.clip(v * jnp.asarray(scale, v.dtype), -top, top), v)
+
+
+def scatter(values, indices, shape, dtype, scale=1.0, unique=False):
+    """Scatter-add float32 ``values * scale`` at flat ``indices`` into zeros of ``shape``; cast to ``dtype``.
+
+    ``unique``: the indices are distinct, or out of range (``>= size``, dropped):
+    the values are then *written* (a scatter-set), not added to zeros, so a
+    subnormal value survives (XLA:CPU flushes subnormal results of arithmetic,
+    ``0 + x`` included). float64 values are scattered in float64; finite values
+    beyond ``dtype``'s range saturate (:func:`saturate`).
+    """
+    v = _scaled(values, scale)
+    if unique:
+        size = int(np.prod(shape, dtype=np.int64))
+        out = jnp.zeros((size,), v.dtype).at[indices.astype(jnp.int32)].set(v, mode="drop", unique_indices=True)
+        out = out.reshape(shape)
+    else:
+        out = desparsify(v, indices, shape, v.dtype)
+    return saturate(out, dtype).astype(dtype)
 
 
 def scatters_whole_buffer(cap: int, d: int) -> bool:
@@ -31,25 +56,31 @@ def scatters_whole_buffer(cap: int, d: int) -> bool:
     return cap <= d // 16 or d // 16 < 1024
 
 
-def scatter_count(values, indices, count, shape, dtype, scale=1.0):
+def scatter_count(values, indices, count, shape, dtype, scale=1.0, unique=False):
     """:func:`scatter` of the first ``count`` slots of a fixed-capacity buffer.
 
     Slots ``>= count`` are not part of the payload: their values are read as 0
     whatever the buffer holds (so a decoder never depends on how the sender
     filled its unused capacity). A scatter costs per slot, valid or not; when
     the buffer is large (``cap > d / 16``) and the count small, only the first
-    ``d / 16`` slots are scattered (``lax.cond``).
+    ``d / 16`` slots are scattered (``lax.cond``). ``unique`` (the valid slots'
+    indices are distinct): the slots are written, not added (:func:`scatter`), and
+    the unused ones are dropped (their index is set past the end).
     """
     d = int(np.prod(shape, dtype=np.int64))
     cap = values.shape[0]
     small = d // 16
-    values = jnp.where(jnp.arange(cap) < count, values, jnp.zeros((), values.dtype))
+    valid = jnp.arange(cap) < count
+    if unique:
+        indices = jnp.where(valid, indices.astype(jnp.int32), jnp.int32(d))
+    else:
+        values = jnp.where(valid, values, jnp.zeros((), values.dtype))
     if scatters_whole_buffer(cap, d):
-        return scatter(values, indices, shape, dtype, scale)
+        return scatter(values, indices, shape, dtype, scale, unique)
     return lax.cond(
         count <= small,
-        lambda: scatter(values[:small], indices[:small], shape, dtype, scale),
-        lambda: scatter(values, indices, shape, dtype, scale),
+        lambda: scatter(values[:small], indices[:small], shape, dtype, scale, unique),
+        lambda: scatter(values, indices, shape, dtype, scale, unique),
     )
 
 
@@ -73,11 +104,9 @@ def sum_scatter(values, indices, shape, dtype, scale=1.0, value_dtype=None):
     Returns:
       ``(shape)`` array of ``dtype``.
     """
-    v = jnp.ravel(values).astype(jnp.float32)
-    if scale != 1.0:
-        v = v * jnp.float32(scale)
+    v = _scaled(jnp.ravel(values), scale)
     if value_dtype is not None:
-        v = v.astype(value_dtype)
+        v = saturate(v, value_dtype).astype(value_dtype)
     return desparsify(v.astype(dtype), jnp.ravel(indices), shape, dtype)
 
 
@@ -97,8 +126,6 @@ def subtract_sparse(x, values, indices, scale=1.0):
     Returns:
       array of ``x``'s shape and dtype.
     """
-    v = values.astype(jnp.float32)
-    if scale != 1.0:
-        v = v * jnp.float32(scale)
+    v = _scaled(values, scale)
     flat = jnp.ravel(x)
-    return flat.at[indices.astype(jnp.int32)].add(-v.astype(flat.dtype)).reshape(jnp.shape(x))
+    return flat.at[indices.astype(jnp.int32)].add(-saturate(v, flat.dtype).astype(flat.dtype)).reshape(jnp.shape(x))
