@@ -123,7 +123,7 @@ def test_step_overhead_benchmark_tiny(tmp_path):
             "--trees",
             "tiny",
             "--compressors",
-            "signsgd,topk,topk_floor",
+            "signsgd,topk,topk_floor,topk_reuse",
             "--repeats",
             "1",
             "--in-process",
@@ -133,9 +133,10 @@ def test_step_overhead_benchmark_tiny(tmp_path):
     )
     saved = json.loads(out.read_text())
     res = saved["trees"]["tiny"]["results"]
-    assert set(res) == {"signsgd", "topk", "topk_floor"} and saved["trees"]["tiny"]["num_tensors"] == 3
+    assert set(res) == {"signsgd", "topk", "topk_floor", "topk_reuse"} and saved["trees"]["tiny"]["num_tensors"] == 3
     # The floor sends exactly what top-k sends (same k, value and index dtypes per tensor).
     assert res["topk_floor"]["wire_bits_per_worker"] == res["topk"]["wire_bits_per_worker"]
+    assert res["topk_reuse"]["wire_bits_per_worker"] == res["topk"]["wire_bits_per_worker"]
     d = saved["trees"]["tiny"]["num_params"]
     for r in res.values():
         assert "error" not in r, r
@@ -199,6 +200,19 @@ def test_step_overhead_benchmark_tiny(tmp_path):
     for tree, lo, hi, n in (("resnet20", 260_000, 280_000, 59), ("vgg16", 14_500_000, 15_500_000, 30)):
         shapes = bench.TREES[tree]()
         assert len(shapes) == n and lo <= sum(int(jax.numpy.prod(jax.numpy.array(s))) for s in shapes.values()) <= hi
+
+
+def test_topk_reuse_benchmark_tiny(tmp_path):
+    bench = _load("topk_reuse")
+    out = tmp_path / "reuse.json"
+    result = bench.main(["--sizes", "5000", "--steps", "4", "--warmup", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert [r["gradients"] for r in result["results"]] == ["fresh", "fixed"]
+    for r in result["results"]:
+        assert r["mismatches"] == 0 and sum(r["paths"].values()) == 4 and r["k"] == 50
+        assert len(r["plain_steps_ms"]) == len(r["reuse_steps_ms"]) == 4
+    with pytest.raises(SystemExit):
+        bench.main(["--gradients", "stale", "--out", str(out)])
 
 
 def test_floor_rows_send_what_their_compressor_sends():

@@ -255,9 +255,19 @@ def qsgd_floor(levels: int = 64):
     )
 
 
+def topk_reuse(ratio: float = 0.01):
+    """:func:`jaxcomm.compressors.topk` with ``reuse_threshold=True`` (the same payloads; the
+    selection tries the threshold carried from the previous step first)."""
+    return jc.compressors.topk(ratio=ratio, reuse_threshold=True)
+
+
 # Benchmark-only rows, timed like compressors but not in the registry (nor in the default sweep).
 # Each maps to (factory, the registered compressor whose hyper-parameters and memory it takes).
-PSEUDO = {"topk_floor": (topk_floor, "topk"), "qsgd_floor": (qsgd_floor, "qsgd")}
+PSEUDO = {
+    "topk_floor": (topk_floor, "topk"),
+    "qsgd_floor": (qsgd_floor, "qsgd"),
+    "topk_reuse": (topk_reuse, "topk"),
+}
 
 
 def compressor_of(name: str) -> str:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._base import Compressor, check_ratio, register
-from ._kernels.select import magnitude_keys, top_indices
+from ._kernels.select import magnitude_keys, reuse_state, top_indices, top_indices_reusing
 from ._sparse import (
     SparsePayload,
     _decompress_sparse,
@@ -22,8 +22,9 @@ def topk_indices(x, k: int, key=None):
     """Flat positions of the ``k`` largest ``|x|`` (exact; ties to the lowest index), int32 ``(k,)``.
 
     NaN counts as larger than +Inf (so NaN entries are always selected).
-    Order of the result: increasing index on the common path; unspecified in
-    general (the *set* is exact). See :func:`top_indices` for the algorithm.
+    Order of the result: increasing index for more than 2048 entries (every
+    path), decreasing magnitude (ties by index) for fewer. See
+    :func:`top_indices` for the algorithm.
     """
     key = jax.random.PRNGKey(0) if key is None else key
     idx, _ = top_indices(jnp.ravel(x), k, key, keys_of=magnitude_keys)
@@ -31,7 +32,7 @@ def topk_indices(x, k: int, key=None):
 
 
 @register("topk")
-def topk(*, ratio: float, seed: int = 0) -> Compressor:
+def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False) -> Compressor:
     """Top-k sparsification (GRACE Table I; Aji & Heafield 2017, Stich et al. 2018).
 
     Sends the ``k = max(1, round(ratio * d))`` entries of largest magnitude
@@ -50,18 +51,42 @@ def topk(*, ratio: float, seed: int = 0) -> Compressor:
     indices in :func:`index_dtype` of ``d``. Wire bits ``k * (bits(dtype) +
     bits(index dtype))``. Biased, deterministic; strategy ``"allgather"``.
 
+    With ``reuse_threshold=True`` the compressor keeps, per tensor, the threshold
+    of the last selection (an int32 order key, never sent) and tries it first at
+    the next step (:func:`~jaxcomm.compressors._kernels.select.top_indices_reusing`):
+    when the entries above it number between ``k`` and a capacity of about
+    ``1.5 k`` the exact selection runs among them and the sample is skipped;
+    otherwise the sampled selection runs. The payload is identical either way
+    (the same indices in the same order); only the time differs. Inside
+    ``jax.vmap`` both branches run, so there it costs more than it saves. The state
+    makes the compressor stateful, so ``strategy="reduce_scatter"`` (chunks whose
+    shapes change with the number of workers) refuses it.
+
     Args:
       ratio: fraction of entries sent, in (0, 1]; ``ratio = 1`` is lossless.
       seed: seed of the optax transformation's key (used only to sample the threshold).
+      reuse_threshold: carry the selection threshold between steps (state per tensor:
+        int32 ``(2,)``, the threshold to try, ``-1`` before the first step, and the
+        number of candidates it aims at).
     """
     ratio = check_ratio(ratio, "ratio", "it fixes the number of entries sent k, an array shape")
+    if not isinstance(reuse_threshold, bool):
+        raise TypeError(f"reuse_threshold must be a bool; got {type(reuse_threshold).__name__}")
+
+    def payload(x, idx):
+        vals, idx = _sparse_payload(x, idx)
+        return SparsePayload(values=vals, indices=idx, shape=tuple(np.shape(x)), dtype=x.dtype)
 
     def compress(x, key, state):
+        k = num_selected(ratio, int(np.size(x)))
+        if not reuse_threshold:
+            return payload(x, topk_indices(x, k, key)), state
+        idx, _, guess = top_indices_reusing(jnp.ravel(x), k, key, state, keys_of=magnitude_keys)
+        return payload(x, idx), guess
+
+    def init_state(x):
         d = int(np.size(x))
-        k = num_selected(ratio, d)
-        idx = topk_indices(x, k, key)
-        vals, idx = _sparse_payload(x, idx)
-        return SparsePayload(values=vals, indices=idx, shape=tuple(np.shape(x)), dtype=x.dtype), state
+        return reuse_state(num_selected(ratio, d), d)
 
     return Compressor.create(
         name="topk",
@@ -69,8 +94,9 @@ def topk(*, ratio: float, seed: int = 0) -> Compressor:
         decompress=_decompress_sparse,
         decompress_sum=_decompress_sum_sparse,
         compression_error=_error_sparse,
+        init_state=init_state if reuse_threshold else None,
         unbiased=False,
         strategy="allgather",
         seed=seed,
-        params=dict(ratio=ratio),
+        params=dict(ratio=ratio, reuse_threshold=True) if reuse_threshold else dict(ratio=ratio),
     )

@@ -163,8 +163,8 @@ _SAMPLE_MAX = 65536
 _MARGIN = 5.0
 
 
-PATH_SAMPLED, PATH_TIES, PATH_FULL = 0, 1, 2
-"""Which branch :func:`top_indices` took (returned for tests and diagnostics)."""
+PATH_SAMPLED, PATH_TIES, PATH_FULL, PATH_REUSED = 0, 1, 2, 3
+"""Which branch :func:`top_indices` (or :func:`top_indices_reusing`) took (returned for tests and diagnostics)."""
 
 
 def _radix_kth(keys, k) -> Array:
@@ -181,13 +181,13 @@ def _radix_kth(keys, k) -> Array:
     return lax.fori_loop(0, 31, body, vary_like(jnp.int32(0), keys, k))
 
 
-def _exact_top(ck, cand_idx, k, kmax: int) -> Array:
-    """Exact top-``k`` of a candidate buffer: returns ``cand_idx`` of the winners, ``(kmax,)``.
+def _exact_top(ck, cand_idx, k, kmax: int) -> tuple[Array, Array]:
+    """Exact top-``k`` of a candidate buffer: ``(cand_idx of the winners (kmax,), t)``.
 
     ``ck`` are the candidates' keys (``-1`` = empty slot), at least ``k`` of them
     non-negative. Selected: every key above the k-th largest ``t``, then the
     first ``k - #(> t)`` keys equal to ``t`` in buffer order (lowest index first).
-    Slots ``>= k`` hold index 0.
+    Slots ``>= k`` hold index 0. ``t`` (int32 scalar) is returned too.
     """
     m = ck.shape[0]
     t = _radix_kth(ck, k)
@@ -198,7 +198,7 @@ def _exact_top(ck, cand_idx, k, kmax: int) -> Array:
     sel = gt | (tie & (jnp.arange(m, dtype=jnp.int32) <= last))
     pos, _ = compact(sel, kmax)
     out = cand_idx[pos]
-    return jnp.where(jnp.arange(kmax, dtype=jnp.int32) < k, out, 0)
+    return jnp.where(jnp.arange(kmax, dtype=jnp.int32) < k, out, 0), t
 
 
 def _upper_excess(mean, var, z):
@@ -275,7 +275,9 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
         force the exact fallback).
     Returns:
       ``(indices, path)``: int32 ``(kmax,)`` (slots ``>= k`` hold 0) and the
-      branch taken (``PATH_SAMPLED``, ``PATH_TIES`` or ``PATH_FULL``).
+      branch taken (``PATH_SAMPLED``, ``PATH_TIES`` or ``PATH_FULL``). For
+      ``d > 2048`` the first ``k`` indices are in increasing order on every
+      path; a smaller vector's are in decreasing key order (a stable sort).
 
     Algorithm (``d > 2048``): the threshold ``lo`` comes from a uniform sample
     (:func:`_sample_plan`); if the candidates ``key >= lo`` number between ``k``
@@ -288,8 +290,117 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
     ``C`` candidates always run; the selection among them and the two
     fallbacks are ``lax.cond`` branches, so only one runs (outside ``vmap``,
     which turns them into selects). Small arrays use a stable sort. Every
-    branch returns the same set.
+    branch returns the same indices in the same order.
     """
+    idx, path, _ = _top_indices(values, kmax, key, k, keys_of, margin, None)
+    return idx, path
+
+
+def reuse_capacity(kmax: int, d: int, margin: float = _MARGIN) -> int:
+    """Static candidate capacity ``C_r`` of :func:`top_indices_reusing` for ``kmax`` of ``d`` keys.
+
+    ``C_r = min(C, kmax + max(64, ceil(REUSE_SLACK · kmax)))`` with ``C`` the sampled
+    path's capacity (:func:`_sample_plan`); 0 where :func:`top_indices` does not
+    sample (``d <= 2048``, ``kmax >= d`` or no plan), i.e. where nothing is carried.
+    """
+    if kmax == 0 or d <= SMALL or kmax >= d:
+        return 0
+    plan = _sample_plan(d, kmax, margin)
+    if plan is None:
+        return 0
+    return int(min(plan[2], kmax + max(64, math.ceil(REUSE_SLACK * kmax))))
+
+
+REUSE_SLACK = 0.5
+"""Candidates beyond ``k`` the carried threshold may admit, as a fraction of ``k`` (:func:`reuse_capacity`)."""
+
+
+NO_GUESS = -1
+"""The carried threshold of :func:`top_indices_reusing` before the first step (or after a tie-bound one)."""
+
+
+def reuse_state(kmax: int, d: int) -> Array:
+    """The initial carried state of :func:`top_indices_reusing`: int32 ``[NO_GUESS, r*]`` with
+    ``r* = (k + C_r) / 2`` the count aimed at (:func:`reuse_capacity`)."""
+    return jnp.asarray([NO_GUESS, (kmax + reuse_capacity(kmax, d)) // 2], jnp.int32)
+
+
+def top_indices_reusing(values, kmax: int, key, state, *, keys_of=_identity, margin: float = _MARGIN):
+    """:func:`top_indices` (static ``k = kmax``) with a threshold carried from the previous call.
+
+    The candidates ``key >= guess`` are counted in one pass; if they number
+    between ``k`` and the capacity ``C_r`` (:func:`reuse_capacity`) the exact
+    top-``k`` is taken among them, which is exact for *any* such ``guess``: the
+    ``k``-th largest key ``t`` is ``>= guess``, so every key ``> t`` and every
+    tie at ``t`` is a candidate, compacted in index order, and the winners are
+    chosen as :func:`top_indices` chooses them. Otherwise (no guess, or the
+    count outside ``[k, C_r]``) :func:`top_indices`' sampled selection runs
+    instead (``lax.cond``). The result -- indices and their order -- is
+    identical to :func:`top_indices`'s for every input and every state.
+
+    The next guess: with ``c`` keys ``>= lo`` (the threshold used this call) and
+    the ``k``-th largest key ``t``, the key expected to admit ``a`` keys of this
+    input is ``t − (t − lo) · ln(a/k) / ln(c/k)`` (rank exponential in the key,
+    i.e. in the log-magnitude for :func:`magnitude_keys`; :data:`NO_GUESS` when
+    ``c <= k``, after the tie branch or the whole-array fallback). The aim ``a``
+    corrects for the drift between calls (an error-feedback memory grows the
+    entries not sent): it starts at ``r* = (k + C_r) / 2`` and is multiplied by
+    ``r* / c'`` whenever the carried guess admitted ``c'`` keys, within
+    ``[k / 16, C_r]``.
+
+    Args:
+      values, kmax, key, keys_of, margin: as :func:`top_indices`.
+      state: int32 ``(2,)``: the previous call's guess and aim (:func:`reuse_state` at first).
+    Returns:
+      ``(indices, path, new_state)``: int32 ``(kmax,)``; ``PATH_REUSED`` or the
+      branch :func:`top_indices` took; the state for the next call.
+    """
+    d = values.shape[0]
+    state = jnp.asarray(state, jnp.int32)
+    guess, aim = state[0], state[1]
+    cap_r = reuse_capacity(kmax, d, margin)
+    if cap_r == 0:  # no sampled path: nothing to carry
+        idx, path = top_indices(values, kmax, key, keys_of=keys_of, margin=margin)
+        return idx, path, state
+    kk = jnp.int32(kmax)
+    words = pack_bits(keys_of(values) >= guess, 1, jnp.uint32)
+    count = jnp.sum(popcount(words), dtype=jnp.int32)  # int32 with x64 too (cond branches agree)
+    star = (kmax + cap_r) // 2
+    corrected = jnp.round(aim.astype(jnp.float32) * star / jnp.maximum(count, 1).astype(jnp.float32))
+    aim = jnp.where(guess >= 0, jnp.clip(corrected, max(1, kmax // 16), cap_r).astype(jnp.int32), aim)
+    # As on the sampled path, the compaction runs outside the lax.cond (a branch runs it slower on XLA:CPU).
+    slots = jnp.arange(cap_r, dtype=jnp.int32)
+    pos, _ = compact_words(words, cap_r)
+    ck = jnp.where(slots < count, keys_of(values[pos]), -1)
+    zero = jnp.zeros_like(count)
+
+    def reused():
+        idx, t = _exact_top(ck, pos, kk, kmax)
+        return idx, jnp.int32(PATH_REUSED) + zero, _next_guess(guess, t, count, kmax, aim) + zero
+
+    def sampled():
+        idx, path, nxt = _top_indices(values, kmax, key, None, keys_of, margin, aim)
+        return idx + zero, path + zero, nxt + zero
+
+    ok = (guess >= 0) & (count >= kk) & (count <= cap_r)
+    idx, path, nxt = lax.cond(ok, reused, sampled)
+    return idx, path, jnp.stack([nxt, aim + zero])
+
+
+def _next_guess(lo, t, count, k: int, aim) -> Array:
+    """The key expected to admit ``aim`` keys (see :func:`top_indices_reusing`); int32 scalar."""
+    span = (t - lo).astype(jnp.float32)
+    have = jnp.log(jnp.maximum(count, 1).astype(jnp.float32) / k)
+    want = jnp.log(jnp.maximum(aim, 1).astype(jnp.float32) / k)
+    step = span * want / jnp.where(have > 0, have, 1.0)
+    room = jnp.float32(_NAN_KEY) - t.astype(jnp.float32)  # how far above t a guess may go
+    g = t - jnp.clip(step, -room, t.astype(jnp.float32)).astype(jnp.int32)
+    return jnp.where((count > k) & (lo >= 0), jnp.clip(g, 0, _NAN_KEY), jnp.int32(NO_GUESS))
+
+
+def _top_indices(values, kmax: int, key, k, keys_of, margin: float, target):
+    """:func:`top_indices`, plus the next guess of :func:`top_indices_reusing` when ``target`` is given
+    (:data:`NO_GUESS` otherwise)."""
     if isinstance(values, int):  # the counters 0..d-1: rebuilt where read, never a stored operand
         d = values
 
@@ -308,19 +419,20 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
             return values[i]
 
     kk = jnp.int32(kmax) if k is None else jnp.asarray(k, jnp.int32)
+    no_guess = jnp.int32(NO_GUESS)
     if kmax == 0 or d == 0:
-        return jnp.zeros((kmax,), jnp.int32), jnp.int32(PATH_FULL)
+        return jnp.zeros((kmax,), jnp.int32), jnp.int32(PATH_FULL), no_guess
     if k is None and kmax >= d:
-        return jnp.arange(d, dtype=jnp.int32), jnp.int32(PATH_FULL)
+        return jnp.arange(d, dtype=jnp.int32), jnp.int32(PATH_FULL), no_guess
     if d <= SMALL:
-        return _sorted_top(keys_of(all_values()), kk, kmax), jnp.int32(PATH_FULL)
+        return _sorted_top(keys_of(all_values()), kk, kmax), jnp.int32(PATH_FULL), no_guess
 
     def full():
-        return _exact_top(keys_of(all_values()), jnp.arange(d, dtype=jnp.int32), kk, kmax)
+        return _exact_top(keys_of(all_values()), jnp.arange(d, dtype=jnp.int32), kk, kmax)[0]
 
     plan = _sample_plan(d, kmax, margin)
     if plan is None:
-        return full(), jnp.int32(PATH_FULL)
+        return full(), jnp.int32(PATH_FULL), no_guess
     s, jmax, cap = plan
     sample = keys_of(gather(uniform_indices(key, s, d)))
     # Order-preserving map of the sampled keys to exactly representable floats
@@ -350,9 +462,12 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
     # A zero of the input's own type: constants built from it are device-varying inside
     # shard_map like the branches computed from ``values``, so the lax.cond branches agree.
     zero = jnp.zeros_like(count)
+    none = no_guess + zero
 
     def sampled():
-        return _exact_top(ck, pos, kk, kmax), jnp.int32(PATH_SAMPLED) + zero
+        idx, t = _exact_top(ck, pos, kk, kmax)
+        nxt = none if target is None else _next_guess(lo, t, count, kmax, target) + zero
+        return idx, jnp.int32(PATH_SAMPLED) + zero, nxt
 
     def ties():
         # One compaction of [keys > lo, keys == lo]: all n_gt <= C strict candidates, then the
@@ -362,17 +477,20 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
         tpos = jnp.where(tpos >= d, tpos - d, tpos)
         valid = jnp.arange(2 * cap, dtype=jnp.int32) < count
         tk = jnp.where(valid, keys_of(gather(tpos)), -1)
-        return _exact_top(tk, tpos, kk, kmax), jnp.int32(PATH_TIES) + zero
+        idx = _exact_top(tk, tpos, kk, kmax)[0]
+        # The winners come strict ones first, then ties: sort them into index order, as the other paths give.
+        first = jnp.arange(kmax, dtype=jnp.int32) < kk
+        idx = jnp.sort(jnp.where(first, idx, jnp.iinfo(jnp.int32).max))
+        return jnp.where(first, idx, 0), jnp.int32(PATH_TIES) + zero, none
 
     def exact():
-        return full() + zero, jnp.int32(PATH_FULL) + zero
+        return full() + zero, jnp.int32(PATH_FULL) + zero, none
 
     def not_sampled():
         n_gt = jnp.sum(keys_of(all_values()) > lo, dtype=jnp.int32)
         return lax.cond((count >= kk) & (n_gt <= cap), ties, exact)
 
-    idx, path = lax.cond((count >= kk) & (count <= cap), sampled, not_sampled)
-    return idx, path
+    return lax.cond((count >= kk) & (count <= cap), sampled, not_sampled)
 
 
 def materialize(a):
