@@ -193,11 +193,14 @@ def step_runner(comm, c, memory, shapes, fuse: bool, rank: int):
     return call
 
 
-def part_runners(c, memory, comm, loop, shapes, fuse: bool, rank: int) -> dict:
+def part_runners(c, memory, comm, loop, shapes, fuse: bool, rank: int) -> tuple[dict, dict]:
     """The step's parts for compressor ``c`` with ``memory``, each jitted alone on the same tree
-    (see the module docstring): ``{"compressor", "memory", "collective", "pack", "decode"}`` ->
-    zero-argument callables returning seconds. Every part's inputs are the previous part's
-    outputs, computed once here, so each reads the arrays the step would."""
+    (see the module docstring): ``(calls, arrays)``, ``calls`` mapping ``"compressor"``,
+    ``"memory"``, ``"collective"``, ``"pack"`` and ``"decode"`` to zero-argument callables
+    returning seconds, ``arrays`` the inputs they were given: ``"g"`` (this rank's gradient
+    leaves), ``"payloads"`` (per leaf; PowerSGD: ``(payload, messages)``), ``"received"`` (the
+    MPI collective's output) and ``"totals"`` (the decoded sums per leaf). Every part's inputs
+    are the previous part's outputs, computed once here, so each reads the arrays the step would."""
     import dataclasses
 
     import jax
@@ -276,13 +279,15 @@ def part_runners(c, memory, comm, loop, shapes, fuse: bool, rank: int) -> dict:
 
         return call
 
-    return {
+    calls = {
         "compressor": timed(compress, leaves, mem_leaves, cstates, state.key),
         "memory": timed(update, leaves, mem_leaves, payloads, totals),
         "collective": timed(coll_mpi, payloads),
         "pack": timed(coll_loop, payloads),
         "decode": timed(decode, payloads, received),
     }
+    arrays = {"payloads": payloads, "received": received, "totals": totals, "g": leaves}
+    return calls, arrays
 
 
 def worker(args) -> None:
@@ -462,7 +467,7 @@ def breakdown_worker(args, comm) -> None:
             calls = dict(dense)
             calls["step"] = step_runner(comm, c, memory, shapes, True, rank)
             calls["compute"] = step_runner(loop, c, memory, shapes, True, rank)
-            calls.update(part_runners(c, memory, comm, loop, shapes, True, rank))
+            calls.update(part_runners(c, memory, comm, loop, shapes, True, rank)[0])
             for f in calls.values():  # compile and warm up
                 _idle_barrier(world, 0.002)
                 f()
