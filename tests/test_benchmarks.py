@@ -258,6 +258,7 @@ def test_mpi_step_breakdown_parts_on_loopback(name):
     """The parts' programs on a 3-worker Loopback (no MPI): the decode sums n copies of this worker's
     payload for the all-gather strategy, the all-reduce's sum is this worker's own fields, and the
     rounds' payload decodes once; every part runs and returns a time."""
+    pytest.importorskip("mpi4jax")  # Loopback's copies are MPI calls on MPI_COMM_SELF
     bench = _load("fusion_mpi")
     step = _load("step_overhead")
     n, rank = 3, 1

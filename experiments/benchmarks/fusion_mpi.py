@@ -26,20 +26,20 @@ start it together and none busy-polls the shared cores meanwhile:
 * ``step`` / ``dense_step``: the step above with the compressor and with
   ``none()`` (dense all-reduce), over :class:`~jaxcomm.comm.MPIComm`.
 * ``compute`` / ``dense_compute``: the same two steps over :class:`Loopback`,
-  a communicator of the same size ``n`` whose collectives move nothing
-  (``all_gather`` repeats this worker's payload ``n`` times, ``sum`` is the
-  identity): the same compiled pipeline for ``n`` workers -- packing, the
-  decode of ``n`` payloads, PowerSGD's rounds -- minus the MPI calls. This is
-  the step's *compute*; ``step - compute`` is the time spent in, or waiting
-  on, the network.
+  a communicator of the same size ``n`` whose collectives are local copies
+  (MPI on ``MPI_COMM_SELF``; ``all_gather`` copies this worker's payload into
+  each of the ``n`` rows): the same compiled pipeline for ``n`` workers --
+  packing, the decode of ``n`` payloads, PowerSGD's rounds -- with no message
+  between processes. This is the step's *compute*; ``step - compute`` is the
+  time spent in, or waiting on, the network.
 * the parts, each jitted alone on the same tree and the same arrays:
   ``compressor`` (compensate + compress per leaf; PowerSGD: its rounds over
   :class:`Loopback`), ``memory`` (compensate again + the memory update from
   the compression error or the reconstruction), ``collective`` (this step's
   payload arrays through the same MPIComm collectives: the packed all-gather,
   the all-reduce of the summable fields, or one all-reduce per PowerSGD
-  message), ``pack`` (the same collective over :class:`Loopback`: packing and
-  unpacking alone, included in ``collective``) and ``decode`` (decompress and
+  message), ``pack`` (the same collective over :class:`Loopback`: packing,
+  unpacking and the local copies, all included in ``collective``) and ``decode`` (decompress and
   sum the ``n`` gathered payloads; PowerSGD: ``P Q^T`` once).
 
 Each time is the median over repeats of the slowest rank's time (a
@@ -112,18 +112,28 @@ def launch(args) -> int:
 
 
 class Loopback(Local):
-    """A communicator of ``size`` workers whose collectives move nothing: the compute of a step.
+    """A communicator of ``size`` workers whose collectives stay in this process: a step's compute.
 
-    ``index()`` is ``rank``; ``all_gather`` repeats this worker's value ``size``
-    times (shape ``(size, *s)``), ``sum``, ``broadcast``, ``permute`` and
-    ``all_to_all`` return their input, ``mean`` divides it by ``size``,
-    ``reduce_scatter`` keeps row 0. A transform built on it traces the same
-    pipeline as on an ``MPIComm`` of that size (the same packing, decode of
-    ``size`` payloads and rounds) without the MPI calls; its results are not a
-    mean over workers.
+    ``index()`` is ``rank``. ``sum`` is an ``MPI_Allreduce`` and ``all_gather``
+    ``size`` ``MPI_Allgather`` calls on ``MPI_COMM_SELF``, through an
+    :class:`~jaxcomm.comm.MPIComm` of that one process (``all_gather``: this
+    worker's value in every row of the ``(size, *s)`` result): each a local
+    copy into a fresh buffer, where a real collective's result lands, so the
+    compiled program has the same boundaries as over an ``MPIComm`` of that
+    size -- the same packing, the decode of ``size`` payloads held in distinct
+    buffers (rows that XLA could see are equal it would decode once), PowerSGD's
+    rounds -- and no message crosses between processes. ``mean`` divides the
+    sum by ``size``; ``broadcast``, ``permute`` and ``all_to_all`` return their
+    input and ``reduce_scatter`` keeps row 0 (no strategy measured here uses
+    them). Its results are not a mean over workers.
     """
 
     def __init__(self, size: int, rank: int = 0):
+        from mpi4py import MPI
+
+        from jaxcomm.comm import MPIComm
+
+        self._local = MPIComm(MPI.COMM_SELF)  # one process: its collectives are local copies
         self._size, self.rank = int(size), int(rank)
 
     def __repr__(self):
@@ -136,11 +146,15 @@ class Loopback(Local):
     def index(self):
         return jnp.asarray(self.rank, jnp.int32)
 
+    def sum(self, tree):
+        return self._local.sum(tree)
+
     def mean(self, tree):
-        return jax.tree.map(lambda a: (a / self._size).astype(a.dtype), tree)
+        return jax.tree.map(lambda a: (a / self._size).astype(a.dtype), self.sum(tree))
 
     def all_gather(self, tree):
-        return jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a)[None], (self._size, *jnp.shape(a))), tree)
+        rows = [self._local.all_gather(tree) for _ in range(self._size)]
+        return jax.tree.map(lambda *r: jnp.concatenate(r), *rows)
 
     def broadcast(self, tree, root: int = 0):
         return tree
