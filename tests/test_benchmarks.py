@@ -213,25 +213,26 @@ def test_fusion_mpi_benchmark_tiny(tmp_path):
 
 
 def test_mpi_step_breakdown_tiny(tmp_path):
-    """fusion_mpi.py --breakdown under mpirun -n 2 on the tiny tree: every program of the breakdown
-    timed on both ranks, the ratios computed from the saved medians, and --markdown's table."""
+    """fusion_mpi.py --breakdown under mpirun -n 2 on the tiny tree (none(): the fewest programs to
+    compile; the parts of the compressors run on a Loopback below): every program timed on both
+    ranks, the ratios computed from the saved medians, and --markdown's table."""
     bench = _load("fusion_mpi")
     out = tmp_path / "breakdown.json"
-    argv = ["--breakdown", "--procs", "2", "--trees", "tiny", "--compressors", "topk", "--repeats", "1"]
+    argv = ["--breakdown", "--procs", "2", "--trees", "tiny", "--compressors", "none", "--repeats", "2"]
     assert bench.main([*argv, "--out", str(out)]) == 0
     saved = json.loads(out.read_text())
     assert saved["meta"]["processes"] == 2 and saved["meta"]["complete"]
-    r = saved["trees"]["tiny"]["results"]["topk"]
-    assert r["memory"] == "residual" and r["strategy"] == "allgather"
+    r = saved["trees"]["tiny"]["results"]["none"]
+    assert r["memory"] == "none" and r["strategy"] == "allreduce"
     ms = r["ms"]
     assert set(ms) == set(bench.STEPS) | set(bench.PARTS) and all(v > 0 for v in ms.values())
-    assert all(len(v) == 1 for v in r["steps_ms"].values())
+    assert all(len(v) == 2 for v in r["steps_ms"].values())
     assert r["step_ratio"] == pytest.approx(ms["step"] / ms["dense_step"])
     assert r["compute_ratio"] == pytest.approx(ms["compute"] / ms["dense_compute"])
     added = (ms["compressor"] + ms["memory"] + ms["decode"]) / ms["dense_compute"]
     assert r["added_compute_ratio"] == pytest.approx(added)
     table = bench.markdown_table(saved)
-    assert table.count("\n") == 2 and "| tiny | topk | residual |" in table
+    assert table.count("\n") == 2 and "| tiny | none | none |" in table
 
 
 def test_mpi_step_breakdown_summary():
