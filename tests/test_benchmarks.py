@@ -257,6 +257,71 @@ def test_fusion_mpi_benchmark_tiny(tmp_path):
         bench.main(["--procs", "1"])
 
 
+def test_mpi_step_breakdown_tiny(tmp_path):
+    """fusion_mpi.py --breakdown under mpirun -n 2 on the tiny tree (none(): the fewest programs to
+    compile; the parts of the compressors run on a Loopback below): every program timed on both
+    ranks, the ratios computed from the saved medians, and --markdown's table."""
+    bench = _load("fusion_mpi")
+    out = tmp_path / "breakdown.json"
+    argv = ["--breakdown", "--procs", "2", "--trees", "tiny", "--compressors", "none", "--repeats", "2"]
+    assert bench.main([*argv, "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["processes"] == 2 and saved["meta"]["complete"]
+    r = saved["trees"]["tiny"]["results"]["none"]
+    assert r["memory"] == "none" and r["strategy"] == "allreduce"
+    ms = r["ms"]
+    assert set(ms) == set(bench.STEPS) | set(bench.PARTS) and all(v > 0 for v in ms.values())
+    assert all(len(v) == 2 for v in r["steps_ms"].values())
+    assert r["step_ratio"] == pytest.approx(ms["step"] / ms["dense_step"])
+    assert r["compute_ratio"] == pytest.approx(ms["compute"] / ms["dense_compute"])
+    added = (ms["compressor"] + ms["memory"] + ms["decode"]) / ms["dense_compute"]
+    assert r["added_compute_ratio"] == pytest.approx(added)
+    table = bench.markdown_table(saved)
+    assert table.count("\n") == 2 and "| tiny | none | none |" in table
+
+
+def test_mpi_step_breakdown_summary():
+    """The breakdown's medians are over repeats of the slowest rank's time (closed form)."""
+    bench = _load("fusion_mpi")
+    labels = (*bench.STEPS, *bench.PARTS)
+    # 2 ranks x 3 repeats; rank 1 is slower in repeat 0 only.
+    times = {
+        k: [[(i + 1) * t for t in (1.0, 2.0, 3.0)], [(i + 1) * t for t in (5.0, 1.0, 1.0)]]
+        for i, k in enumerate(labels)
+    }
+    r = bench.summarize(times)
+    for i, k in enumerate(labels):
+        assert r["ms"][k] == pytest.approx(1e3 * (i + 1) * 3.0)  # median of (5, 2, 3)
+        assert r["rank0_ms"][k] == pytest.approx(1e3 * (i + 1) * 2.0)
+        assert r["steps_ms"][k] == pytest.approx([1e3 * (i + 1) * t for t in (5.0, 2.0, 3.0)])
+    step, dense = labels.index("step") + 1, labels.index("dense_step") + 1
+    assert r["step_ratio"] == pytest.approx(step / dense) and r["step_ratio_paired"] == pytest.approx(step / dense)
+    assert r["network_ms"] == pytest.approx(r["ms"]["step"] - r["ms"]["compute"])
+
+
+@pytest.mark.parametrize("name", ["none", "topk", "powersgd"])
+def test_mpi_step_breakdown_parts_on_loopback(name):
+    """The parts' programs on a 3-worker Loopback (no MPI): the decode sums n copies of this worker's
+    payload for the all-gather strategy, the all-reduce's sum is this worker's own fields, and the
+    rounds' payload decodes once; every part runs and returns a time."""
+    pytest.importorskip("mpi4jax")  # Loopback's copies are MPI calls on MPI_COMM_SELF
+    bench = _load("fusion_mpi")
+    step = _load("step_overhead")
+    n, rank = 3, 1
+    loop = bench.Loopback(n, rank)
+    c, memory = step.make_compressor(name), step.memory_for(name, "grace")
+    calls, arrays = bench.part_runners(c, memory, loop, loop, step.TREES["tiny"](), True, rank)
+    assert set(calls) == set(bench.PARTS) and all(f() > 0 for f in calls.values())
+    for i, (p, total) in enumerate(zip(arrays["payloads"], arrays["totals"])):
+        if c.rounds is not None:  # (payload, messages): the rounds' sums are the identity here
+            assert jax.numpy.allclose(total, c.decompress(p[0]), rtol=1e-6, atol=1e-6)
+        elif c.strategy == "allgather":
+            assert all(v.shape[0] == n for v in jax.tree.leaves(arrays["received"][i]))
+            assert jax.numpy.allclose(total, n * c.decompress(p), rtol=1e-5, atol=1e-5)
+        else:  # none(): the summed fields are this worker's gradient
+            assert bool((total == arrays["g"][i]).all())
+
+
 @pytest.mark.mpi
 def test_scaling_benchmark_smoke(namespaces, tmp_path):
     """scaling.py --smoke on the emulated link (n = 2, 4): every case's bytes within the protocol's
