@@ -205,7 +205,8 @@ def check_key(key, name: str = "key") -> None:
 def check_same_tree(updates, reference, what: str, name: str = "updates") -> None:
     """Raise ``ValueError`` unless ``updates`` has ``reference``'s tree structure and leaf shapes
     (``reference``: a state tree built by ``init`` from the parameters, described by ``what``)."""
-    got, want = jax.tree_util.tree_structure(updates), jax.tree_util.tree_structure(reference)
+    got: Any = jax.tree_util.tree_structure(updates)
+    want: Any = jax.tree_util.tree_structure(reference)
     if got != want:
         raise ValueError(
             f"{name} has tree structure {got} but {what} was initialised for {want}; "
@@ -229,7 +230,8 @@ def check_state_matches(compressor, x, state, name: str = "state") -> None:
     if compressor.init_state is _no_state and not jax.tree_util.tree_leaves(state):
         return  # stateless: nothing shaped to compare
     want = jax.eval_shape(compressor.init_state, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)))
-    got_def, want_def = jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(want)
+    got_def: Any = jax.tree_util.tree_structure(state)
+    want_def: Any = jax.tree_util.tree_structure(want)
     got = [tuple(jnp.shape(a)) for a in jax.tree_util.tree_leaves(state)]
     expect = [tuple(a.shape) for a in jax.tree_util.tree_leaves(want)]
     if got_def != want_def or got != expect:

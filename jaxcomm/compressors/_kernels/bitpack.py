@@ -19,6 +19,8 @@ distinct wire formats (each pinned by its compressors' payloads), so both stay.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,7 +116,8 @@ def pack_reduce(mask, values=(), ops=()) -> tuple[Array, tuple[Array, ...]]:
         raise ValueError(f"ops must name one of {tuple(_REDUCE)} per value; got {ops!r}")
     n = mask.shape[0]
     rows = n // 32
-    words, partials = [], [[] for _ in values]
+    words: list = []
+    partials: list[list] = [[] for _ in values]
     if rows:
         body = n - n % 32
         bits = mask[:body].reshape(rows, 32).astype(jnp.uint32) << jnp.asarray(np.arange(32, dtype=np.uint32))
@@ -134,7 +137,8 @@ def pack_reduce(mask, values=(), ops=()) -> tuple[Array, tuple[Array, ...]]:
     reductions = []
     for p, op in zip(partials, ops):
         flat = jnp.concatenate(p) if len(p) > 1 else p[0] if p else jnp.zeros((0,), jnp.float32)
-        reductions.append(_REDUCE[op][2](flat) if flat.shape[0] else jnp.float32(_REDUCE[op][1]))
+        reduce_all: Any = _REDUCE[op][2]
+        reductions.append(reduce_all(flat) if flat.shape[0] else jnp.float32(_REDUCE[op][1]))
     return b[: packed_size(n, 1)], tuple(reductions)
 
 
