@@ -257,6 +257,22 @@ def test_fusion_mpi_benchmark_tiny(tmp_path):
         bench.main(["--procs", "1"])
 
 
+def test_watchdog_mpi_benchmark_tiny(tmp_path):
+    """watchdog_mpi.py under mpirun -n 2 on the tiny tree: the three variants timed, paired ratios
+    formed from the per-round times, rank 0's JSON."""
+    bench = _load("watchdog_mpi")
+    out = tmp_path / "watchdog.json"
+    argv = ["--procs", "2", "--trees", "tiny", "--steps", "2", "--repeats", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    r = json.loads(out.read_text())["trees"]["tiny"]
+    times = {v: np.asarray(r["step_ms"][v]) for v in ("async", "sync", "watched")}
+    assert all(t.shape == (2,) and (t > 0).all() for t in times.values())
+    assert r["watched_ms"] == pytest.approx(float(np.median(times["watched"])))
+    assert r["watched_over_sync_paired"] == pytest.approx(float(np.median(times["watched"] / times["sync"])))
+    with pytest.raises(SystemExit):
+        bench.main(["--procs", "1"])
+
+
 def test_mpi_step_breakdown_tiny(tmp_path):
     """fusion_mpi.py --breakdown under mpirun -n 2 on the tiny tree (none(): the fewest programs to
     compile; the parts of the compressors run on a Loopback below): every program timed on both

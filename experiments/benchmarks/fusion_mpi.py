@@ -80,37 +80,29 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def launch(args) -> int:
-    """Parent: run this script under mpirun with ``--worker``."""
+def run_worker(script: Path, procs: int, worker_argv: list[str]) -> int:
+    """Run ``script --worker *worker_argv`` under ``mpirun -n procs`` from the repository root; its exit code.
+
+    A ``PYTHONPATH`` given by the caller comes first (to time another checkout's
+    jaxcomm with this tree's scripts), then this repository.
+    """
     from jaxcomm.comm import mpirun_env, mpirun_path
 
     mpirun = mpirun_path()
     if mpirun is None:
         raise SystemExit("mpirun not found: install the project's 'mpi' extra (pip install -e .[mpi])")
     env = mpirun_env()
-    # A PYTHONPATH given by the caller comes first (to time another checkout's jaxcomm with this script).
     env["PYTHONPATH"] = os.pathsep.join([p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p])
-    cmd = [
-        mpirun,
-        "-n",
-        str(args.procs),
-        "--oversubscribe",
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker",
-        "--trees",
-        args.trees,
-        "--compressors",
-        args.compressors,
-        "--repeats",
-        str(args.repeats),
-        "--memory",
-        args.memory,
-        "--out",
-        str(Path(args.out).resolve()),
-    ]
-    cmd += ["--breakdown"] if args.breakdown else []
-    return subprocess.run(cmd, env=env, cwd=ROOT).returncode
+    cmd = [mpirun, "-n", str(procs), "--oversubscribe", sys.executable, str(Path(script).resolve())]
+    return subprocess.run([*cmd, "--worker", *worker_argv], env=env, cwd=ROOT).returncode
+
+
+def launch(args) -> int:
+    """Parent: run this script under mpirun with ``--worker``."""
+    argv = ["--trees", args.trees, "--compressors", args.compressors, "--repeats", str(args.repeats)]
+    argv += ["--memory", args.memory, "--out", str(Path(args.out).resolve())]
+    argv += ["--breakdown"] if args.breakdown else []
+    return run_worker(Path(__file__), args.procs, argv)
 
 
 class Loopback(Local):

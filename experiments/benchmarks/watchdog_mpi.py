@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,19 +40,14 @@ ROOT = HERE.parents[1]
 
 
 def launch(args) -> int:
-    """Parent: run this script under mpirun with ``--worker``."""
-    from jaxcomm.comm import mpirun_env, mpirun_path
+    """Parent: run this script under mpirun with ``--worker`` (fusion_mpi's launcher)."""
+    sys.path.insert(0, str(HERE))
+    from fusion_mpi import run_worker
 
-    mpirun = mpirun_path()
-    if mpirun is None:
-        raise SystemExit("mpirun not found: install the project's 'mpi' extra (pip install -e .[mpi])")
-    env = mpirun_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [mpirun, "-n", str(args.procs), "--oversubscribe", sys.executable, str(Path(__file__).resolve())]
-    cmd += ["--worker", *args.argv]
-    if "--out" not in args.argv:
-        cmd += ["--out", str(Path(args.out).resolve())]
-    return subprocess.run(cmd, env=env, cwd=ROOT).returncode
+    argv = list(args.argv)
+    if "--out" not in argv:
+        argv += ["--out", str(Path(args.out).resolve())]
+    return run_worker(Path(__file__), args.procs, argv)
 
 
 def worker(args) -> None:
