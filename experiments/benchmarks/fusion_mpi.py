@@ -80,6 +80,22 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
+def run_meta(benchmark: str, args, size: int) -> dict:
+    """The JSON's run description shared by both modes: processes, machine, versions, command, memory."""
+    return {
+        "benchmark": benchmark,
+        "processes": size,
+        "devices_per_process": jax.local_device_count(),
+        "host_cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "repeats": args.repeats,
+        "load_average_at_start": list(os.getloadavg()),
+        "command": "python experiments/benchmarks/fusion_mpi.py " + " ".join(args.argv),
+        "memory": MEMORY_NOTE[args.memory],
+    }
+
+
 def run_worker(script: Path, procs: int, worker_argv: list[str]) -> int:
     """Run ``script --worker *worker_argv`` under ``mpirun -n procs`` from the repository root; its exit code.
 
@@ -303,7 +319,6 @@ def worker(args) -> None:
     # One CPU device per process (mpirun_env removed XLA_FLAGS): keep step_overhead's
     # import from asking for 8 simulated devices.
     os.environ.setdefault("XLA_FLAGS", "")
-    import jax
     import numpy as np
 
     sys.path.insert(0, str(HERE))
@@ -321,18 +336,7 @@ def worker(args) -> None:
         return step_runner(comm, c, memory_for(c.name, args.memory), shapes, fuse, rank)
 
     out = {
-        "meta": {
-            "benchmark": "fusion_mpi",
-            "processes": size,
-            "devices_per_process": jax.local_device_count(),
-            "host_cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "jax": jax.__version__,
-            "repeats": args.repeats,
-            "load_average_at_start": list(os.getloadavg()),
-            "command": "python experiments/benchmarks/fusion_mpi.py " + " ".join(args.argv),
-            "memory": MEMORY_NOTE[args.memory],
-        },
+        "meta": run_meta("fusion_mpi", args, size),
         "trees": {},
     }
     for tree in [t for t in args.trees.split(",") if t]:
@@ -423,7 +427,6 @@ def summarize(times: dict) -> dict:
 
 def breakdown_worker(args, comm) -> None:
     """``--breakdown``: the steps over MPI and over :class:`Loopback` and their parts, interleaved."""
-    import jax
     import numpy as np
     from step_overhead import TARGET_RATIO, TREES, make_compressor, memory_for
 
@@ -435,16 +438,7 @@ def breakdown_worker(args, comm) -> None:
     names = [c for c in args.compressors.split(",") if c]
     out = {
         "meta": {
-            "benchmark": "step_mpi_breakdown",
-            "processes": size,
-            "devices_per_process": jax.local_device_count(),
-            "host_cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "jax": jax.__version__,
-            "repeats": args.repeats,
-            "load_average_at_start": list(os.getloadavg()),
-            "command": "python experiments/benchmarks/fusion_mpi.py " + " ".join(args.argv),
-            "memory": MEMORY_NOTE[args.memory],
+            **run_meta("step_mpi_breakdown", args, size),
             "jaxcomm": str(Path(jc.__file__).resolve().parent),
             "fuse": True,
             "step": "g = a * x; compressed_mean(c, comm, memory) over the processes; x -= 0.01 * mean",
