@@ -46,6 +46,7 @@ _REEXPORTS = {
     "gradient_dropping": "transforms",
     "periodic_average": "transforms",
     "wire_bits": "compressors",
+    "BitCount": "compressors",
 }
 
 if TYPE_CHECKING:  # static tools (type checkers, the API docs) see plain imports
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # static tools (type checkers, the API docs) see plain import
     from . import topology as topology
     from . import train as train
     from . import transforms as transforms
+    from .compressors import BitCount as BitCount
     from .compressors import wire_bits as wire_bits
     from .transforms import compressed_mean as compressed_mean
     from .transforms import doublesqueeze as doublesqueeze

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .compressors import Compressor, wire_bits
+from .compressors import BitCount, Compressor, wire_bits
 
 __all__ = [
     "SHAPES",
@@ -155,12 +155,16 @@ def check_optax(c: Compressor) -> None:
 
 
 def check_wire_bits(c: Compressor) -> None:
-    """``wire_bits`` is a non-negative integer, positive for a non-zero tensor, at most 64 bits/entry + 1 KiB."""
+    """``wire_bits`` is an ``int`` or a scalar :class:`~jaxcomm.BitCount` (or an integer array), positive for a
+    non-zero tensor, at most 64 bits/entry + 1 KiB."""
     for shape in ((7,), (33, 17)):
         x = _sample(shape)
         payload, _ = c.compress(x, jax.random.PRNGKey(0))
         bits = wire_bits(payload)
-        if isinstance(bits, jax.Array):
+        if isinstance(bits, BitCount):
+            assert bits.shape == (), f"{c.name}: wire_bits has shape {bits.shape}, not a scalar count"
+            bits = int(bits)
+        elif isinstance(bits, jax.Array):
             assert jnp.issubdtype(bits.dtype, jnp.integer), f"{c.name}: wire_bits dtype {bits.dtype}"
             bits = int(bits)
         assert isinstance(bits, int), f"{c.name}: wire_bits returned {type(bits)}"

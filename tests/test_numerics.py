@@ -358,7 +358,7 @@ _X64_SCRIPT = textwrap.dedent(
                 y = c.decompress(payload)
                 stacked = jax.tree.map(lambda a: jnp.stack([a, a]), payload)
                 total = c.decompress_sum(stacked, y.dtype) if c.decompress_sum else y + y
-                return y, c.error(x, payload), total, jnp.asarray(jc.compressors.wire_bits(payload))
+                return y, c.error(x, payload), total, jc.BitCount.of(jc.compressors.wire_bits(payload))
 
             for dt in ("float32", "float64"):
                 x = jnp.asarray(x32.astype(dt))

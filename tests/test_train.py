@@ -345,18 +345,20 @@ def test_messages_count_the_arrays_handed_to_collectives():
 
 
 def test_wire_bit_counters_are_kept_per_tensor_and_summed_exactly():
-    # Two transforms' counters near int32's limit: a float32 sum would round, an int32 one would wrap.
+    # Two transforms' counters past int32's limit (one a user's plain int32 counts): a float32 sum
+    # would round, an int32 one would wrap.
     from jaxcomm.train import collect_counter
 
-    big = np.int32(2**31 - 1)
+    big, huge = 2**31 - 1, 5 * 2**33 + 7
     state = (
         jc.transforms.PeriodicAverageState(count=jnp.int32(1), wire_bits=jnp.array([big, 3]), messages=jnp.int32(1)),
-        {"inner": jc.transforms.PeriodicAverageState(jnp.int32(1), jnp.array([big]), jnp.int32(2))},
+        {"inner": jc.transforms.PeriodicAverageState(jnp.int32(1), jc.BitCount.stack([huge]), jnp.int32(2))},
     )
     counts = collect_counter(state)
-    assert counts.dtype == jnp.int32 and counts.tolist() == [big, 3, big]
-    assert int(np.asarray(counts, np.int64).sum()) == 2 * (2**31 - 1) + 3
-    assert int(collect_counter(state, "messages").sum()) == 3
+    assert isinstance(counts, jc.BitCount) and np.asarray(counts).tolist() == [big, 3, huge]
+    assert int(counts.sum()) == int(jax.jit(lambda c: c.sum())(counts)) == big + 3 + huge
+    messages = collect_counter(state, "messages")
+    assert messages.dtype == jnp.int32 and int(messages.sum()) == 3
     assert collect_counter({}).shape == (0,)
 
 

@@ -11,6 +11,7 @@ Payload types (what is sent) are in :mod:`jaxcomm.compressors.payloads`.
 [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 6.0, 7.0]
 """
 
+from .._bitcount import BitCount
 from . import payloads
 from ._base import DETERMINISTIC, Compressor, CompressorState, make, names, register, wire_bits
 from ._basic import bf16, fp16, none
@@ -31,6 +32,7 @@ from ._threshold import dgc, threshold
 from ._topk import topk
 
 __all__ = [
+    "BitCount",
     # the contract and the registry
     "Compressor",
     "CompressorState",

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from typing_extensions import dataclass_transform
 
+from .._bitcount import BitCount
 from .._keys import step_keys
 
 Array = jax.Array
@@ -136,19 +137,20 @@ class DensePayload(Payload):
     summable: ClassVar[tuple[str, ...]] = ("data",)
 
 
-def wire_bits(payload) -> int | Array:
+def wire_bits(payload) -> int | BitCount:
     """Exact number of bits a payload (or a pytree of payloads) puts on the wire.
 
     Packed sign/ternary codes count their packed bytes, indices their integer
     width, scalars 32 bits. Static metadata (shape, dtype) is not counted: both
     ends know the model. For fixed-size payloads the result is a Python ``int``;
     for count-based payloads (threshold methods with a fixed-capacity buffer) it
-    is a traced ``int32`` scalar computed from the count, exact below 2**31 bits.
+    is a scalar :class:`~jaxcomm.BitCount` computed from the count (two uint32
+    words, exact below ``2**64`` bits; ``int(bits)`` reads it on the host).
 
     Args:
       payload: a :class:`Payload`, or any pytree containing payloads.
     Returns:
-      bits: ``int`` or scalar ``jax.Array`` (int32).
+      bits: ``int`` or a scalar :class:`~jaxcomm.BitCount`.
     """
     if isinstance(payload, Payload):
         return payload.wire_bits()

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._bitcount import BitCount
 from ._base import Compressor, Payload, check_positive_int, check_ratio, payload_dataclass, register, static_field
 from ._kernels.bitpack import pack, unpack
 from ._kernels.scatter import scatter, scatter_count, subtract_sparse, sum_scatter
@@ -59,7 +60,7 @@ class AdaptivePayload(Payload):
 
     def wire_bits(self):
         ib = jnp.dtype(self.indices.dtype).itemsize * 8
-        return (self.counts[0] + self.counts[1]).astype(jnp.int32) * ib + 128
+        return BitCount.product(self.counts[0] + self.counts[1], ib) + 128
 
 
 def adaptive_counts(x, ratio: float):

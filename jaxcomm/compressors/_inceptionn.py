@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from .._bitcount import BitCount
 from ._base import Compressor, Payload, check_finite_scalar, payload_dataclass, register, static_field
 from ._kernels.bitpack import pack, unpack
 from ._kernels.select import class_ranks
@@ -55,10 +56,12 @@ class InceptionnPayload(Payload):
         """``(n8, n16, n32)`` as int32 ``(3,)``."""
         return jnp.stack([self.n8, self.n16, self.n32]).astype(jnp.int32)
 
-    def wire_bits(self) -> Array:
-        """``8 ceil(d/4) + 8 n8 + 16 n16 + 32 n32`` (traced int32; the counts are implied by the tags)."""
+    def wire_bits(self) -> BitCount:
+        """``8 ceil(d/4) + 8 n8 + 16 n16 + 32 n32`` (a traced :class:`~jaxcomm.BitCount`; the counts are
+        implied by the tags)."""
         n = self.class_counts()
-        return jnp.int32(8 * packed_size(size_of(self.shape), 2)) + 8 * n[0] + 16 * n[1] + 32 * n[2]
+        tags = 8 * packed_size(size_of(self.shape), 2)
+        return BitCount.product(n[0], 8) + BitCount.product(n[1], 16) + BitCount.product(n[2], 32) + tags
 
 
 @register("inceptionn")

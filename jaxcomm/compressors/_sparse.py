@@ -23,7 +23,7 @@ XLA:CPU flushes subnormal sums to 0.
 
 Count-based methods (threshold, dgc, random sparsification) return a
 fixed-capacity buffer plus a count, so shapes stay static under ``jit``; their
-``wire_bits`` is a traced ``int32`` computed from the count.
+``wire_bits`` is a traced :class:`~jaxcomm.BitCount` computed from the count.
 
 Modules: :mod:`._topk`, :mod:`._randomk`, :mod:`._threshold` (Threshold-v and
 DGC) and :mod:`._random_sparsification`; the selection and compaction they
@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._bitcount import BitCount
 from ._base import Payload, payload_dataclass, static_field
 from ._kernels.bitpack import bytes_to_words, unpack
 from ._kernels.scatter import scatter, scatter_count, scatters_whole_buffer, subtract_sparse, sum_scatter
@@ -100,7 +101,7 @@ class CountSparsePayload(Payload):
 
     def wire_bits(self):
         per = bits_of(self.values.dtype) + bits_of(self.indices.dtype)
-        return self.count.astype(jnp.int32) * per + 32
+        return BitCount.product(self.count, per) + 32
 
 
 @payload_dataclass
@@ -130,7 +131,7 @@ class MaskSparsePayload(Payload):
     counted: ClassVar[tuple[tuple[str, str], ...]] = (("values", "count"),)
 
     def wire_bits(self):
-        return self.mask.shape[0] * 8 + self.count.astype(jnp.int32) * bits_of(self.values.dtype)
+        return BitCount.product(self.count, bits_of(self.values.dtype)) + self.mask.shape[0] * 8
 
 
 def _decompress_sparse(p: SparsePayload):

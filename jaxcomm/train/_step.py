@@ -20,6 +20,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .._bitcount import BitCount
 from ..comm import MeshAxis, use
 from ..transforms._accumulate import warn_multisteps
 
@@ -61,24 +62,25 @@ def init_train_state(params, model_state, tx: optax.GradientTransformation, key)
     )
 
 
-def collect_counter(opt_state, field: str = "wire_bits") -> jax.Array:
-    """Every ``field`` attribute of NamedTuple states inside ``opt_state``, as one int32 vector.
+def collect_counter(opt_state, field: str = "wire_bits") -> jax.Array | BitCount:
+    """Every ``field`` attribute of NamedTuple states inside ``opt_state``, as one vector.
 
     Communicating transforms record what they sent in the step in a state field
-    named ``wire_bits`` (bits sent by this worker, one int32 count per tensor) and
-    ``messages``. The counts are concatenated, not summed: a float32 sum is inexact
-    past 2**24 bits and an int32 one wraps past 2**31, so the host sums them in
-    int64 (the trainer does). Empty (shape ``(0,)``) when no transform records ``field``.
+    named ``wire_bits`` (bits sent by this worker per tensor, a
+    :class:`~jaxcomm.BitCount`) and ``messages`` (int32). The counts are
+    concatenated, not summed, and the host reads them exactly
+    (``np.asarray(counts)``, int64; the trainer does). ``wire_bits`` comes back as a
+    ``BitCount`` (also when a user's transform records plain integer counts), any
+    other field as an int32 vector. Empty (shape ``(0,)``) when no transform records ``field``.
     """
 
     def has(n):
         return hasattr(n, "_fields") and field in n._fields
 
-    parts = [
-        jnp.ravel(jnp.asarray(getattr(node, field))).astype(jnp.int32)
-        for node in jax.tree.leaves(opt_state, is_leaf=has)
-        if has(node)
-    ]
+    values = [getattr(node, field) for node in jax.tree.leaves(opt_state, is_leaf=has) if has(node)]
+    if field == "wire_bits" or any(isinstance(v, BitCount) for v in values):
+        return BitCount.concatenate([BitCount.of(v).reshape(-1) for v in values]) if values else BitCount.zeros((0,))
+    parts = [jnp.ravel(jnp.asarray(v)).astype(jnp.int32) for v in values]
     return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)
 
 
@@ -136,7 +138,7 @@ def make_train_step(
 
     Returns:
       The jitted step. Metrics come back per worker (leading axis on a mesh):
-      ``loss``, ``wire_bits`` (int32 per-tensor counts, :func:`collect_counter`;
+      ``loss``, ``wire_bits`` (per-tensor :class:`~jaxcomm.BitCount` counts, :func:`collect_counter`;
       with ``comm``, every worker's, gathered), ``messages`` and the loss
       function's own.
     """
@@ -152,7 +154,7 @@ def make_train_step(
                 # One small allreduce so every process reports the workers' mean
                 # (and the total of ``messages``), as the mesh backend's host side does.
                 size = comm.size
-                bits = comm.all_gather(metrics.pop("wire_bits"))  # int32 [workers, tensors], exact
+                bits = comm.all_gather(metrics.pop("wire_bits"))  # BitCount [workers, tensors], exact
                 totals = comm.sum({k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()})
                 metrics = {k: (v if k == "messages" else v / size) for k, v in totals.items()}
                 metrics["wire_bits"] = bits

@@ -277,7 +277,7 @@ class Trainer:
                 elapsed = time.perf_counter() - t0
                 row = {"step": step + 1, "step_time": elapsed}
                 for k, v in metrics.items():
-                    if k == "wire_bits":  # int32 per-tensor counts [workers, tensors]: exact int64 sums per worker
+                    if k == "wire_bits":  # BitCount per tensor [workers, tensors]: exact int64 sums per worker
                         v = np.asarray(v, np.int64)
                         row[k] = float(v.reshape(-1, v.shape[-1]).sum(axis=-1).mean()) if v.size else 0.0
                         continue

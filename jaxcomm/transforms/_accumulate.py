@@ -52,7 +52,9 @@ def zero_counters(state):
     def zero(node):
         if not _has_counters(node):
             return node
-        return node._replace(**{f: jnp.zeros_like(getattr(node, f)) for f in COUNTERS if f in node._fields})
+        return node._replace(
+            **{f: jax.tree.map(jnp.zeros_like, getattr(node, f)) for f in COUNTERS if f in node._fields}
+        )
 
     return jax.tree.map(zero, state, is_leaf=_has_counters)
 

@@ -13,6 +13,7 @@ import optax
 
 from .. import compressors as compressors_lib
 from .. import memory as memory_lib
+from .._bitcount import BitCount
 from .._vma import typed_cond
 from ..comm import resolve
 from ..compressors._base import Compressor
@@ -185,7 +186,7 @@ def compressed_mean(
             )
         bits = new_state.wire_bits
         if chosen == "reduce_scatter" and ex.owner_bits:  # the chunks sent, then the averaged chunk
-            bits = bits + jnp.stack(ex.owner_bits)
+            bits = bits + BitCount.stack(ex.owner_bits)
         outs = [(m if scale == 1.0 else m * scale).astype(g.dtype) for m, g in zip(ex.means, leaves)]
         return treedef.unflatten(outs), new_state._replace(wire_bits=bits)
 

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import optax
 
 from .. import memory as memory_lib
+from .._bitcount import BitCount
 from .._keys import step_keys
 from ..comm import resolve
 from ..compressors._base import Compressor
@@ -199,7 +200,7 @@ def doublesqueeze(
             for m, g in zip(sx.means, s_leaves)
         ]
         server_state = server_state._replace(
-            wire_bits=jnp.zeros_like(server_state.wire_bits), messages=jnp.zeros((), jnp.int32)
+            wire_bits=BitCount.zeros(server_state.wire_bits.shape), messages=jnp.zeros((), jnp.int32)
         )
         return treedef.unflatten(outs), DoubleSqueezeState(worker_state, server_state)
 
@@ -226,7 +227,7 @@ def doublesqueeze(
             key=s_key,
             memory=treedef.unflatten(ex.owner_memory),
             compressor_states=state.server.compressor_states,
-            wire_bits=jnp.stack(ex.owner_bits) if ex.owner_bits else jnp.zeros((0,), jnp.int32),
+            wire_bits=BitCount.stack(ex.owner_bits) if ex.owner_bits else BitCount.zeros((0,)),
             messages=jnp.zeros((), jnp.int32),
         )
         return treedef.unflatten(outs), DoubleSqueezeState(worker_state, server_state)

@@ -49,6 +49,7 @@ import numpy as np
 import optax
 
 from .. import memory as memory_lib
+from .._bitcount import BitCount
 from .._vma import cast_varying, typed_cond, varying_axes
 from ..comm import resolve
 from ..compressors import index_dtype, topk
@@ -443,14 +444,14 @@ class PeriodicAverageState(NamedTuple):
 
     Attributes:
       count: int32 scalar, steps taken (identical on every worker).
-      wire_bits: ``int32[num_leaves]``, bits this worker contributed per
-        parameter leaf in the last step (the leaf's size on a synchronisation
-        step, else 0).
+      wire_bits: :class:`~jaxcomm.BitCount` of shape ``(num_leaves,)``, bits this
+        worker contributed per parameter leaf in the last step (the leaf's size on
+        a synchronisation step, else 0).
       messages: int32 scalar, collectives in the last step (1 or 0).
     """
 
     count: jax.Array  # type: ignore[assignment]  # optax's name for the step count; shadows tuple.count
-    wire_bits: jax.Array
+    wire_bits: BitCount
     messages: jax.Array
 
 
@@ -498,7 +499,7 @@ def periodic_average(
     def init(params):
         return PeriodicAverageState(
             count=jnp.zeros((), jnp.int32),
-            wire_bits=jnp.zeros((len(jax.tree.leaves(params)),), jnp.int32),
+            wire_bits=BitCount.zeros((len(jax.tree.leaves(params)),)),
             messages=jnp.zeros((), jnp.int32),
         )
 
@@ -523,10 +524,10 @@ def periodic_average(
 
         updates = jax.lax.cond(sync, average, keep, updates)
         sizes = [count_bits(int(np.size(p)) * jnp.dtype(p.dtype).itemsize * 8) for p in jax.tree.leaves(params)]
-        leaf_bits = jnp.stack(sizes) if sizes else jnp.zeros((0,), jnp.int32)
+        leaf_bits = BitCount.stack(sizes) if sizes else BitCount.zeros((0,))
         return updates, PeriodicAverageState(
             count=count,
-            wire_bits=jnp.where(sync, leaf_bits, 0),
+            wire_bits=jax.tree.map(lambda w: jnp.where(sync, w, jnp.zeros_like(w)), leaf_bits),
             messages=sync.astype(jnp.int32),
         )
 

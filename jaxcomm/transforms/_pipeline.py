@@ -36,10 +36,12 @@ with count-prefixed fields (``Payload.counted``: threshold, DGC, adaptive,
 INCEPTIONN, random sparsification) what :func:`~jaxcomm.comm.all_gather_counted`
 sent for it -- its valid rows, its other arrays, its int32 counts, and, for the
 first payload of a fused group, the group's bucket padding -- so that
-``state.wire_bits.sum()`` is the bytes of the step's collectives times 8;
+``int(state.wire_bits.sum())`` is the bytes of the step's collectives times 8;
 ``"broadcast"`` and ``"reduce_scatter"`` send payloads whole, capacity buffers
 included, and count them whole. With one worker nothing is sent, and
 ``wire_bits`` is the payload's own format count (:func:`~jaxcomm.compressors.wire_bits`).
+The counts are :class:`~jaxcomm.BitCount` values (two uint32 words each): exact up to
+``2**64`` bits, whatever the tensor's size.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import memory as memory_lib
+from .._bitcount import BitCount
 from .._keys import step_keys
 from .._vma import varying_axes
 from ..comm import (
@@ -61,6 +64,7 @@ from ..comm import (
     PERMUTE,
     SUM,
     Local,
+    _packing,
     all_gather_counted,
     all_gather_packed,
     has_counted_fields,
@@ -82,7 +86,6 @@ FUSE_MAX_BYTES = 1 << 20
 """With ``fuse=True``, payloads of at most this many bytes (per worker) share one all-gather;
 a larger payload is gathered on its own (Horovod's fusion threshold)."""
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
 _UNROLL_MAX = 16
 """Up to this many workers, gathered payloads are decompressed in one unrolled sum (XLA fuses
 elementwise decoders into one pass); beyond it, a ``lax.scan`` keeps the program small."""
@@ -101,10 +104,11 @@ class CompressionState(NamedTuple):
         per-array memory states (:class:`~jaxcomm.memory.Memory`).
       compressor_states: tuple, the compressor's state per compressed tensor
         (per leaf, or per group where leaves are compressed together).
-      wire_bits: ``int32[num_tensors]``: exact bits this worker put on the wire
-        per compressed tensor at the last step (the arrays handed to the
-        collectives; see the module docstring for count-prefixed payloads).
-        ``int(state.wire_bits.sum())`` is the step's volume per worker.
+      wire_bits: :class:`~jaxcomm.BitCount` of shape ``(num_tensors,)``: exact bits
+        this worker put on the wire per compressed tensor at the last step (the
+        arrays handed to the collectives; see the module docstring for
+        count-prefixed payloads). ``int(state.wire_bits.sum())`` is the step's
+        volume per worker, ``np.asarray(state.wire_bits)`` the int64 counts per tensor.
       messages: int32 scalar, arrays this worker handed to collectives at the
         last step (one per MPI call on the MPI backend).
     """
@@ -113,7 +117,7 @@ class CompressionState(NamedTuple):
     key: jax.Array
     memory: Any
     compressor_states: tuple
-    wire_bits: jax.Array
+    wire_bits: BitCount
     messages: jax.Array
 
 
@@ -243,15 +247,9 @@ def check_per_worker(comm, leaves) -> None:
             )
 
 
-def count_bits(bits):
-    """A bit count as an int32 scalar (exact; ``ValueError`` past ``2**31 - 1`` for a static count)."""
-    if isinstance(bits, (int, np.integer)):
-        if bits > _INT32_MAX:
-            raise ValueError(
-                f"a single tensor's payload has {bits} bits, beyond the int32 wire-bit counter; split the tensor"
-            )
-        return jnp.asarray(bits, jnp.int32)
-    return jnp.asarray(bits).astype(jnp.int32)
+def count_bits(bits) -> BitCount:
+    """A bit count (a Python int, an integer array or a :class:`~jaxcomm.BitCount`) as a scalar ``BitCount``."""
+    return BitCount.of(bits)
 
 
 def accumulator(dtype):
@@ -310,7 +308,7 @@ def init_state(
         key=jax.random.PRNGKey(compressor.seed) if key is None else key,
         memory=jax.tree_util.tree_unflatten(treedef, [memory.init(x) for x in leaves]),
         compressor_states=tuple(compressor.init_state(group_vector(leaves, g)) for g in groups),
-        wire_bits=jnp.zeros((len(groups),), jnp.int32),
+        wire_bits=BitCount.zeros((len(groups),)),
         messages=jnp.zeros((), jnp.int32),
     )
 
@@ -352,8 +350,8 @@ class Exchanged(NamedTuple):
         recovered from the error hook (``None`` otherwise).
       errors: ``φ_i − Q⁻¹(p_i)`` per tensor where the memory keeps the
         error (``memory.from_error``); ``None`` entries otherwise.
-      bits: int32 scalars, bits this worker sent per tensor.
-      owner_bits: int32 scalars, bits of the owners' averaged chunks
+      bits: scalar :class:`~jaxcomm.BitCount` values, bits this worker sent per tensor.
+      owner_bits: scalar ``BitCount`` values, bits of the owners' averaged chunks
         (``"reduce_scatter"``; zeros otherwise).
       owner_memory: new owner memories (``"reduce_scatter"`` with an owner memory).
       messages: arrays handed to collectives (Python int).
@@ -479,11 +477,16 @@ def _gather_payloads(comm, payloads: list, fuse: bool) -> tuple[list, list, int]
     rows in the smallest bucket that holds every worker's): with ``fuse`` those of at most
     :data:`FUSE_MAX_BYTES` of capacity share one, each other one has its own. Their bits are
     what that gather sent for them, the group's bucket padding charged to its first payload
-    (the lowest tensor index), so the bits sum to the collectives' bytes times 8.
+    (the lowest tensor index), so the bits sum to the collectives' bytes times 8. A counted
+    payload of more than ``2**31 - 1`` bytes (beyond the int32 offsets of that gather) is
+    gathered whole, leaf by leaf, and counted whole.
     """
     sizes = [sum(map(_array_bits, jax.tree.leaves(p))) for p in payloads]
     bits: list[Any] = [count_bits(b) for b in sizes]
-    counted = [i for i, p in enumerate(payloads) if has_counted_fields(p)]
+    # A buffer past int32 byte offsets cannot go through the variable-length gather: whole, leaf by leaf.
+    counted = [
+        i for i, p in enumerate(payloads) if has_counted_fields(p) and sizes[i] <= 8 * _packing._MAX_BUFFER_BYTES
+    ]
     small = [i for i, b in enumerate(sizes) if fuse and b <= 8 * FUSE_MAX_BYTES]
     small_fixed = [i for i in small if i not in counted]
     small_counted = [i for i in small if i in counted]
@@ -494,7 +497,7 @@ def _gather_payloads(comm, payloads: list, fuse: bool) -> tuple[list, list, int]
         res = all_gather_counted(comm, [payloads[i] for i in group])
         messages += res.messages
         for i, gathered, sent in zip(group, res.items, res.sent_bytes):
-            out[i], bits[i] = gathered, count_bits(8 * sent)
+            out[i], bits[i] = gathered, BitCount.product(sent, 8)
     for i, p in enumerate(payloads):
         if i not in out:
             out[i] = comm.all_gather(p)
@@ -653,7 +656,7 @@ def exchange(
             own.append(c.decompress(payload))
             errors.append(None)
     means = [t / n for t in totals]
-    zeros = [jnp.zeros((), jnp.int32)] * len(phis)
+    zeros = [BitCount.zeros()] * len(phis)
     return Exchanged(payloads, new_states, totals, means, own, errors, bits, zeros, [], messages)
 
 
@@ -821,7 +824,7 @@ def compress_step(
         key=key,
         memory=jax.tree_util.tree_unflatten(treedef, new_mem),
         compressor_states=tuple(ex.states),
-        wire_bits=jnp.stack(ex.bits) if ex.bits else jnp.zeros((0,), jnp.int32),
+        wire_bits=BitCount.stack(ex.bits) if ex.bits else BitCount.zeros((0,)),
         messages=jnp.asarray(ex.messages, jnp.int32),
     )
     return ex, leaves, treedef, new_state, groups
