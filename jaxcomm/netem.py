@@ -212,6 +212,26 @@ class LinkSettings:
     burst_bytes: int = 256 * 1024
     mtu: int = LOOPBACK_MTU
 
+    def __post_init__(self):
+        """Check the settings however they were built (``NetemError`` naming the launcher's option)."""
+        bw, lat, b, mtu = self.bandwidth_bps, self.latency_s, self.burst_bytes, self.mtu
+
+        def real(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if bw is not None and (not real(bw) or not bw >= 8):
+            raise NetemError(f"--bandwidth: must be at least 8 bits per second; got {bw!r}")
+        if not real(lat) or not 0.0 <= lat <= 10.0:
+            raise NetemError(f"--latency: must be in [0, 10] seconds; got {lat!r}")
+        if isinstance(mtu, bool) or not isinstance(mtu, int) or not 68 <= mtu <= LOOPBACK_MTU:
+            raise NetemError(f"--mtu: must be an integer from 68 to {LOOPBACK_MTU} bytes; got {mtu!r}")
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise NetemError(f"--burst: must be a non-negative integer number of bytes; got {b!r}")
+        if bw is not None and b < mtu + 14:
+            raise NetemError(
+                f"--burst: the token bucket must hold one packet of mtu + 14 = {mtu + 14} bytes; got {b} bytes"
+            )
+
     def describe(self) -> dict:
         """The settings as JSON-ready numbers (units in the key names)."""
         return asdict(self)
@@ -239,19 +259,9 @@ def link_settings(
         bw = None if bandwidth is None else parse_rate(bandwidth, "--bandwidth")
     else:
         bw = float(bandwidth)
-        if not bw >= 8:
-            raise NetemError(f"--bandwidth: must be at least 8 bits per second; got {bandwidth!r}")
     lat = parse_time(latency, "--latency") if isinstance(latency, str) else float(latency)
-    if not 0.0 <= lat <= 10.0:
-        raise NetemError(f"--latency: must be in [0, 10] seconds; got {latency!r}")
     b = parse_size(burst, "--burst") if isinstance(burst, str) else int(burst)
-    if isinstance(mtu, bool) or not isinstance(mtu, int) or not 68 <= mtu <= LOOPBACK_MTU:
-        raise NetemError(f"--mtu: must be an integer from 68 to {LOOPBACK_MTU} bytes; got {mtu!r}")
-    if bw is not None and b < mtu + 14:
-        raise NetemError(
-            f"--burst: the token bucket must hold one packet of mtu + 14 = {mtu + 14} bytes; got {b} bytes ({burst!r})"
-        )
-    return LinkSettings(bandwidth_bps=bw, latency_s=lat, burst_bytes=b, mtu=mtu)
+    return LinkSettings(bandwidth_bps=bw, latency_s=lat, burst_bytes=b, mtu=mtu)  # checked there
 
 
 def qdisc_commands(settings: LinkSettings, dev: str = "lo") -> list[list[str]]:

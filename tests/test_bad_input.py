@@ -471,3 +471,26 @@ def test_shakespeare_not_utf8_names_the_file(tmp_path):
     with pytest.raises(jd.DatasetError) as err:
         jd.load_shakespeare(tmp_path)
     _assert_one_line(err, bad, r"not UTF-8 text \(byte 0xff at offset 0\)")
+
+
+@pytest.mark.parametrize(
+    ("images", "labels", "num_classes", "pattern"),
+    [
+        (np.zeros((4, 2, 2, 1)), np.array([0, 1, 2, 12]), 10, r"labels must lie in \[0, 10\); label 12 at index 3"),
+        (np.zeros((4, 2, 2, 1)), np.array([0, 1, -1, 2]), 10, r"label -1 at index 2"),
+        (np.zeros((4, 2, 2, 1)), np.array([0.0, 1.5, 2.0, 3.0]), 10, "labels must be integers"),
+        (np.zeros((3, 2, 2, 1)), np.array([0, 1, 2, 3]), 10, r"disagree on N"),
+        (np.zeros((4, 2, 2, 1)), np.zeros((4, 1), np.int32), 10, "one-dimensional"),
+        (np.zeros((4, 2, 2, 1)), np.array([0, 1, 2, 3]), 0, "num_classes must be a positive int"),
+    ],
+)
+def test_hand_built_dataset_is_checked_where_it_is_used(images, labels, num_classes, pattern):
+    """A Dataset built in memory is checked by WorkerBatches (naming the shard) and the splits."""
+    ds = jd.Dataset(images, labels, num_classes)
+    with pytest.raises(jd.DatasetError, match=pattern) as err:
+        jd.WorkerBatches([ds.take(slice(0, 4)), ds], 2, jax.random.PRNGKey(0))
+    assert "'shard 0'" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(jd.DatasetError, match=pattern):
+        jd.split_iid(ds, 2, jax.random.PRNGKey(0))
+    with pytest.raises(jd.DatasetError, match=pattern):
+        ds.check()

@@ -467,10 +467,13 @@ def test_grace_compare_targets():
     assert bench.matrix_shape(2_621_440) == (1280, 2048) and bench.matrix_shape(26_214_400) == (5120, 5120)
     assert bench.matrix_shape(7) == (1, 7) and bench.matrix_shape(12) == (3, 4)
     small, large = bench.TARGET_SIZES
-    methods = list(bench.METHODS)
+    methods = list(bench.TARGET_METHODS)
+    assert "randomk" not in methods and "randomk_replacement" in methods  # GRACE's sampling, like for like
+    assert bench.jax_kwargs("randomk_replacement") == dict(ratio=0.01, replacement=True)
+    assert bench.jax_kwargs("randomk") == dict(ratio=0.01)
     fast = {m: 2.0 ** (i % 5 + 1) for i, m in enumerate(methods)}  # 2, 4, 8, 16, 32, 2, ...: gmean 8
     slow = dict(fast, fp16=0.5)
-    rows = _grace_rows(fast, small) + _grace_rows(slow, large)
+    rows = _grace_rows(fast, small) + _grace_rows(slow, large) + _grace_rows({"randomk": 0.1}, small)
     rows[methods.index("powersgd")].update(shape=[1280, 2048], jax_ratio=3.5)  # PowerSGD runs on the matrix
     t = bench.evaluate_targets(rows)
     assert t["gmean_speedup@10MiB"]["value"] == pytest.approx(8.0) and t["gmean_speedup@10MiB"]["met"]

@@ -88,13 +88,27 @@ def test_parse_time_and_size():
 
 def test_link_settings_checks_each_option():
     s = netem.link_settings("200mbit", "0.1ms", "256kb", 1500)
-    assert s == netem.LinkSettings(bandwidth_bps=2e8, latency_s=pytest.approx(1e-4), burst_bytes=262144, mtu=1500)
+    assert (s.bandwidth_bps, s.burst_bytes, s.mtu) == (2e8, 262144, 1500) and s.latency_s == pytest.approx(1e-4)
     with pytest.raises(netem.NetemError, match=r"--burst.*65550"):
         netem.link_settings("1gbit", burst="32kb")  # tbf cannot pass a 64 KiB loopback packet
     with pytest.raises(netem.NetemError, match="--mtu"):
         netem.link_settings(mtu=100000)
     with pytest.raises(netem.NetemError, match="-n"):
         netem.launch(0, ["true"])
+    # Settings built by hand are checked the same way.
+    for kwargs, option in [
+        ({"mtu": 0}, "--mtu"),
+        ({"mtu": 1500.0}, "--mtu"),
+        ({"latency_s": -1.0}, "--latency"),
+        ({"latency_s": float("nan")}, "--latency"),
+        ({"bandwidth_bps": 0.0}, "--bandwidth"),
+        ({"bandwidth_bps": "fast"}, "--bandwidth"),
+        ({"burst_bytes": -5}, "--burst"),
+        ({"bandwidth_bps": 1e9, "burst_bytes": 1000}, "--burst"),
+    ]:
+        with pytest.raises(netem.NetemError, match=option):
+            netem.LinkSettings(**kwargs)
+    assert netem.LinkSettings(bandwidth_bps=1e9, mtu=1500) == netem.link_settings("1gbit", "0", "256kb", 1500)
     with pytest.raises(netem.NetemError, match="--bandwidth"):
         netem.launch(2, ["true"], bandwidth="lots")
 

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.comm import MeshAxis, all_gather_counted, all_gather_packed, bucket_sizes
+from jaxcomm.comm import MeshAxis, all_gather_counted, all_gather_packed, bucket_sizes, sum_packed
 from jaxcomm.compressors.payloads import Payload, payload_dataclass, static_field
 
 pytestmark = pytest.mark.strict_promotion
@@ -103,6 +103,61 @@ def test_one_collective_inside_shard_map_and_keys_apart():
     )
     assert jax.dtypes.issubdtype(keys[0].dtype, jax.dtypes.prng_key) and keys[0].shape == (3, 3)
     np.testing.assert_array_equal(np.asarray(keys[1]), np.tile(np.arange(3.0), (3, 1)))
+
+
+SUM_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.uint8]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(range(len(SUM_DTYPES))), st.lists(st.integers(0, 5), min_size=0, max_size=3)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 4),
+    st.sampled_from([None, 0, 16]),
+    st.integers(0, 2**31 - 1),
+)
+def test_sum_packed_equals_per_leaf_sum(spec, n, max_bytes, seed):
+    """Any mix of dtypes and shapes: the packed sums equal jax's per-leaf psum bit for bit, and the
+    collectives are one per dtype of the packed (non-empty, at most max_bytes) leaves plus one per other leaf."""
+    rng = np.random.default_rng(seed)
+    trees = [{"a": jnp.stack([_leaf(rng, SUM_DTYPES[d], tuple(shape)) for _ in range(n)])} for d, shape in spec]
+    trees = jax.tree.map(lambda a: jnp.where(jnp.isnan(a), 0, a) if jnp.issubdtype(a.dtype, jnp.floating) else a, trees)
+    comm = MeshAxis("i")
+    packed, count = jax.vmap(lambda t: sum_packed(comm, t, max_bytes), axis_name="i", out_axes=(0, None))(trees)
+    plain = jax.vmap(lambda t: comm.sum(t), axis_name="i")(trees)
+    for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(plain)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    leaves = [t["a"][0] for t in trees]
+    small = [a for a in leaves if a.size and (max_bytes is None or a.size * a.dtype.itemsize <= max_bytes)]
+    assert count == len({a.dtype for a in small}) + len(leaves) - len(small)
+
+
+def test_sum_packed_inside_shard_map_one_all_reduce_per_dtype():
+    n = 4
+    mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
+    comm = MeshAxis("data")
+
+    def worker(x):
+        x = x[0]
+        trees = [{"p": x[:3]}, {"q": x.reshape(2, 3), "h": x.astype(jnp.float16)}, {"s": jnp.sum(x)}]
+        sums, _ = sum_packed(comm, trees)
+        return jax.tree.map(lambda v: v[None], sums)
+
+    f = jax.jit(jax.shard_map(worker, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    x = jax.device_put(jnp.arange(n * 6, dtype=jnp.float32).reshape(n, 6), NamedSharding(mesh, P("data")))
+    hlo = f.lower(x).as_text()
+    assert hlo.count('"stablehlo.all_reduce"') + hlo.count("stablehlo.all_reduce(") == 2, hlo  # f32 and f16
+    out = f(x)
+    xs = np.asarray(x)
+    total = xs.sum(axis=0)
+    for w in range(n):
+        np.testing.assert_array_equal(np.asarray(out[0]["p"][w]), total[:3])
+        np.testing.assert_array_equal(np.asarray(out[1]["q"][w]), total.reshape(2, 3))
+        np.testing.assert_array_equal(np.asarray(out[2]["s"][w]), xs.sum())
 
 
 # --------------------------------------------------------------------------- #

@@ -333,12 +333,12 @@ def test_dense_warmup_only_where_it_is_run():
         jc.compressors.powersgd(rank=1, start_powerSGD_iter=2.5)
 
 
-def _three_steps(c, use_shard_map=False):
+def _three_steps(c, use_shard_map=False, fuse=True):
     """compressed_mean(c) + residual memory over 4 workers, 3 steps; leaves of shared and unique shapes."""
     n = 4
     shapes = {"k1": (6, 4, 18), "k2": (24, 18), "k3": (24, 18), "b1": (18,), "b2": (18,), "u": (10, 7)}
     rng = np.random.default_rng(0)
-    tx = jc.compressed_mean(c, axis_name="w", memory=jc.memory.residual())
+    tx = jc.compressed_mean(c, axis_name="w", memory=jc.memory.residual(), fuse=fuse)
     state = jax.vmap(tx.init)({k: jnp.zeros((n, *s)) for k, s in shapes.items()})
     if use_shard_map:
         mesh = jax.make_mesh((n,), ("w",))
@@ -368,11 +368,17 @@ def test_batch_tensors_with_same_shape_equals_the_per_tensor_run(use_shard_map):
         jax.tree.leaves((u_b, s_b.memory, s_b.compressor_states)),
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(s_a.wire_bits, s_b.wire_bits)  # the same bits, fewer collectives:
-    # a compressed matrix takes 2 rounds, a 1-D tensor 1 (sent dense). Per tensor: k1, k2, k3, u: 2 each,
-    # b1, b2: 1 each = 10. Batched, by matrix view as PyTorch's tensor.view(n, -1): k1 (6, 4, 18) joins
-    # the (24, 18) pair k2, k3: 2; the (18,) pair: 1; u alone: 2 = 5.
-    assert int(s_a.messages[0]) == 10 and int(s_b.messages[0]) == 5
+    np.testing.assert_array_equal(s_a.wire_bits, s_b.wire_bits)  # the same bits, other collectives:
+    # a compressed matrix takes 2 rounds, a 1-D tensor 1 (sent dense). Unbatched and fused (the default),
+    # every tensor's round-r message shares one all-reduce: 2. Batched, by matrix view as PyTorch's
+    # tensor.view(n, -1): k1 (6, 4, 18) joins the (24, 18) pair k2, k3: 2; the (18,) pair: 1; u alone: 2 = 5.
+    assert int(s_a.messages[0]) == 2 and int(s_b.messages[0]) == 5
+    if not use_shard_map:  # unfused, one all-reduce per tensor and round: k1, k2, k3, u: 2 each, b1, b2: 1 each
+        u_c, s_c = _three_steps(plain, fuse=False)
+        assert int(s_c.messages[0]) == 10
+        np.testing.assert_array_equal(s_c.wire_bits, s_a.wire_bits)
+        for a, c in zip(jax.tree.leaves((u_a, s_a.memory)), jax.tree.leaves((u_c, s_c.memory))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c))  # fusion changes no bit
     for k in ("k1", "k2"):  # the updates keep each tensor's own shape
         assert np.shape(u_b[0][k]) == np.shape(u_a[0][k])
     with pytest.raises(TypeError, match="batch_tensors_with_same_shape must be a bool"):

@@ -253,6 +253,38 @@ def test_randomk_unbiased_scaling():
     assert len(kept) == 10 and np.array_equal(y[kept], np.asarray(x)[kept])
 
 
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_randomk_with_replacement_matches_numpy(unbiased):
+    """``replacement=True``: k independent draws (jax.random.randint on the key folded with 2);
+    each drawn position holds x_i (times 1/p when unbiased, p = 1 − (1 − 1/d)^k), the others 0."""
+    d, k = 40, 30
+    x = np.random.default_rng(3).standard_normal(d).astype(np.float32)
+    c = jc.compressors.randomk(ratio=k / d, unbiased=unbiased, replacement=True)
+    key = jax.random.PRNGKey(7)
+    draws = np.asarray(jax.random.randint(jax.random.fold_in(key, 2), (k,), 0, d, dtype=jnp.int32))
+    assert len(set(draws.tolist())) < k  # 30 draws of 40: repeats are all but certain, and here present
+    p = 1.0 - (1.0 - 1.0 / d) ** k
+    expected = np.zeros(d, np.float32)
+    expected[draws] = x[draws] * (np.float32(1.0 / p) if unbiased else 1.0)
+    payload, _ = c.compress(jnp.asarray(x), key)
+    np.testing.assert_array_equal(np.asarray(payload.values), x[draws])  # k values, repeats included
+    np.testing.assert_allclose(np.asarray(c.decompress(payload)), expected, rtol=1e-6)
+    assert jc.wire_bits(payload) == 32 * k + 64
+    if unbiased:
+        assert c.omega(d) == pytest.approx(1.0 / p - 1.0)
+    else:
+        assert c.delta(d) == pytest.approx(p)
+    with pytest.raises(TypeError, match="replacement"):
+        jc.compressors.randomk(ratio=0.5, replacement=1)
+
+
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_randomk_with_replacement_passes_the_battery(unbiased):
+    """The whole contract battery (unbiasedness or contraction, the declared bound, error feedback,
+    payload strategy, vmap ≡ shard_map, ...) on the with-replacement variant."""
+    jc.testing.check_compressor(jc.compressors.randomk(ratio=0.3, unbiased=unbiased, replacement=True))
+
+
 # --------------------------------------------------------------------------- #
 # Threshold-v
 # --------------------------------------------------------------------------- #

@@ -331,13 +331,20 @@ def test_linen_module_is_refused_with_the_wrapping_and_the_wrapped_one_trains():
 
 
 def test_messages_count_the_arrays_handed_to_collectives():
-    # compressed_mean(none) allreduces each tensor densely: one message per tensor per worker;
-    # topk's payloads go in one bucketed all-gather: one message per worker.
+    # compressed_mean(none) allreduces the tensors densely: fused (the default), one all-reduce for the
+    # four small float32 tensors per worker; unfused, one per tensor. topk's payloads go in one bucketed
+    # all-gather: one message per worker.
     workers, leaves = 4, 4  # MLP 64 -> 32 -> 10: two kernels, two biases
     ds = data.load_digits()
-    for c, per_worker in ((jc.compressors.none(), leaves), (jc.compressors.topk(ratio=0.1), 1)):
+    cases = (
+        (jc.compressors.none(), True, 1),
+        (jc.compressors.none(), False, leaves),
+        (jc.compressors.topk(ratio=0.1), True, 1),
+    )
+    for c, fuse, per_worker in cases:
         model = models.MLP(in_features=64, hidden=(32,), num_classes=10, rngs=nnx.Rngs(0))
-        trainer = Trainer(model, optax.chain(jc.compressed_mean(c), optax.sgd(0.1)), num_workers=workers)
+        tx = optax.chain(jc.compressed_mean(c, fuse=fuse), optax.sgd(0.1))
+        trainer = Trainer(model, tx, num_workers=workers)
         assert len(jax.tree.leaves(trainer.pure.params)) == leaves
         batches = data.WorkerBatches(data.split_iid(ds, workers, jax.random.PRNGKey(0)), 64, jax.random.PRNGKey(1))
         _, history = trainer.fit(trainer.init_state(), batches, 2, progress=False)

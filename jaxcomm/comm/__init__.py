@@ -19,6 +19,7 @@ from ._packing import (
     all_gather_packed,
     bucket_sizes,
     has_counted_fields,
+    sum_packed,
 )
 from ._partial_mpi import (
     PARTIAL_MODES,
@@ -62,6 +63,7 @@ __all__ = [
     "BUCKET_GROWTH",
     "CountedGather",
     "has_counted_fields",
+    "sum_packed",
     "MIN_BUCKET_BYTES",
     "Communicator",
     "Local",

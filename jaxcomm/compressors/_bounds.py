@@ -69,6 +69,25 @@ def _topk(p) -> Declared:
 
 def _randomk(p) -> Declared:
     ratio = p["ratio"]
+    if p.get("replacement"):
+        from ._randomk import inclusion_probability
+
+        def prob(d: int) -> float:
+            return inclusion_probability(d, _num_selected(ratio, d), True)
+
+        if p.get("unbiased"):
+            return (
+                lambda d: 1.0 / prob(d) - 1.0,
+                None,
+                "k draws with replacement reach each position with probability p = 1 − (1 − 1/d)^k; "
+                "Q = x ⊙ b / p is unbiased with E‖Q(x) − x‖² = (1/p − 1) ‖x‖², ω = 1/p − 1",
+            )
+        return (
+            None,
+            prob,
+            "k draws with replacement reach each position with probability p = 1 − (1 − 1/d)^k: "
+            "E‖x − C(x)‖² = (1 − p) ‖x‖², δ = p",
+        )
     if p.get("unbiased"):
         return (
             lambda d: d / _num_selected(ratio, d) - 1.0,

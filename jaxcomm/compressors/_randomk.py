@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import jax
@@ -71,8 +72,24 @@ def randomk_indices(key, d: int, k: int) -> Array:
     return idx
 
 
+def randomk_draws(key, d: int, k: int) -> Array:
+    """``k`` positions drawn uniformly *with replacement* from ``key`` for a ``d``-element tensor (int32).
+
+    ``jax.random.randint`` on the key folded with 2: ``k`` independent uniform
+    draws in ``[0, d)``, repeats possible. Costs ``O(k)``, not ``O(d)``.
+    """
+    return jax.random.randint(jax.random.fold_in(_raw_key(key), 2), (k,), 0, d, dtype=jnp.int32)
+
+
+def inclusion_probability(d: int, k: int, replacement: bool) -> float:
+    """``P(position i is sent)``: ``k / d`` without replacement, ``1 − (1 − 1/d)^k`` with it."""
+    if not replacement:
+        return min(k, d) / d
+    return -math.expm1(k * math.log1p(-1.0 / d)) if d > 1 else 1.0
+
+
 @register("randomk")
-def randomk(*, ratio: float, unbiased: bool = False, seed: int = 0) -> Compressor:
+def randomk(*, ratio: float, unbiased: bool = False, replacement: bool = False, seed: int = 0) -> Compressor:
     """Random-k sparsification (GRACE Table I; Stich et al. 2018).
 
     Sends ``k = max(1, round(ratio * d))`` entries at uniformly random positions
@@ -80,6 +97,14 @@ def randomk(*, ratio: float, unbiased: bool = False, seed: int = 0) -> Compresso
     random mask and ``s = d / k`` if ``unbiased`` (then ``E[Q(x)] = x``, since
     each position is drawn with probability ``k / d``) else ``s = 1`` (biased,
     the form used with error feedback).
+
+    With ``replacement=True`` the ``k`` positions are independent uniform draws
+    (:func:`randomk_draws`, GRACE's own sampling: ``torch.randint``): ``O(k)``
+    work instead of a selection over all ``d`` entries, but a position may be
+    drawn twice (sent twice, written once), so fewer than ``k`` distinct entries
+    arrive. Each position is sent with probability ``p = 1 − (1 − 1/d)^k``
+    (slightly below ``k/d``); ``unbiased`` then scales by ``s = 1/p``, and the
+    bounds become ``ω = 1/p − 1`` (unbiased) and ``δ = p`` (biased).
 
     Positions come from the key (:func:`randomk_indices`) and are *not* sent:
     the payload is the ``k`` values plus the key, and the receiver regenerates
@@ -93,29 +118,35 @@ def randomk(*, ratio: float, unbiased: bool = False, seed: int = 0) -> Compresso
 
     Args:
       ratio: fraction of entries sent, in (0, 1].
-      unbiased: scale by ``d / k`` so that ``E[Q(x)] = x``.
+      unbiased: scale by ``d / k`` (``1/p`` with replacement) so that ``E[Q(x)] = x``.
+      replacement: draw the positions with replacement (see above).
       seed: seed of the optax transformation's key.
     Raises:
-      ValueError/TypeError: ``ratio`` outside (0, 1], ``unbiased`` not a bool.
+      ValueError/TypeError: ``ratio`` outside (0, 1], ``unbiased`` or ``replacement`` not a bool.
     """
     ratio = check_ratio(ratio, "ratio", "it fixes the number of entries sent k, an array shape")
     if not isinstance(unbiased, (bool, np.bool_)):
         raise TypeError(f"unbiased must be a bool; got {unbiased!r}")
     unbiased = bool(unbiased)
+    if not isinstance(replacement, (bool, np.bool_)):
+        raise TypeError(f"replacement must be a bool; got {replacement!r}")
+    replacement = bool(replacement)
+    positions = randomk_draws if replacement else randomk_indices
 
     def compress(x, key, state):
         d = int(np.size(x))
         k = num_selected(ratio, d)
         raw = _raw_key(key)
-        idx = randomk_indices(raw, d, k)
+        idx = positions(raw, d, k)
         vals = jnp.ravel(x)[idx]
-        scale = (d / k) if (unbiased and k > 0) else 1.0
+        scale = 1.0 / inclusion_probability(d, k, replacement) if (unbiased and k > 0) else 1.0
         return RandomKPayload(values=vals, key=raw, shape=tuple(np.shape(x)), dtype=x.dtype, scale=scale), state
 
     def decompress(p: RandomKPayload):
         d = int(np.prod(p.shape, dtype=np.int64))
-        idx = randomk_indices(p.key, d, p.values.shape[0])
-        return scatter(p.values, idx, p.shape, p.dtype, p.scale, unique=True)  # distinct positions
+        idx = positions(p.key, d, p.values.shape[0])
+        # distinct positions, or repeated ones carrying the same value: written, not added
+        return scatter(p.values, idx, p.shape, p.dtype, p.scale, unique=not replacement, repeats=replacement)
 
     return Compressor.create(
         name="randomk",
@@ -124,5 +155,5 @@ def randomk(*, ratio: float, unbiased: bool = False, seed: int = 0) -> Compresso
         unbiased=unbiased,
         strategy="allreduce",
         seed=seed,
-        params=dict(ratio=ratio, unbiased=unbiased),
+        params=dict(ratio=ratio, unbiased=unbiased, replacement=replacement),
     )

@@ -47,19 +47,20 @@ class DatasetError(ValueError):
         super().__init__(f"{self.path!r}: {self.problem}; {hint}")
 
 
-def check_labels(labels: np.ndarray, num_classes: int, path) -> np.ndarray:
+def check_labels(labels: np.ndarray, num_classes: int, path, hint: str = REFETCH_HINT) -> np.ndarray:
     """``labels`` as ``int32`` if they are integers in ``[0, num_classes)``, else :class:`DatasetError`
-    naming ``path``."""
+    naming ``path`` (and ``hint``, the fix)."""
     labels = np.asarray(labels)
     floating = labels.size and not np.issubdtype(labels.dtype, np.integer)
     if floating and (not np.all(np.isfinite(labels)) or not np.all(labels == np.round(labels))):
-        raise DatasetError(path, f"labels must be integers; got {labels.dtype} values that are not")
+        raise DatasetError(path, f"labels must be integers; got {labels.dtype} values that are not", hint)
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         bad = int(np.argmax((labels < 0) | (labels >= num_classes)))
         raise DatasetError(
             path,
             f"labels must lie in [0, {num_classes}); label {labels[bad]:g} at index {bad} "
             f"(range [{labels.min():g}, {labels.max():g}])",
+            hint,
         )
     return labels.astype(np.int32)
 

@@ -64,6 +64,26 @@ class Dataset(NamedTuple):
         """``N``, the number of examples."""
         return int(self.labels.shape[0])
 
+    def check(self, name: str = "dataset") -> Dataset:
+        """``self`` if it is consistent, else :class:`DatasetError` naming ``name`` (for a hand-built one).
+
+        Checked: ``num_classes`` a positive int; ``labels`` one integer label per
+        example in ``[0, num_classes)``; ``images`` with a leading axis of the same
+        length. The loaders return checked datasets.
+        """
+        hint = "build the Dataset with one label in [0, num_classes) per image"
+        k = self.num_classes
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise DatasetError(name, f"num_classes must be a positive int; got {k!r}", hint)
+        labels = np.asarray(self.labels)
+        if labels.ndim != 1:
+            raise DatasetError(name, f"labels must be one-dimensional [N]; got shape {labels.shape}", hint)
+        images = np.asarray(self.images)
+        if images.ndim < 1 or images.shape[0] != labels.shape[0]:
+            raise DatasetError(name, f"images {images.shape} and labels {labels.shape} disagree on N", hint)
+        check_labels(labels, int(k), name, hint)
+        return self
+
     def take(self, indices) -> Dataset:
         """The examples at ``indices`` (an integer array or slice), as a new :class:`Dataset`."""
         if isinstance(indices, slice):

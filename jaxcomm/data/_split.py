@@ -92,7 +92,7 @@ def split_iid(dataset: Dataset, num_workers: int, key) -> list[Dataset]:
       list of ``p`` :class:`Dataset` shards.
     """
     num_workers = _check_int(num_workers, "num_workers", 1)
-    shards = _iid_index_shards(dataset.num_examples, num_workers, key)
+    shards = _iid_index_shards(dataset.check().num_examples, num_workers, key)
     return [dataset.take(idx) for idx in shards]
 
 
@@ -123,7 +123,7 @@ def split_by_label(
     """
     num_workers = _check_int(num_workers, "num_workers", 1)
     labels_per_worker = _check_int(labels_per_worker, "labels_per_worker", 1)
-    c = int(dataset.num_classes)
+    c = int(dataset.check().num_classes)
     if labels_per_worker > c:
         raise ValueError(f"labels_per_worker must be <= num_classes ({c}); got {labels_per_worker}")
     if num_workers * labels_per_worker < c:
@@ -146,8 +146,9 @@ def split_by_label(
     return [dataset.take(np.concatenate(p).astype(np.int64)) for p in parts]
 
 
-def _as_tree(shard) -> Any:
+def _as_tree(shard, w: int = 0) -> Any:
     if isinstance(shard, Dataset):
+        shard.check(f"shard {w}")
         return Batch(np.asarray(shard.images), np.asarray(shard.labels))
     return shard
 
@@ -209,7 +210,7 @@ class WorkerBatches:
         self.key = key
         self.shuffle = bool(shuffle)
         self.worker_axis = bool(worker_axis)
-        self._trees = [_as_tree(s) for s in shards]
+        self._trees = [_as_tree(s, w) for w, s in enumerate(shards)]
         self._sizes = []
         for w, tree in enumerate(self._trees):
             leaves = jax.tree.leaves(tree)

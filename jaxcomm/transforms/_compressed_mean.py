@@ -62,7 +62,10 @@ def compressed_mean(
         all-reduce and decompressed once, ``Q⁻¹(Σ_i g̃_i)/n`` (none, fp16,
         random-k with a shared key: fields not summed must agree, so such
         compressors draw with the *shared* key). A compressor with ``rounds``
-        (PowerSGD) runs them, one all-reduce per round.
+        (PowerSGD) runs them, every tensor's round ``r`` at once. With ``fuse``
+        (default), the fields and round messages of at most :data:`FUSE_MAX_BYTES`
+        share one all-reduce per dtype (:func:`~jaxcomm.comm.sum_packed`): PowerSGD
+        sends two messages per step instead of two per matrix.
       * ``"allgather"``: every worker's payload is gathered and decompressed.
         With ``fuse`` (default), payloads of at most :data:`FUSE_MAX_BYTES`
         share one collective (Horovod's tensor fusion); the numbers and bytes
@@ -110,7 +113,8 @@ def compressed_mean(
         :func:`~jaxcomm.memory.none` (pass ``residual()`` for error feedback).
       strategy: ``"auto"`` or one of :data:`STRATEGIES`.
       fuse: all-gather the payloads up to :data:`FUSE_MAX_BYTES` with one
-        collective (default) or every payload with its own.
+        collective, and all-reduce the summed arrays up to that size with one per
+        dtype (default); or every payload (array) with its own.
     Returns:
       ``GradientTransformationExtraArgs`` with per-worker state
       :class:`~jaxcomm.transforms.CompressionState`.

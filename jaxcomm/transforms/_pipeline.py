@@ -69,6 +69,7 @@ from ..comm import (
     all_gather_packed,
     has_counted_fields,
     require,
+    sum_packed,
 )
 from ..compressors._base import Compressor, check_float_input, check_state_matches, wire_bits
 
@@ -400,22 +401,51 @@ def run_rounds(compressor: Compressor, x, key, state, comm):
     worker's contributions, for wire accounting). The payload decompresses to
     the sum over workers.
     """
-    if compressor.rounds is None:
-        raise ValueError(f"compressor {compressor.name!r} has no rounds")
-    x = jnp.asarray(x)
-    check_float_input(x, "x")
-    if state is None:
-        state = compressor.init_state(x)
-    gen = compressor.rounds(x, key, state, int(comm.size))
-    sent = []
-    try:
-        message = next(gen)
-        while True:
-            sent.append(message)
-            message = gen.send(comm.sum(message))
-    except StopIteration as stop:
-        payload, new_state = stop.value
-    return payload, new_state, sent
+    (result,), _ = run_rounds_together(comm, [(compressor, x, key, state)], fuse=False)
+    return result
+
+
+def run_rounds_together(comm, jobs: Sequence, fuse: bool = True) -> tuple[list, int]:
+    """:func:`run_rounds` for several tensors in lockstep: ``([(payload, new_state, sent)], collectives)``.
+
+    ``jobs``: ``(compressor, x, key, state)`` per tensor. Round ``r`` of every tensor
+    that has one runs at once: with ``fuse``, the messages' leaves of at most
+    :data:`FUSE_MAX_BYTES` share one all-reduce per dtype (:func:`~jaxcomm.comm.sum_packed`;
+    PowerSGD: one for all the ``P`` matrices, one for all the ``Q``), the others are
+    summed alone. Each tensor's sums, so its result, are those of its own run.
+    """
+    gens: list = []
+    sent: list[list] = []
+    results: list[Any] = [None] * len(jobs)
+    waiting: dict[int, Any] = {}
+    for j, (compressor, x, key, state) in enumerate(jobs):
+        if compressor.rounds is None:
+            raise ValueError(f"compressor {compressor.name!r} has no rounds")
+        x = jnp.asarray(x)
+        check_float_input(x, "x")
+        if state is None:
+            state = compressor.init_state(x)
+        gens.append(compressor.rounds(x, key, state, int(comm.size)))
+        sent.append([])
+        try:
+            waiting[j] = next(gens[j])
+        except StopIteration as stop:
+            results[j] = (*stop.value, [])
+    collectives = 0
+    while waiting:
+        order = list(waiting)
+        for j in order:
+            sent[j].append(waiting[j])
+        sums, k = sum_packed(comm, [waiting[j] for j in order], FUSE_MAX_BYTES if fuse else 0)
+        collectives += k
+        waiting = {}
+        for j, total in zip(order, sums):
+            try:
+                waiting[j] = gens[j].send(total)
+            except StopIteration as stop:
+                payload, new_state = stop.value
+                results[j] = (payload, new_state, sent[j])
+    return results, collectives
 
 
 def _matrix_view(shape: tuple) -> tuple:
@@ -459,7 +489,7 @@ def _batched_rounds(comm, phis, keys, states, compressors) -> tuple[dict, int]:
             return payload, state, sent, c.decompress(payload)
 
         payload, state, sent, total = jax.vmap(one)(*stack)
-        messages += len(sent)
+        messages += sum(len(jax.tree.leaves(m)) for m in sent)
         for j, i in enumerate(idx):
             p_j, s_j, sent_j, t_j = jax.tree.map(lambda v, j=j: v[j], (payload, state, sent, total))
             out[i] = (p_j, s_j, sent_j, jnp.reshape(t_j, jnp.shape(phis[i])))
@@ -573,7 +603,9 @@ def exchange(
       states: the compressors' per-tensor states.
       compressors: one compressor per tensor.
       strategy: one of :data:`STRATEGIES`.
-      fuse: gather small payloads with one collective (``"allgather"``).
+      fuse: gather small payloads with one collective (``"allgather"``); sum the small
+        summable fields, and each round's small messages of multi-round compressors,
+        with one all-reduce per dtype (``"allreduce"``; :func:`~jaxcomm.comm.sum_packed`).
       memory: the worker memory; when it keeps the compression error
         (``from_error``), ``errors`` come from each compressor's ``error``.
       owner: the owners' step (``"reduce_scatter"`` only).
@@ -590,15 +622,20 @@ def exchange(
     batched, messages = (
         _batched_rounds(comm if n > 1 else LOCAL, phis, keys, states, compressors) if rounds else ({}, 0)
     )
-    messages = messages if n > 1 else 0
+    # the other multi-round tensors, in lockstep: one all-reduce per round for their small messages
+    lockstep = [i for i, c in enumerate(compressors) if rounds and c.rounds is not None and i not in batched]
+    ran, m = run_rounds_together(
+        comm if n > 1 else LOCAL, [(compressors[i], phis[i], keys[i], states[i]) for i in lockstep], fuse
+    )
+    together = dict(zip(lockstep, ran))
+    messages = messages + m if n > 1 else 0
     for i, (phi, key, state, c, a) in enumerate(zip(phis, keys, states, compressors, acc)):
         if i in batched:
             payload, state, sent, total = batched[i]
             bits.append(count_bits(sum(_array_bits(m) for m in sent)))
             totals.append(total.astype(a))
-        elif rounds and c.rounds is not None:
-            payload, state, sent = run_rounds(c, phi, key, state, comm if n > 1 else LOCAL)
-            messages += len(sent) if n > 1 else 0
+        elif i in together:
+            payload, state, sent = together[i]
             bits.append(count_bits(sum(_array_bits(m) for m in sent)))
             totals.append(c.decompress(payload).astype(a))
         else:
@@ -622,8 +659,8 @@ def exchange(
             totals[i] = compressors[i].decompress(payloads[i]).astype(acc[i])
     elif pending and strategy == "allreduce":
         fields = [{f: getattr(payloads[i], f) for f in type(payloads[i]).summable} for i in pending]
-        sums = comm.sum(fields)
-        messages += sum(len(f) for f in fields)
+        sums, m = sum_packed(comm, fields, FUSE_MAX_BYTES if fuse else 0)
+        messages += m
         for i, s in zip(pending, sums):
             totals[i] = compressors[i].decompress(dataclasses.replace(payloads[i], **s)).astype(acc[i])
     elif pending and strategy == "allgather":

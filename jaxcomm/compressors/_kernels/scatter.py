@@ -31,20 +31,22 @@ def _scaled(values, scale):
     return jnp.where(jnp.isfinite(v), jnp.clip(v * jnp.asarray(scale, v.dtype), -top, top), v)
 
 
-def scatter(values, indices, shape, dtype, scale=1.0, unique=False):
+def scatter(values, indices, shape, dtype, scale=1.0, unique=False, repeats=False):
     """Scatter-add float32 ``values * scale`` at flat ``indices`` into zeros of ``shape``; cast to ``dtype``.
 
     ``unique``: the indices are distinct, or out of range (``>= size``, dropped):
     the values are then *written* (a scatter-set), not added to zeros, so a
     subnormal value survives (XLA:CPU flushes subnormal results of arithmetic,
-    ``0 + x`` included). float64 values are scattered in float64; finite values
-    beyond ``dtype``'s range saturate (:func:`saturate`).
+    ``0 + x`` included). ``repeats``: an index may repeat, always with the same
+    value (positions drawn with replacement): written too, once per position.
+    float64 values are scattered in float64; finite values beyond ``dtype``'s
+    range saturate (:func:`saturate`).
     """
     v = _scaled(values, scale)
-    if unique:
+    if unique or repeats:
         size = int(np.prod(shape, dtype=np.int64))
-        out = jnp.zeros((size,), v.dtype).at[indices.astype(jnp.int32)].set(v, mode="drop", unique_indices=True)
-        out = out.reshape(shape)
+        at = jnp.zeros((size,), v.dtype).at[indices.astype(jnp.int32)]
+        out = at.set(v, mode="drop", unique_indices=not repeats).reshape(shape)
     else:
         out = desparsify(v, indices, shape, v.dtype)
     return saturate(out, dtype).astype(dtype)
