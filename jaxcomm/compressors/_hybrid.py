@@ -46,7 +46,7 @@ class AdaptivePayload(Payload):
         the kept negative values (<= 0); 0 for an empty side.
       shape, dtype: original shape and dtype (static, not sent).
 
-    Wire bits: ``(counts[0] + counts[1]) * bits(index dtype) + 2*32 + 2*32`` (a traced int32).
+    Wire bits: ``(counts[0] + counts[1]) * bits(index dtype) + 2*32 + 2*32`` (a traced :class:`~jaxcomm.BitCount`).
     ``indices`` is a counted field (its valid slots: ``counts[0] + counts[1]``):
     the pipeline's all-gather sends only those.
     """
