@@ -624,11 +624,11 @@ def exchange(
     )
     # the other multi-round tensors, in lockstep: one all-reduce per round for their small messages
     lockstep = [i for i, c in enumerate(compressors) if rounds and c.rounds is not None and i not in batched]
-    ran, m = run_rounds_together(
-        comm if n > 1 else LOCAL, [(compressors[i], phis[i], keys[i], states[i]) for i in lockstep], fuse
+    ran, round_collectives = run_rounds_together(
+        comm if n > 1 else LOCAL, [(compressors[i], phis[i], keys[i], states[i]) for i in lockstep], fuse and n > 1
     )
     together = dict(zip(lockstep, ran))
-    messages = messages + m if n > 1 else 0
+    messages = messages + round_collectives if n > 1 else 0
     for i, (phi, key, state, c, a) in enumerate(zip(phis, keys, states, compressors, acc)):
         if i in batched:
             payload, state, sent, total = batched[i]
