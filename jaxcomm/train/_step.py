@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._bitcount import BitCount
-from ..comm import MeshAxis, use
+from ..comm import MeshAxis, all_gather_packed, sum_packed, use
 from ..transforms._accumulate import warn_multisteps
 
 __all__ = ["TrainState", "make_train_step", "collect_counter", "init_train_state"]
@@ -153,9 +153,10 @@ def make_train_step(
                 new, metrics = step(state, batch)
                 # One small allreduce so every process reports the workers' mean
                 # (and the total of ``messages``), as the mesh backend's host side does.
+                # Two collectives whatever the metrics: one packed all-gather, one all-reduce.
                 size = comm.size
-                bits = comm.all_gather(metrics.pop("wire_bits"))  # BitCount [workers, tensors], exact
-                totals = comm.sum({k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()})
+                bits = all_gather_packed(comm, metrics.pop("wire_bits"))  # BitCount [workers, tensors], exact
+                (totals,), _ = sum_packed(comm, [{k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}])
                 metrics = {k: (v if k == "messages" else v / size) for k, v in totals.items()}
                 metrics["wire_bits"] = bits
             return new, metrics
