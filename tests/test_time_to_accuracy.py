@@ -118,7 +118,7 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         # The kernel's byte count against the cost model's formula for the pipeline's count:
         # headers and Open MPI's protocol add at most 1 KiB per message on the wire, and each
         # evaluation window holds two barriers (at most 4 KiB). Below, the qdisc's counter itself
-        # reads up to 2 % under the payload when a step is one large message (measured on this
+        # reads up to 1-2 % under the payload when a step is one large message (measured on this
         # link, 2 processes: 0.989 and 0.993 of it in two runs for the dense step's one fused 38 KB
         # all-reduce, 0.998 for a plain MPI_Allreduce of 64 KiB), which many small messages' headers
         # used to hide.
@@ -129,7 +129,7 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         # Each step also runs the trainer's two metric collectives (a packed all-gather of the wire-bit
         # counts, an all-reduce of the metrics): 3 n (n - 1) small messages more.
         upper = predicted + 1024 * (wire_messages + 3 * n * (n - 1)) + 4096 / every
-        assert 0.98 * predicted <= measured <= upper, (r["method"], measured, predicted)
+        assert 0.97 * predicted <= measured <= upper, (r["method"], measured, predicted)
         # A token bucket passes at most burst + rate · t / 8 bytes in t seconds (per window).
         windows = len(curve)
         assert curve[-1]["link_bytes"] <= windows * 256 * 1024 + rate * curve[-1]["time_s"] / 8
