@@ -49,13 +49,18 @@ def _leaf(rng, dtype, shape):
     return jnp.asarray(rng.integers(info.min, info.max, shape, dtype=np.int64)).astype(dtype)
 
 
-@settings(max_examples=12, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(range(len(DTYPES))), st.lists(st.integers(0, 5), min_size=0, max_size=3)),
+def leaf_specs(dtypes):
+    """1 to 6 leaves: (index into ``dtypes``, shape of up to 3 axes of 0 to 5 entries)."""
+    return st.lists(
+        st.tuples(st.sampled_from(range(len(dtypes))), st.lists(st.integers(0, 5), min_size=0, max_size=3)),
         min_size=1,
         max_size=6,
-    ),
+    )
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    leaf_specs(DTYPES),
     st.integers(1, 4),
     st.integers(0, 2**31 - 1),
 )
@@ -110,11 +115,7 @@ SUM_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.uint8]
 
 @settings(max_examples=12, deadline=None)
 @given(
-    st.lists(
-        st.tuples(st.sampled_from(range(len(SUM_DTYPES))), st.lists(st.integers(0, 5), min_size=0, max_size=3)),
-        min_size=1,
-        max_size=6,
-    ),
+    leaf_specs(SUM_DTYPES),
     st.integers(1, 4),
     st.sampled_from([None, 0, 16]),
     st.integers(0, 2**31 - 1),

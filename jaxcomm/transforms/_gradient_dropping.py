@@ -55,7 +55,7 @@ from ..comm import resolve
 from ..compressors import index_dtype, topk
 from ..compressors._base import Compressor, check_finite_scalar, check_positive_int
 from ..compressors.payloads import DensePayload, SparsePayload
-from ._pipeline import CompressionState, compress_step, count_bits, group_vector, groups_of, init_state, ungroup
+from ._pipeline import CompressionState, compress_step, group_vector, groups_of, init_state, ungroup
 
 __all__ = [
     "DropRatioSchedule",
@@ -523,7 +523,7 @@ def periodic_average(
             return jax.tree.map(cast_varying, u, axes)
 
         updates = jax.lax.cond(sync, average, keep, updates)
-        sizes = [count_bits(int(np.size(p)) * jnp.dtype(p.dtype).itemsize * 8) for p in jax.tree.leaves(params)]
+        sizes = [int(np.size(p)) * jnp.dtype(p.dtype).itemsize * 8 for p in jax.tree.leaves(params)]
         leaf_bits = BitCount.stack(sizes) if sizes else BitCount.zeros((0,))
         return updates, PeriodicAverageState(
             count=count,

@@ -248,11 +248,6 @@ def check_per_worker(comm, leaves) -> None:
             )
 
 
-def count_bits(bits) -> BitCount:
-    """A bit count (a Python int, an integer array or a :class:`~jaxcomm.BitCount`) as a scalar ``BitCount``."""
-    return BitCount.of(bits)
-
-
 def accumulator(dtype):
     """The dtype sums over workers run in: float32, or the tensor's own when it is wider (float64)."""
     return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize > 4 else jnp.dtype(jnp.float32)
@@ -512,7 +507,7 @@ def _gather_payloads(comm, payloads: list, fuse: bool) -> tuple[list, list, int]
     gathered whole, leaf by leaf, and counted whole.
     """
     sizes = [sum(map(_array_bits, jax.tree.leaves(p))) for p in payloads]
-    bits: list[Any] = [count_bits(b) for b in sizes]
+    bits: list[Any] = [BitCount.of(b) for b in sizes]
     # A buffer past int32 byte offsets cannot go through the variable-length gather: whole, leaf by leaf.
     counted = [
         i for i, p in enumerate(payloads) if has_counted_fields(p) and sizes[i] <= 8 * _packing._MAX_BUFFER_BYTES
@@ -537,7 +532,7 @@ def _gather_payloads(comm, payloads: list, fuse: bool) -> tuple[list, list, int]
 
 def _sent_bits(payload):
     """Bits of every array of ``payload``: what crosses when it is sent whole (broadcast, permute)."""
-    return count_bits(sum(map(_array_bits, jax.tree.leaves(payload))))
+    return BitCount.of(sum(map(_array_bits, jax.tree.leaves(payload))))
 
 
 def _sum_decompressed(compressor: Compressor, gathered, n: int, acc_dtype):
@@ -632,11 +627,11 @@ def exchange(
     for i, (phi, key, state, c, a) in enumerate(zip(phis, keys, states, compressors, acc)):
         if i in batched:
             payload, state, sent, total = batched[i]
-            bits.append(count_bits(sum(_array_bits(m) for m in sent)))
+            bits.append(BitCount.of(sum(_array_bits(m) for m in sent)))
             totals.append(total.astype(a))
         elif i in together:
             payload, state, sent = together[i]
-            bits.append(count_bits(sum(_array_bits(m) for m in sent)))
+            bits.append(BitCount.of(sum(_array_bits(m) for m in sent)))
             totals.append(c.decompress(payload).astype(a))
         else:
             payload, new_state = c.compress(phi, key if n == 1 else jax.random.fold_in(key, index), state)
@@ -645,9 +640,9 @@ def exchange(
                 if n > 1 and any(f not in summable for f in _data_fields(payload)):
                     # Fields that are not summed must agree on every worker: compress with the shared key.
                     payload, new_state = c.compress(phi, key, state)
-                bits.append(count_bits(sum(_array_bits(getattr(payload, f)) for f in summable)))
+                bits.append(BitCount.of(sum(_array_bits(getattr(payload, f)) for f in summable)))
             else:
-                bits.append(count_bits(wire_bits(payload)))
+                bits.append(BitCount.of(wire_bits(payload)))
             state = new_state
             totals.append(None)
         payloads.append(payload)
@@ -784,7 +779,7 @@ def _reduce_scatter(comm, phis, keys, compressors, acc, memory, owner: Owner | N
         from_chunks(jax.vmap(owner.compressor.decompress)(g), jnp.shape(phi)).astype(jnp.result_type(phi))
         for phi, g in zip(phis, gathered)
     ]
-    bits = [count_bits(b) for b in sent_bits]
+    bits = [BitCount.of(b) for b in sent_bits]
     states = [()] * len(phis)
     return Exchanged(payloads, states, [None] * len(phis), means, own, errors, bits, owner_bits, owner_mems, messages)
 
