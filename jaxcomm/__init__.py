@@ -45,6 +45,7 @@ _REEXPORTS = {
     "doublesqueeze": "transforms",
     "gradient_dropping": "transforms",
     "periodic_average": "transforms",
+    "diloco": "transforms",
     "wire_bits": "compressors",
     "BitCount": "compressors",
 }
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # static tools (type checkers, the API docs) see plain import
     from .compressors import BitCount as BitCount
     from .compressors import wire_bits as wire_bits
     from .transforms import compressed_mean as compressed_mean
+    from .transforms import diloco as diloco
     from .transforms import doublesqueeze as doublesqueeze
     from .transforms import error_feedback as error_feedback
     from .transforms import gradient_dropping as gradient_dropping

@@ -11,6 +11,7 @@ from ._launch import mpirun_env, mpirun_path
 from ._local import Local
 from ._mesh import MeshAxis
 from ._mpi import MPIComm
+from ._overlap import AsyncMean
 from ._packing import (
     BUCKET_GROWTH,
     MIN_BUCKET_BYTES,
@@ -65,6 +66,7 @@ __all__ = [
     "has_counted_fields",
     "sum_packed",
     "MIN_BUCKET_BYTES",
+    "AsyncMean",
     "Communicator",
     "Local",
     "MeshAxis",

@@ -5,11 +5,13 @@ compensate → compress → communicate → decompress → memory update is writ
 worker, :func:`compressed_mean` over the workers' communicator,
 :func:`doublesqueeze` twice (workers, then the server), and
 :func:`gradient_dropping` adds Algorithm 2's local-gradient combination;
-:func:`accumulate` communicates once every ``k`` micro-steps.
+:func:`accumulate` communicates once every ``k`` micro-steps; :func:`diloco` takes ``H`` local
+steps, then an outer step on the workers' compressed pseudo-gradient.
 """
 
 from ._accumulate import AccumulateState, accumulate, warn_multisteps, zero_counters
 from ._compressed_mean import compressed_mean
+from ._diloco import DiLoCoState, diloco, fragment_leaves
 from ._doublesqueeze import DoubleSqueezeState, doublesqueeze
 from ._error_feedback import error_feedback
 from ._gradient_dropping import (
@@ -27,6 +29,7 @@ from ._pipeline import FUSE_MAX_BYTES, STRATEGIES, CompressionState, run_rounds
 __all__ = [
     "AccumulateState",
     "CompressionState",
+    "DiLoCoState",
     "DoubleSqueezeState",
     "DropRatioSchedule",
     "FUSE_MAX_BYTES",
@@ -36,9 +39,11 @@ __all__ = [
     "average_params",
     "compressed_mean",
     "dgc_warmup",
+    "diloco",
     "doublesqueeze",
     "drop_ratio_warmup",
     "error_feedback",
+    "fragment_leaves",
     "gradient_dropping",
     "num_kept",
     "periodic_average",

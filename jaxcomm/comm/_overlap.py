@@ -1,0 +1,136 @@
+"""An exchange that overlaps computation: a mean over MPI processes run by a communication thread.
+
+Inside a jitted step, :meth:`AsyncMean.start` hands arrays to the host (``jax.experimental.io_callback``,
+ordered), where a background thread runs the MPI collectives on a private duplicate of the
+communicator while the process goes on computing; a later step's :meth:`AsyncMean.finish` waits
+for that thread and returns the mean. Streaming DiLoCo uses it to overlap a fragment's outer
+exchange with the next inner steps (:func:`jaxcomm.transforms.diloco` with ``overlap=True``).
+
+Arithmetic, per array of ``d`` entries over ``n`` processes:
+
+* float32/float64: ``MPI_Allreduce(SUM)``, then ``/ n``;
+* float16/bfloat16: the 16-bit route of :class:`~jaxcomm.comm.MPIComm`'s ``sum`` done on the host:
+  zero-pad to ``n c`` (``c = ⌈d / n⌉``), ``MPI_Alltoall`` of the 16-bit words, a float32 sum of
+  the ``n`` chunks at each owner rounded once to 16 bits, ``MPI_Allgather`` of the rounded
+  chunks; the mean is that sum in float32 divided by ``n`` (each process sends
+  ``2 (n − 1) c`` 16-bit words).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["AsyncMean"]
+
+_SIXTEEN = ("float16", "bfloat16")
+
+
+class AsyncMean:
+    """Means of arrays over the processes of an mpi4py communicator, computed by a background thread.
+
+    Every process must start and finish the same tags in the same order (SPMD), as for any
+    collective; tags identify exchanges in flight (at most one per tag).
+
+    Args:
+      comm: an ``mpi4py.MPI.Comm`` (e.g. ``MPIComm().comm``); a private duplicate is used, so the
+        thread's messages never match the step's own collectives.
+    Raises:
+      RuntimeError: MPI was not initialised with ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by
+        default), which a communication thread beside the step's collectives needs.
+    """
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(
+                "AsyncMean needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's default; check "
+                "mpi4py.rc.thread_level), to run collectives in a thread beside the step's own"
+            )
+        self._MPI = MPI
+        self.comm = comm.Dup()
+        self.size = int(self.comm.Get_size())
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxcomm-async-mean")
+        self._jobs: dict[int, Future] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"AsyncMean(size={self.size}, in_flight={sorted(self._jobs)})"
+
+    # -- host side --------------------------------------------------------- #
+    def _submit(self, tag: int, arrays) -> None:
+        copies = [np.array(a, copy=True) for a in arrays]  # the device buffers may be reused
+        with self._lock:
+            if tag in self._jobs:
+                raise RuntimeError(f"AsyncMean: exchange {tag} started again before it was finished")
+            self._jobs[tag] = self._pool.submit(self._mean, copies)
+
+    def _collect(self, tag: int) -> list[np.ndarray]:
+        with self._lock:
+            job = self._jobs.pop(tag, None)
+        if job is None:
+            raise RuntimeError(f"AsyncMean: exchange {tag} finished without having been started")
+        return job.result()
+
+    def _mean(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [self._mean_one(a) for a in arrays]
+
+    def _mean_one(self, x: np.ndarray) -> np.ndarray:
+        MPI, n = self._MPI, self.size
+        if x.dtype.name not in _SIXTEEN:
+            out = np.empty_like(x)
+            self.comm.Allreduce(x, out, op=MPI.SUM)
+            return (out / n).astype(np.promote_types(x.dtype, np.float32))
+        flat = x.reshape(-1)
+        d = flat.shape[0]
+        c = -(-d // n)
+        words = np.zeros(n * c, np.uint16)
+        words[:d] = flat.view(np.uint16)
+        received = np.empty_like(words)
+        self.comm.Alltoall(words, received)  # chunk j to process j
+        mine = received.reshape(n, c).view(x.dtype).astype(np.float32).sum(axis=0).astype(x.dtype)
+        gathered = np.empty(n * c, np.uint16)
+        self.comm.Allgather(mine.view(np.uint16), gathered)
+        total = gathered.view(x.dtype)[:d].astype(np.float32).reshape(x.shape)
+        return total / np.float32(n)
+
+    # -- traced side ------------------------------------------------------- #
+    def start(self, tag: int, leaves) -> jax.Array:
+        """Begin the mean of ``leaves`` (arrays) under ``tag`` (a Python int); returns an int32 token.
+
+        Traceable; the arrays leave the device when the step runs, and the exchange proceeds in
+        the background while later computation runs.
+        """
+        tag = int(tag)
+
+        def host(*arrays):
+            self._submit(tag, arrays)
+            return np.zeros((), np.int32)
+
+        from jax.experimental import io_callback
+
+        return io_callback(host, jax.ShapeDtypeStruct((), jnp.int32), *leaves, ordered=True)
+
+    def finish(self, tag: int, like) -> list[jax.Array]:
+        """The means of the exchange ``tag``, waiting for it: one array per leaf of ``like``, in
+        float32 (float64 for float64 leaves), shaped like it. Traceable."""
+        tag = int(tag)
+        shapes = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.promote_types(x.dtype, jnp.float32)) for x in like)
+
+        def host():
+            return tuple(self._collect(tag))
+
+        from jax.experimental import io_callback
+
+        return list(io_callback(host, shapes, ordered=True))
+
+    def close(self) -> None:
+        """Wait for the exchanges in flight, stop the thread and free the duplicate communicator."""
+        self._pool.shutdown(wait=True)
+        if self.comm != self._MPI.COMM_NULL:
+            self.comm.Free()
