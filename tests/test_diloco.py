@@ -9,6 +9,9 @@ a checkpoint and a resume.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,24 +23,12 @@ from hypothesis import strategies as st
 import jaxcomm as jc
 from jaxcomm.transforms import fragment_leaves
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from diloco_common import KEYS, N, SHAPES, _grad, _problem, _reference  # noqa: E402
+
 pytestmark = pytest.mark.strict_promotion
-
-N = 3
-SHAPES = {"a": (4, 3), "b": (5,), "c": (2, 2), "d": (6,)}  # leaves in this (sorted-key) order
-KEYS = sorted(SHAPES)
-
-
-def _problem(seed: int = 0):
-    rng = np.random.default_rng(seed)
-    scale = {k: rng.uniform(0.5, 1.5, (N, *s)).astype(np.float32) for k, s in SHAPES.items()}
-    target = {k: rng.normal(size=(N, *s)).astype(np.float32) for k, s in SHAPES.items()}
-    theta0 = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
-    return scale, target, theta0
-
-
-def _grad(a, b, theta):
-    return a * (a * theta - b)
-
 
 def _run(tx, steps: int, seed: int = 0):
     """Params of every worker (leading axis N) and the states, after ``steps`` steps of ``tx``."""
@@ -60,40 +51,6 @@ def _run(tx, steps: int, seed: int = 0):
         params, state = step(params, state)
         states.append(state)
     return params, states
-
-
-def _reference(steps, *, every, fragments=1, delay=0, blend=0.0, lr=0.05, mom=0.0, outer_lr=0.7, outer_mom=0.9):
-    """DiLoCo / Streaming DiLoCo in NumPy (float64): inner SGD with momentum, outer Nesterov SGD."""
-    scale, target, theta0 = _problem()
-    groups = fragment_leaves([int(np.prod(SHAPES[k])) for k in KEYS], fragments)
-    period = every // fragments
-    anchor = {k: theta0[k].astype(np.float64) for k in KEYS}
-    local = [{k: anchor[k].copy() for k in KEYS} for _ in range(N)]
-    trace_in = [{k: np.zeros(SHAPES[k]) for k in KEYS} for _ in range(N)]
-    trace_out = {k: np.zeros(SHAPES[k]) for k in KEYS}
-    pending = {k: np.zeros(SHAPES[k]) for k in KEYS}
-    for t in range(1, steps + 1):
-        for i in range(N):
-            for k in KEYS:
-                g = _grad(scale[k][i].astype(np.float64), target[k][i].astype(np.float64), local[i][k])
-                trace_in[i][k] = g + mom * trace_in[i][k]
-                local[i][k] = local[i][k] - lr * trace_in[i][k]
-        for p, idx in enumerate(groups):
-            if t % every == ((p + 1) * period) % every:
-                for j in idx:
-                    k = KEYS[j]
-                    pending[k] = np.mean([anchor[k] - local[i][k] for i in range(N)], axis=0)
-        lag = t - delay
-        for q, idx in enumerate(groups):
-            if lag >= (q + 1) * period and lag % every == ((q + 1) * period) % every:
-                for j in idx:
-                    k = KEYS[j]
-                    trace_out[k] = pending[k] + outer_mom * trace_out[k]
-                    new = anchor[k] - outer_lr * (pending[k] + outer_mom * trace_out[k])  # Nesterov
-                    for i in range(N):
-                        local[i][k] = blend * local[i][k] + (1 - blend) * new
-                    anchor[k] = new
-    return {k: np.stack([local[i][k] for i in range(N)]) for k in KEYS}
 
 
 def _close(params, ref, rtol=2e-5, atol=2e-5):
@@ -243,3 +200,19 @@ def test_overlap_needs_an_mpi_communicator_and_update_needs_params():
         tx.update(params, state, params)
     with pytest.raises(TypeError, match="inner"):
         jc.diloco("sgd", every=2)
+
+
+@pytest.mark.mpi
+def test_mpi_in_step_and_overlapped_match_the_reference_with_a_late_rank(tmp_path):
+    """``mpirun -n 3`` (tests/mpi_scripts/diloco_mpi.py): Streaming DiLoCo over MPIComm, with the
+    exchanges inside the step and overlapped by a communication thread while the last rank is
+    late, both equal the NumPy reference (and so the mesh runs above)."""
+    pytest.importorskip("mpi4jax", reason="the MPI backend needs mpi4jax (pip install 'jaxcomm[mpi]')")
+    from mpirun import run_mpi
+
+    out = tmp_path / "diloco.npz"
+    run_mpi(N, Path(__file__).resolve().parent / "mpi_scripts" / "diloco_mpi.py", str(out), timeout=300)
+    ref = _reference(13, every=6, fragments=3, delay=1, blend=0.25, mom=0.5)
+    with np.load(out) as z:
+        for case in ("in_step", "overlap"):
+            _close({k: z[f"{case}/{k}"] for k in KEYS}, ref)
