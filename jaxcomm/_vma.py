@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["varying_axes", "cast_varying", "vary_like", "typed_cond"]
+__all__ = ["varying_axes", "cast_varying", "vary_like", "typed_cond", "typed_switch"]
 
 
 def varying_axes(x) -> frozenset:
@@ -33,6 +33,18 @@ def vary_like(x, *refs):
     return cast_varying(x, frozenset().union(*(varying_axes(r) for r in refs)))
 
 
+def _typed_branches(branches, operand):
+    """``branches`` with every output leaf cast to vary over the union of the axes it varies over in any
+    branch (each branch traced abstractly, ``jax.eval_shape``), so ``lax.cond``/``lax.switch`` sees one type."""
+    shapes = [jax.eval_shape(branch, operand) for branch in branches]
+    axes = jax.tree.map(lambda *outs: frozenset().union(*(varying_axes(o) for o in outs)), *shapes)
+
+    def typed(branch):
+        return lambda op: jax.tree.map(cast_varying, branch(op), axes)
+
+    return [typed(branch) for branch in branches]
+
+
 def typed_cond(pred, true_fn, false_fn, operand=None):
     """``jax.lax.cond(pred, true_fn, false_fn, operand)`` whose branches may differ in varying axes.
 
@@ -41,13 +53,16 @@ def typed_cond(pred, true_fn, false_fn, operand=None):
     type. Only the taken branch runs (its collectives included) where ``pred`` is a scalar
     outside ``jax.vmap``.
     """
-    axes = jax.tree.map(
-        lambda a, b: varying_axes(a) | varying_axes(b),
-        jax.eval_shape(true_fn, operand),
-        jax.eval_shape(false_fn, operand),
-    )
+    true_typed, false_typed = _typed_branches([true_fn, false_fn], operand)
+    return jax.lax.cond(pred, true_typed, false_typed, operand)
 
-    def typed(branch):
-        return lambda op: jax.tree.map(cast_varying, branch(op), axes)
 
-    return jax.lax.cond(pred, typed(true_fn), typed(false_fn), operand)
+def typed_switch(index, branches, operand=None):
+    """``jax.lax.switch(index, branches, operand)`` whose branches may differ in varying axes.
+
+    :func:`typed_cond` for any number of branches (``index`` an int32 scalar, clamped to
+    ``[0, len(branches) - 1]`` by ``lax.switch``). One branch is the call itself, without a switch.
+    """
+    if len(branches) == 1:
+        return branches[0](operand)
+    return jax.lax.switch(index, _typed_branches(list(branches), operand), operand)

@@ -5,11 +5,14 @@ compensate → compress → communicate → decompress → memory update is writ
 worker, :func:`compressed_mean` over the workers' communicator,
 :func:`doublesqueeze` twice (workers, then the server), and
 :func:`gradient_dropping` adds Algorithm 2's local-gradient combination;
+:func:`deep_gradient_compression` chains :func:`local_clip` with a top-k
+``compressed_mean`` around DGC's memory and its :func:`topk_warmup` stages;
 :func:`accumulate` communicates once every ``k`` micro-steps.
 """
 
 from ._accumulate import AccumulateState, accumulate, warn_multisteps, zero_counters
 from ._compressed_mean import compressed_mean
+from ._dgc import deep_gradient_compression, topk_warmup
 from ._doublesqueeze import DoubleSqueezeState, doublesqueeze
 from ._error_feedback import error_feedback
 from ._gradient_dropping import (
@@ -22,6 +25,7 @@ from ._gradient_dropping import (
     num_kept,
     periodic_average,
 )
+from ._local_clip import local_clip
 from ._pipeline import FUSE_MAX_BYTES, STRATEGIES, CompressionState, run_rounds
 
 __all__ = [
@@ -35,13 +39,16 @@ __all__ = [
     "accumulate",
     "average_params",
     "compressed_mean",
+    "deep_gradient_compression",
     "dgc_warmup",
     "doublesqueeze",
     "drop_ratio_warmup",
     "error_feedback",
     "gradient_dropping",
+    "local_clip",
     "num_kept",
     "periodic_average",
+    "topk_warmup",
     "warn_multisteps",
     "zero_counters",
     "run_rounds",
