@@ -17,7 +17,7 @@ import optax
 
 from .. import memory as memory_lib
 from ..compressors import topk
-from ..compressors._base import Compressor, check_positive_int, check_ratio
+from ..compressors._base import Compressor, check_finite_scalar, check_positive_int, check_ratio
 from ._compressed_mean import compressed_mean
 from ._gradient_dropping import _check_drop_ratio, dgc_density
 from ._local_clip import local_clip
@@ -137,6 +137,8 @@ def deep_gradient_compression(
     """
     compressor = topk(ratio=ratio)
     memory = memory_lib.dgc(momentum)
+    if clip_norm is not None:
+        clip_norm = check_finite_scalar(clip_norm, "clip_norm", positive=True)
     steps_per_stage = check_positive_int(steps_per_stage, "steps_per_stage", minimum=0)
     stages = topk_warmup(ratio, steps_per_stage, initial_drop_ratio) if steps_per_stage else ()
     if not steps_per_stage:
