@@ -201,7 +201,11 @@ def compressed_mean(
         n = int(comm_obj.size)  # raises ValueError naming the axis where it is not bound
         for phase in phases:
             phase.check_served(comm_obj)
-        branches = [lambda _, phase=phase: phase.step(comm_obj, updates, state, n, fuse) for phase in phases]
+
+        def branch(phase: _Phase):
+            return lambda _: phase.step(comm_obj, updates, state, n, fuse)
+
+        branches = [branch(phase) for phase in phases]
         if dense_steps:
 
             def dense_step(_):
