@@ -10,6 +10,7 @@ mean, memory or stage shows up in the later steps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -260,3 +261,18 @@ def test_bad_recipe_and_schedule_arguments():
         topk_warmup(0.001, steps_per_stage=10, initial_drop_ratio=1.0)
     with pytest.raises(ValueError, match="momentum"):
         jc.deep_gradient_compression(momentum=1.0, axis_name="data")
+
+
+def test_dense_warmup_then_stages_then_the_compressor():
+    """A compressor's own dense warm-up runs first, as a branch of the same switch, then the stages."""
+    n, shape = 3, (10,)
+    main = dataclasses.replace(topk(ratio=0.1), dense_warmup=1)
+    tx = compressed_mean(main, "data", warmup=((2, topk(ratio=0.5)),))
+    state = stacked(tx.init(jnp.zeros(shape)), n)
+    g = np.random.default_rng(3).normal(size=(4, n, *shape)).astype(np.float32)
+    update = jax.jit(jax.vmap(tx.update, axis_name="data"))
+    for t, (ratio, bits) in enumerate([(1.0, 10 * 32), (0.5, 5 * 40), (0.5, 5 * 40), (0.1, 1 * 40)]):
+        out, state = update(g[t], state)
+        want = np.mean([np.where(topk_mask_np(g[t][w], ratio), g[t][w], 0.0) for w in range(n)], axis=0)
+        np.testing.assert_allclose(np.asarray(out)[0], want, rtol=1e-6, atol=1e-7)
+        assert (np.asarray(state.wire_bits) == bits).all(), (t, np.asarray(state.wire_bits), bits)
