@@ -41,6 +41,9 @@ _SUBMODULES = (
 # Functions re-exported at the top level: name -> submodule defining it.
 _REEXPORTS = {
     "compressed_mean": "transforms",
+    "deep_gradient_compression": "transforms",
+    "local_clip": "transforms",
+    "topk_warmup": "transforms",
     "error_feedback": "transforms",
     "doublesqueeze": "transforms",
     "gradient_dropping": "transforms",
@@ -69,11 +72,14 @@ if TYPE_CHECKING:  # static tools (type checkers, the API docs) see plain import
     from .compressors import BitCount as BitCount
     from .compressors import wire_bits as wire_bits
     from .transforms import compressed_mean as compressed_mean
+    from .transforms import deep_gradient_compression as deep_gradient_compression
     from .transforms import diloco as diloco
     from .transforms import doublesqueeze as doublesqueeze
     from .transforms import error_feedback as error_feedback
     from .transforms import gradient_dropping as gradient_dropping
+    from .transforms import local_clip as local_clip
     from .transforms import periodic_average as periodic_average
+    from .transforms import topk_warmup as topk_warmup
 
 __all__ = [*_SUBMODULES, *_REEXPORTS, "__version__"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["varying_axes", "cast_varying", "vary_like", "typed_switch", "typed_cond"]
+__all__ = ["varying_axes", "cast_varying", "vary_like", "typed_cond", "typed_switch"]
 
 
 def varying_axes(x) -> frozenset:
@@ -33,25 +33,36 @@ def vary_like(x, *refs):
     return cast_varying(x, frozenset().union(*(varying_axes(r) for r in refs)))
 
 
-def typed_switch(index, branches, operand=None):
-    """``jax.lax.switch(index, branches, operand)`` whose branches may differ in varying axes.
-
-    Every branch is traced abstractly (``jax.eval_shape``) and every output leaf is cast to
-    vary over the union of the axes it varies over in any branch, so ``lax.switch`` sees one
-    type. Only the taken branch runs (its collectives included) where ``index`` is a scalar
-    outside ``jax.vmap``; every worker must compute the same ``index`` when branches communicate.
-    """
-    branches = list(branches)
-    shapes = [jax.eval_shape(b, operand) for b in branches]
+def _typed_branches(branches, operand):
+    """``branches`` with every output leaf cast to vary over the union of the axes it varies over in any
+    branch (each branch traced abstractly, ``jax.eval_shape``), so ``lax.cond``/``lax.switch`` sees one type."""
+    shapes = [jax.eval_shape(branch, operand) for branch in branches]
     axes = jax.tree.map(lambda *outs: frozenset().union(*(varying_axes(o) for o in outs)), *shapes)
 
     def typed(branch):
         return lambda op: jax.tree.map(cast_varying, branch(op), axes)
 
-    return jax.lax.switch(index, [typed(b) for b in branches], operand)
+    return [typed(branch) for branch in branches]
 
 
 def typed_cond(pred, true_fn, false_fn, operand=None):
-    """``jax.lax.cond(pred, true_fn, false_fn, operand)`` whose branches may differ in varying axes
-    (:func:`typed_switch` with the branches ``(false_fn, true_fn)``)."""
-    return typed_switch(jax.numpy.asarray(pred).astype("int32"), (false_fn, true_fn), operand)
+    """``jax.lax.cond(pred, true_fn, false_fn, operand)`` whose branches may differ in varying axes.
+
+    Both branches are traced abstractly (``jax.eval_shape``) and every output leaf is cast to
+    vary over the union of the axes it varies over in either branch, so ``lax.cond`` sees one
+    type. Only the taken branch runs (its collectives included) where ``pred`` is a scalar
+    outside ``jax.vmap``.
+    """
+    true_typed, false_typed = _typed_branches([true_fn, false_fn], operand)
+    return jax.lax.cond(pred, true_typed, false_typed, operand)
+
+
+def typed_switch(index, branches, operand=None):
+    """``jax.lax.switch(index, branches, operand)`` whose branches may differ in varying axes.
+
+    :func:`typed_cond` for any number of branches (``index`` an int32 scalar, clamped to
+    ``[0, len(branches) - 1]`` by ``lax.switch``). One branch is the call itself, without a switch.
+    """
+    if len(branches) == 1:
+        return branches[0](operand)
+    return jax.lax.switch(index, _typed_branches(list(branches), operand), operand)

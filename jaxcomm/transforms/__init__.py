@@ -5,12 +5,15 @@ compensate → compress → communicate → decompress → memory update is writ
 worker, :func:`compressed_mean` over the workers' communicator,
 :func:`doublesqueeze` twice (workers, then the server), and
 :func:`gradient_dropping` adds Algorithm 2's local-gradient combination;
+:func:`deep_gradient_compression` chains :func:`local_clip` with a top-k
+``compressed_mean`` around DGC's memory and its :func:`topk_warmup` stages;
 :func:`accumulate` communicates once every ``k`` micro-steps; :func:`diloco` takes ``H`` local
 steps, then an outer step on the workers' compressed pseudo-gradient.
 """
 
 from ._accumulate import AccumulateState, accumulate, warn_multisteps, zero_counters
 from ._compressed_mean import compressed_mean
+from ._dgc import deep_gradient_compression, topk_warmup
 from ._diloco import DiLoCoState, diloco, fragment_leaves
 from ._doublesqueeze import DoubleSqueezeState, doublesqueeze
 from ._error_feedback import error_feedback
@@ -24,6 +27,7 @@ from ._gradient_dropping import (
     num_kept,
     periodic_average,
 )
+from ._local_clip import local_clip
 from ._pipeline import FUSE_MAX_BYTES, STRATEGIES, CompressionState, run_rounds
 
 __all__ = [
@@ -38,6 +42,7 @@ __all__ = [
     "accumulate",
     "average_params",
     "compressed_mean",
+    "deep_gradient_compression",
     "dgc_warmup",
     "diloco",
     "doublesqueeze",
@@ -45,8 +50,10 @@ __all__ = [
     "error_feedback",
     "fragment_leaves",
     "gradient_dropping",
+    "local_clip",
     "num_kept",
     "periodic_average",
+    "topk_warmup",
     "warn_multisteps",
     "zero_counters",
     "run_rounds",

@@ -7,22 +7,27 @@ decompressed payloads, identical on every worker.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from .. import compressors as compressors_lib
 from .. import memory as memory_lib
 from .._bitcount import BitCount
-from .._vma import typed_cond
+from .._vma import typed_switch
 from ..comm import resolve
-from ..compressors._base import Compressor
+from ..compressors._base import Compressor, check_positive_int
 from ._pipeline import (
     FUSE_MAX_BYTES,
     STRATEGIES,
     CompressionState,
     Owner,
     check_compressor,
+    check_feedback,
     check_memory,
     check_served,
     choose_strategy,
@@ -42,6 +47,7 @@ def compressed_mean(
     memory: memory_lib.Memory | None = None,
     strategy: str = "auto",
     fuse: bool = True,
+    warmup: Sequence[tuple[int, Compressor]] = (),
 ) -> optax.GradientTransformationExtraArgs:
     """Mean of the workers' gradients, communicated compressed (GRACE Algorithm 1).
 
@@ -97,6 +103,23 @@ def compressed_mean(
     leaf ``i`` at the last step (its payload; under ``"allreduce"`` only the
     summed fields; for rounds, every message).
 
+    Warm-up stages (``warmup``): ``((s_0, Q_0), (s_1, Q_1), ...)`` runs ``Q_0`` for the
+    first ``s_0`` steps, ``Q_1`` for the next ``s_1``, and so on, then ``compressor``:
+    at step ``t = state.count``, stage ``j`` is the one with ``S_j <= t < S_{j+1}``
+    (``S_0 = 0``, ``S_{j+1} = S_j + s_j``). Deep Gradient Compression's exponential
+    sparsity warm-up is ``warmup=topk_warmup(...)`` (top-k at densities 25 %, 6.25 %, ...).
+    Every phase is its own compiled branch of the pipeline, and one ``lax.switch`` on
+    the step count (the same on every worker) picks the branch; all phases share the
+    one state, so the memory (DGC's ``u`` and ``v``) carries across the stage
+    boundaries. A compressor with a dense warm-up (``dense_warmup``) runs it first, as a
+    branch of the same switch, then the stages. Why stages and not one top-k with a
+    traced ``k``: ``jax.lax.top_k`` and a payload's shape need a static ``k``; each stage
+    sends exactly its own ``k`` values and indices and ``state.wire_bits`` counts exactly
+    those, for the price of a handful of compiled branches. A single fixed-capacity
+    buffer with a traced threshold would send the capacity's bytes during the early,
+    denser stages whatever their ``k`` (a capacity sized for the first stage), or need
+    the counted all-gather of variable-length payloads.
+
     Pitfall: inside ``jax.shard_map``, ``jax.grad`` of replicated parameters
     silently sums the gradient over the axis; cast the parameters first with
     ``jax.lax.pcast(params, axis, to="varying")``. Where jax tracks it
@@ -115,6 +138,11 @@ def compressed_mean(
       fuse: all-gather the payloads up to :data:`FUSE_MAX_BYTES` with one
         collective, and all-reduce the summed arrays up to that size with one per
         dtype (default); or every payload (array) with its own.
+      warmup: ``(steps, Compressor)`` pairs run, in order, before ``compressor``
+        (default: none). Every stage's compressor must keep the same per-tensor
+        state as ``compressor`` (stateless top-k stages around a stateless top-k),
+        take no dense warm-up of its own, and have a strategy the communicator
+        serves (``strategy="auto"`` resolves per stage); ``steps`` an integer ``>= 1``.
     Returns:
       ``GradientTransformationExtraArgs`` with per-worker state
       :class:`~jaxcomm.transforms.CompressionState`.
@@ -127,71 +155,165 @@ def compressed_mean(
         strategy; both ``axis_name`` and ``comm``; (at trace time) the axis is
         not bound, the tree differs from ``init``'s, or the gradient was
         already summed over the axis.
-      TypeError: wrong types for ``compressor``, ``memory``, ``comm`` or ``fuse``.
+      ValueError: a ``warmup`` stage whose compressor keeps another state than
+        ``compressor`` (at build time on a probe tensor, at ``init`` per tensor), whose
+        strategy cannot be served, or with ``steps < 1``; the message names ``warmup[j]``.
+      TypeError: wrong types for ``compressor``, ``memory``, ``comm``, ``fuse`` or
+        ``warmup`` (not a sequence of ``(int, Compressor)`` pairs).
     """
     compressor = check_compressor(compressor, dense_warmup=True)
     memory = memory_lib.none() if memory is None else check_memory(memory)
     comm_obj = resolve(axis_name, comm)
     if not isinstance(fuse, bool):
         raise TypeError(f"fuse must be a bool; got {type(fuse).__name__}")
-    chosen = choose_strategy(compressor, strategy)
-    feeds_back = memory.from_error is not None  # the memory is the compression error itself
-    if strategy == "auto" and feeds_back and sums_in_16_bits(compressor):
-        # A 16-bit all-reduce rounds the sum where no memory sees it; the reduce-scatter route (the same
-        # bytes as a ring all-reduce) sums in float32 at the chunks' owners, who feed the rounding back.
-        chosen = "reduce_scatter"
-    fold = chosen == "reduce_scatter" and feeds_back
-    scale = float(memory.output_scale)
+    stages = check_warmup(warmup, compressor)
+    main = _Phase(compressor, strategy, memory, None)
+    phases = [_Phase(c, strategy, memory, f"warmup[{j}]") for j, (c, _) in enumerate(stages)] + [main]
     if axis_name is not None or comm is not None:
-        check_served(comm_obj, chosen, compressor)
+        for phase in phases:
+            phase.check_served(comm_obj)
+    # The steps at which the next phase begins: after the compressor's dense warm-up (if any), then after
+    # each stage in turn (cumulative counts of steps).
+    dense_steps = compressor.dense_warmup
+    ends = list(itertools.accumulate([dense_steps] + [steps for _, steps in stages]))
+    bounds = ends if dense_steps else ends[1:]
+    dense = compressors_lib.none()
     no_memory = memory_lib.none()
 
-    def owner_step(keys, n):
-        return Owner(compressor, no_memory, [()] * len(keys), [jax.random.fold_in(k, n) for k in keys], fold)
-
     def init_fn(params):
-        return init_state(params, compressor, memory)
-
-    warmup = compressor.dense_warmup
-    dense = compressors_lib.none()
+        state = init_state(params, compressor, memory)
+        leaves = jax.tree.leaves(params)
+        for j, (c, _) in enumerate(stages):
+            check_feedback(c, memory, [int(np.size(x)) for x in leaves])
+            for x in leaves:
+                want = jax.eval_shape(compressor.init_state, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)))
+                got = jax.eval_shape(c.init_state, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)))
+                if jax.tree.structure(got) != jax.tree.structure(want) or jax.tree.leaves(got) != jax.tree.leaves(want):
+                    raise ValueError(
+                        f"warmup[{j}]: compressor {c!r} keeps a per-tensor state {got} for a tensor of shape "
+                        f"{tuple(jnp.shape(x))}, but the main compressor {compressor!r} keeps {want}; the stages "
+                        "share the state, so every stage's compressor must keep the same state structure"
+                    )
+        return state
 
     def update_fn(updates, state: CompressionState, params=None, **extra_args):
         del params, extra_args
         n = int(comm_obj.size)  # raises ValueError naming the axis where it is not bound
-        check_served(comm_obj, chosen, compressor)
-        if not warmup:
-            return compressed(updates, state, n)
+        for phase in phases:
+            phase.check_served(comm_obj)
 
-        def dense_step(_):
-            # The uncompressed mean (one all-reduce per tensor); memory and compressor states untouched.
-            plain = state._replace(compressor_states=tuple(() for _ in state.compressor_states))
-            ex, leaves, treedef, new, _ = compress_step(
-                comm_obj, updates, plain, compressor=dense, memory=no_memory, strategy="allreduce", fuse=fuse
+        def branch(phase: _Phase):
+            return lambda _: phase.step(comm_obj, updates, state, n, fuse)
+
+        branches = [branch(phase) for phase in phases]
+        if dense_steps:
+
+            def dense_step(_):
+                # The uncompressed mean (one all-reduce per tensor); memory and compressor states untouched.
+                plain = state._replace(compressor_states=tuple(() for _ in state.compressor_states))
+                ex, leaves, treedef, new, _ = compress_step(
+                    comm_obj, updates, plain, compressor=dense, memory=no_memory, strategy="allreduce", fuse=fuse
+                )
+                outs = [m.astype(g.dtype) for m, g in zip(ex.means, leaves)]
+                kept = new._replace(memory=state.memory, compressor_states=state.compressor_states)
+                return treedef.unflatten(outs), kept
+
+            branches = [dense_step, *branches]
+        # The phase of this step: how many boundaries the count has passed (the same on every worker, so
+        # every worker takes the same branch and runs the same collectives).
+        index = sum((state.count >= b).astype(jnp.int32) for b in bounds) if bounds else jnp.zeros((), jnp.int32)
+        return typed_switch(index, branches)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def check_warmup(warmup, compressor: Compressor) -> list[tuple[Compressor, int]]:
+    """``warmup`` as ``[(compressor, steps)]``; ``TypeError``/``ValueError`` naming ``warmup`` otherwise.
+
+    Every stage: ``(steps, Compressor)`` with ``steps`` an integer ``>= 1``, a compressor without a dense
+    warm-up of its own, and (probed on a small float32 tensor) the main compressor's state structure.
+    """
+    if isinstance(warmup, (str, bytes)) or not isinstance(warmup, Sequence):
+        raise TypeError(
+            f"warmup must be a sequence of (steps, Compressor) pairs, e.g. jaxcomm.transforms.topk_warmup(...); "
+            f"got {type(warmup).__name__}"
+        )
+    stages: list[tuple[Compressor, int]] = []
+    probe = jax.ShapeDtypeStruct((64,), jnp.float32)
+    want = jax.eval_shape(compressor.init_state, probe) if len(warmup) else None
+    for j, stage in enumerate(warmup):
+        if not isinstance(stage, tuple) or len(stage) != 2:
+            raise TypeError(f"warmup[{j}] must be a (steps, Compressor) pair; got {stage!r}")
+        steps, c = stage
+        steps = check_positive_int(steps, f"warmup[{j}] steps", minimum=1, why="it is a phase boundary of the step")
+        c = check_compressor(c, f"warmup[{j}] compressor")
+        got = jax.eval_shape(c.init_state, probe)
+        if jax.tree.structure(got) != jax.tree.structure(want) or jax.tree.leaves(got) != jax.tree.leaves(want):
+            raise ValueError(
+                f"warmup[{j}]: compressor {c!r} keeps a per-tensor state {got} (for a tensor of 64 entries), but "
+                f"the main compressor {compressor!r} keeps {want}; the stages share the state, so every stage's "
+                "compressor must keep the same state structure (stateless sparsifiers such as top-k do)"
             )
-            outs = [m.astype(g.dtype) for m, g in zip(ex.means, leaves)]
-            return treedef.unflatten(outs), new._replace(memory=state.memory, compressor_states=state.compressor_states)
+        stages.append((c, steps))
+    return stages
 
-        return typed_cond(state.count < warmup, dense_step, lambda _: compressed(updates, state, n))
 
-    def compressed(updates, state, n):
+class _Phase:
+    """One compiled branch of :func:`compressed_mean`: the pipeline with one compressor.
+
+    Holds the compressor's strategy (``"auto"`` resolved for it), whether the owners' rounding is fed
+    back (``"reduce_scatter"`` with a memory that keeps the error) and the memory's output scale.
+    """
+
+    def __init__(self, compressor: Compressor, strategy: str, memory: memory_lib.Memory, where: str | None):
+        self.where = where  # "warmup[j]" for a stage: prefixed to its errors
+        try:
+            chosen = choose_strategy(compressor, strategy)
+        except ValueError as e:
+            raise self._named(e) from None
+        feeds_back = memory.from_error is not None  # the memory is the compression error itself
+        if strategy == "auto" and feeds_back and sums_in_16_bits(compressor):
+            # A 16-bit all-reduce rounds the sum where no memory sees it; the reduce-scatter route (the same
+            # bytes as a ring all-reduce) sums in float32 at the chunks' owners, who feed the rounding back.
+            chosen = "reduce_scatter"
+        self.compressor = compressor
+        self.memory = memory
+        self.chosen = chosen
+        self.fold = chosen == "reduce_scatter" and feeds_back
+        self.scale = float(memory.output_scale)
+
+    def _named(self, error: ValueError) -> ValueError:
+        return error if self.where is None else ValueError(f"{self.where}: {error}")
+
+    def check_served(self, comm) -> None:
+        """``ValueError`` (naming the stage) if ``comm`` cannot run this phase's strategy."""
+        try:
+            check_served(comm, self.chosen, self.compressor)
+        except ValueError as e:
+            raise self._named(e) from None
+
+    def step(self, comm, updates, state: CompressionState, n: int, fuse: bool):
+        compressor, no_memory = self.compressor, memory_lib.none()
+
+        def owner_step(keys):
+            return Owner(compressor, no_memory, [()] * len(keys), [jax.random.fold_in(k, n) for k in keys], self.fold)
+
         ex, leaves, treedef, new_state, _ = compress_step(
-            comm_obj,
+            comm,
             updates,
             state,
             compressor=compressor,
-            memory=memory,
-            strategy=chosen,
+            memory=self.memory,
+            strategy=self.chosen,
             fuse=fuse,
-            owner_step=(lambda keys: owner_step(keys, n)) if chosen == "reduce_scatter" else None,
+            owner_step=owner_step if self.chosen == "reduce_scatter" else None,
         )
-        if fold:  # this worker owns a chunk of each tensor: n (mean − Q(mean)) joins its memory there
+        if self.fold:  # this worker owns a chunk of each tensor: n (mean − Q(mean)) joins its memory there
             new_state = new_state._replace(
                 memory=jax.tree.map(jnp.add, new_state.memory, treedef.unflatten(ex.owner_memory))
             )
         bits = new_state.wire_bits
-        if chosen == "reduce_scatter" and ex.owner_bits:  # the chunks sent, then the averaged chunk
+        if self.chosen == "reduce_scatter" and ex.owner_bits:  # the chunks sent, then the averaged chunk
             bits = bits + BitCount.stack(ex.owner_bits)
-        outs = [(m if scale == 1.0 else m * scale).astype(g.dtype) for m, g in zip(ex.means, leaves)]
+        outs = [(m if self.scale == 1.0 else m * self.scale).astype(g.dtype) for m, g in zip(ex.means, leaves)]
         return treedef.unflatten(outs), new_state._replace(wire_bits=bits)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -55,6 +55,7 @@ from ..comm import resolve
 from ..compressors import index_dtype, topk
 from ..compressors._base import Compressor, check_finite_scalar, check_positive_int
 from ..compressors.payloads import DensePayload, SparsePayload
+from ._local_clip import clip_leaves
 from ._pipeline import CompressionState, compress_step, group_vector, groups_of, init_state, ungroup
 
 __all__ = [
@@ -165,10 +166,20 @@ def dgc_warmup(
 
     def schedule(count):
         stage = jnp.asarray(count, jnp.int32) // steps_per_stage
-        density = jnp.power(jnp.float32(1.0 - initial_drop_ratio), stage.astype(jnp.float32) + 1.0)
-        return jnp.minimum(jnp.float32(final_drop_ratio), 1.0 - density)
+        return jnp.minimum(jnp.float32(final_drop_ratio), 1.0 - dgc_density(initial_drop_ratio, stage))
 
     return DropRatioSchedule(schedule, final_drop_ratio)
+
+
+def dgc_density(initial_drop_ratio: float, stage):
+    """DGC's kept density at warm-up stage ``stage`` (0-based): ``(1 - initial_drop_ratio)^(stage + 1)``.
+
+    The one formula behind :func:`dgc_warmup` (a traced ``stage``: float32 scalar) and
+    :func:`~jaxcomm.transforms.topk_warmup` (a Python ``int``: Python float, float64).
+    """
+    if isinstance(stage, (int, np.integer)):
+        return (1.0 - initial_drop_ratio) ** (int(stage) + 1)
+    return jnp.power(jnp.float32(1.0 - initial_drop_ratio), jnp.asarray(stage).astype(jnp.float32) + 1.0)
 
 
 def num_kept(drop_ratio, size: int):
@@ -302,11 +313,7 @@ def gradient_dropping(
 
         if clip_norm is not None:
             # DGC Sec. 3.3: clip locally, threshold scaled by N^{-1/2}.
-            threshold = clip_norm / math.sqrt(n)
-            norm = optax.tree.norm(leaves)
-            leaves = [
-                jnp.where(norm < threshold, g, (g / norm.astype(g.dtype)) * threshold).astype(g.dtype) for g in leaves
-            ]
+            leaves = clip_leaves(leaves, clip_norm, n)
             updates = treedef.unflatten(leaves)
 
         ratio = drop_ratio(state.count) if callable(drop_ratio) else drop_ratio
