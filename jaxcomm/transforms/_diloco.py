@@ -23,6 +23,7 @@ global fragment, as plain DiLoCo).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -92,7 +93,7 @@ def fragment_leaves(sizes: Sequence[int], fragments: int) -> list[list[int]]:
         j = int(np.searchsorted(before, k * before[-1] / fragments, side="left"))
         cuts.append(min(max(j, cuts[-1] + 1), count - (fragments - k)))
     cuts.append(count)
-    return [list(range(a, b)) for a, b in zip(cuts[:-1], cuts[1:])]
+    return [list(range(a, b)) for a, b in itertools.pairwise(cuts)]
 
 
 def _zero_counters(state: CompressionState) -> CompressionState:
@@ -279,9 +280,7 @@ def diloco(
         phase = t % every
         sends = [phase == ((p + 1) * period) % every for p in range(fragments)]
         send_index = _which(sends)
-        pending, exchange_states = typed_switch(
-            send_index, [no_send] + [sender(p) for p in range(fragments)], None
-        )
+        pending, exchange_states = typed_switch(send_index, [no_send] + [sender(p) for p in range(fragments)], None)
 
         # 3. receive: delay steps after fragment q synced, its outer step and the blend
         def no_receive(_):

@@ -59,5 +59,3 @@ def _reference(steps, *, every, fragments=1, delay=0, blend=0.0, lr=0.05, mom=0.
                         local[i][k] = blend * local[i][k] + (1 - blend) * new
                     anchor[k] = new
     return {k: np.stack([local[i][k] for i in range(N)]) for k in KEYS}
-
-
