@@ -175,6 +175,22 @@ def test_topk_payload_and_wire_bits():
         assert jc.wire_bits(p) == k * (jnp.dtype(dtype).itemsize * 8 + ib)
 
 
+def test_topk_dense_below_sends_small_tensors_whole():
+    """``dense_below``: a tensor of at most that many entries is sent whole (k = d, the declared
+    contraction 1), a larger one keeps round(ratio · d) (the NumPy selection); bits are k (32 + index)."""
+    c = jc.compressors.topk(ratio=0.05, dense_below=16)
+    for d in (1, 16, 17, 400):
+        x = np.random.RandomState(d).randn(d).astype(np.float32)
+        k = d if d <= 16 else SP.num_selected(0.05, d)
+        p = compress_fn(c)(jnp.asarray(x), KEY)
+        y = np.asarray(c.decompress(p))
+        assert set(np.flatnonzero(y).tolist()) == set(np_topk(x, k).tolist())
+        assert jc.wire_bits(p) == k * (32 + 8 * jnp.dtype(jc.compressors.index_dtype(d)).itemsize)
+        assert c.contraction(d) == k / d
+    with pytest.raises(ValueError, match="dense_below"):
+        jc.compressors.topk(ratio=0.1, dense_below=-1)
+
+
 # --------------------------------------------------------------------------- #
 # random-k
 # --------------------------------------------------------------------------- #

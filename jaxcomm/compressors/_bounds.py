@@ -59,10 +59,10 @@ def _bf16(p) -> Declared:
 
 
 def _topk(p) -> Declared:
-    ratio = p["ratio"]
+    ratio, dense_below = p["ratio"], p.get("dense_below", 0)
     return (
         None,
-        lambda d: _num_selected(ratio, d) / d,
+        lambda d: 1.0 if d <= dense_below else _num_selected(ratio, d) / d,
         ("Stich, Cordonnier & Jaggi 2018, Lemma A.1: ‖x − top_k(x)‖² ≤ (1 − k/d) ‖x‖², δ = k/d"),
     )
 

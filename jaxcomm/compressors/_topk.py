@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import Compressor, check_ratio, register
+from ._base import Compressor, check_positive_int, check_ratio, register
 from ._kernels.select import magnitude_keys, reuse_state, top_indices, top_indices_reusing
 from ._sparse import (
     SparsePayload,
@@ -32,10 +32,11 @@ def topk_indices(x, k: int, key=None):
 
 
 @register("topk")
-def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False) -> Compressor:
+def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False, dense_below: int = 0) -> Compressor:
     """Top-k sparsification (GRACE Table I; Aji & Heafield 2017, Stich et al. 2018).
 
-    Sends the ``k = max(1, round(ratio * d))`` entries of largest magnitude
+    Sends the ``k = max(1, round(ratio * d))`` entries of largest magnitude (all ``d`` of a
+    tensor of at most ``dense_below`` entries)
     (``b_i = 1`` iff ``|x_i|`` is among the ``k`` largest, GRACE Sec. III-B),
     exactly: the selected set equals ``np.argpartition(-|x|, k-1)[:k]`` up to
     ties, and ties at the k-th magnitude go to the lowest indices, so the
@@ -68,8 +69,13 @@ def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False) -> Compr
       reuse_threshold: carry the selection threshold between steps (state per tensor:
         int32 ``(2,)``, the threshold to try, ``-1`` before the first step, and the
         number of candidates it aims at).
+      dense_below: tensors of at most this many entries are sent whole (``k = d``): the
+        usual practice of Deep Gradient Compression's implementations for biases and
+        normalisation scales, where one selected entry of 16 would starve the layer. ``0``
+        (default): every tensor is sparsified.
     """
     ratio = check_ratio(ratio, "ratio", "it fixes the number of entries sent k, an array shape")
+    dense_below = check_positive_int(dense_below, "dense_below", minimum=0)
     if not isinstance(reuse_threshold, bool):
         raise TypeError(f"reuse_threshold must be a bool; got {type(reuse_threshold).__name__}")
 
@@ -78,7 +84,7 @@ def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False) -> Compr
         return SparsePayload(values=vals, indices=idx, shape=tuple(np.shape(x)), dtype=x.dtype)
 
     def compress(x, key, state):
-        k = num_selected(ratio, int(np.size(x)))
+        k = selected(ratio, dense_below, int(np.size(x)))
         if not reuse_threshold:
             return payload(x, topk_indices(x, k, key)), state
         idx, _, guess = top_indices_reusing(jnp.ravel(x), k, key, state, keys_of=magnitude_keys)
@@ -86,7 +92,7 @@ def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False) -> Compr
 
     def init_state(x):
         d = int(np.size(x))
-        return reuse_state(num_selected(ratio, d), d)
+        return reuse_state(selected(ratio, dense_below, d), d)
 
     return Compressor.create(
         name="topk",
@@ -98,5 +104,15 @@ def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False) -> Compr
         unbiased=False,
         strategy="allgather",
         seed=seed,
-        params=dict(ratio=ratio, reuse_threshold=True) if reuse_threshold else dict(ratio=ratio),
+        params={
+            "ratio": ratio,
+            **({"reuse_threshold": True} if reuse_threshold else {}),
+            **({"dense_below": dense_below} if dense_below else {}),
+        },
     )
+
+
+def selected(ratio: float, dense_below: int, d: int) -> int:
+    """Entries top-k sends of a ``d``-entry tensor: ``d`` when ``d <= dense_below``, else
+    :func:`~jaxcomm.compressors._sparse.num_selected` ``(ratio, d)``."""
+    return d if d <= dense_below else num_selected(ratio, d)

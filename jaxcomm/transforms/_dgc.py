@@ -26,7 +26,7 @@ __all__ = ["topk_warmup", "deep_gradient_compression"]
 
 
 def topk_warmup(
-    final_ratio: float = 0.001, steps_per_stage: int = 1000, initial_drop_ratio: float = 0.75
+    final_ratio: float = 0.001, steps_per_stage: int = 1000, initial_drop_ratio: float = 0.75, *, dense_below: int = 0
 ) -> tuple[tuple[int, Compressor], ...]:
     """DGC's exponential sparsity warm-up (Lin et al. 2018, Sec. 3.4) as top-k stages.
 
@@ -45,6 +45,8 @@ def topk_warmup(
       final_ratio: the density after the warm-up, in ``(0, 1]``.
       steps_per_stage: steps per stage, an integer ``>= 1`` (e.g. the steps of one epoch).
       initial_drop_ratio: the first stage's drop ratio, in ``[0, 1)``.
+      dense_below: of every stage's :func:`~jaxcomm.compressors.topk` (tensors of at most this
+        many entries are sent whole).
     Returns:
       ``((steps_per_stage, topk(ratio=ρ_0)), (steps_per_stage, topk(ratio=ρ_1)), ...)``,
       the ``warmup`` argument of :func:`~jaxcomm.transforms.compressed_mean` (empty when
@@ -66,7 +68,7 @@ def topk_warmup(
     stages = []
     j = 0
     while (density := dgc_density(initial_drop_ratio, j)) > final_ratio:
-        stages.append((steps_per_stage, topk(ratio=density)))
+        stages.append((steps_per_stage, topk(ratio=density, dense_below=dense_below)))
         j += 1
     return tuple(stages)
 
@@ -78,6 +80,7 @@ def deep_gradient_compression(
     clip_norm: float | None = None,
     steps_per_stage: int = 0,
     initial_drop_ratio: float = 0.75,
+    dense_below: int = 0,
     axis_name: str | None = None,
     comm=None,
     fuse: bool = True,
@@ -124,6 +127,8 @@ def deep_gradient_compression(
       steps_per_stage: steps per warm-up stage, an integer ``>= 0``; ``0`` (default):
         no warm-up, ``ratio`` from the first step.
       initial_drop_ratio: the first stage's drop ratio (DGC: 0.75).
+      dense_below: tensors of at most this many entries (biases, normalisation scales) are
+        sent whole, at every stage (:func:`~jaxcomm.compressors.topk`'s ``dense_below``).
       axis_name / comm: the workers' communicator, as in
         :func:`~jaxcomm.transforms.compressed_mean`.
       fuse: as in :func:`~jaxcomm.transforms.compressed_mean`.
@@ -135,12 +140,12 @@ def deep_gradient_compression(
       ValueError / TypeError: a bad argument, named (``ratio``, ``momentum``,
         ``clip_norm``, ``steps_per_stage``, ``initial_drop_ratio``, ``axis_name``/``comm``).
     """
-    compressor = topk(ratio=ratio)
+    compressor = topk(ratio=ratio, dense_below=dense_below)
     memory = memory_lib.dgc(momentum)
     if clip_norm is not None:
         clip_norm = check_finite_scalar(clip_norm, "clip_norm", positive=True)
     steps_per_stage = check_positive_int(steps_per_stage, "steps_per_stage", minimum=0)
-    stages = topk_warmup(ratio, steps_per_stage, initial_drop_ratio) if steps_per_stage else ()
+    stages = topk_warmup(ratio, steps_per_stage, initial_drop_ratio, dense_below=dense_below) if steps_per_stage else ()
     if not steps_per_stage:
         _check_drop_ratio(initial_drop_ratio, "initial_drop_ratio")
     clip = optax.identity() if clip_norm is None else local_clip(clip_norm, axis_name=axis_name, comm=comm)
