@@ -176,7 +176,8 @@ class TimeToAccuracyConfig:
       dataset: ``"fashion_mnist"``, ``"mnist"``, ``"mnist5k"`` or ``"digits"``.
       model: ``"resnet20"``, ``"eventgrad_cnn"`` or ``"mlp"``.
       batch_size: examples per worker and step.
-      learning_rate, momentum: of the methods' ``optax.sgd`` (DGC: its momentum).
+      learning_rate, momentum: of the methods' ``optax.sgd`` (DGC applies the momentum itself,
+        before its sparsification, and then plain SGD).
       learning_rates: method label -> learning rate for that method (others: ``learning_rate``).
       lr_sweep: learning rates to try (empty: none); the unshaped training job first trains
         every method at each for the first seed and records its steps to target (``sweep``).
@@ -188,7 +189,7 @@ class TimeToAccuracyConfig:
         of ``procs``).
       train_examples: keep only this many training examples (0: all).
       compute_steps: steps timed with a one-worker communicator (the step without its
-        communication), per method and run; rounded up to whole communication periods.
+        communication), once per method and learning rate; rounded up to whole communication periods.
       timing_steps: decomposed route: the least number of steps timed per method and link, after
         the method's warm-up; at least two communication periods are timed, in whole periods.
       seeds: initialisation, data order and compressor randomness; one run per seed.

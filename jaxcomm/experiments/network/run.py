@@ -334,7 +334,7 @@ def headline(results: dict) -> list[dict]:
                 "time to target (s)": (
                     "–"
                     if row["time_to_target_s"] != row["time_to_target_s"]
-                    else f"{row['time_to_target_s']:.1f} ± {row['time_std_s']:.1f}"
+                    else f"{row['time_to_target_s']:.3g} ± {row['time_std_s']:.2g}"
                 ),
                 "×16-bit": _fmt(row["speedup_vs_16bit"], ".2f"),
                 "×fp32": _fmt(row["speedup_vs_fp32"], ".2f"),

@@ -20,7 +20,8 @@ method and seed,
 * ``compute_s``: step time of the same optimizer with a one-worker communicator
   (:class:`jaxcomm.comm.Local`: forward, backward, compression and decoding, no communication),
   timed on every rank at once so the processes share the CPU as in training: the median over
-  whole communication periods of a period's mean step (s);
+  whole communication periods of a period's mean step (s), measured once per method and
+  learning rate (with the first seed run) and recorded with every seed;
 * ``curve``: after every ``eval_every`` steps: ``step``, ``time_s`` (the training steps'
   wall-clock seconds so far on rank 0: evaluation, data loading and compilation are not
   counted), ``accuracy`` (test accuracy over ``eval_examples``, evaluated in parallel),
@@ -223,27 +224,33 @@ def _mpi_trainer(method: str, seed: int, lr: float, cfg: dict, train, world, ran
     return trainer, batches, info
 
 
-def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, world, rank: int) -> dict:
+def _compute_s(method: str, seed: int, lr: float, cfg: dict, train, world, cache: dict) -> float:
+    """The compute-only step (s) of ``method`` at ``lr``: measured once (first seed), then reused."""
+    if (method, lr) not in cache:
+        world.Barrier()
+        compute_s = compute_step_time(
+            model=cfg["model"],
+            batch_size=int(cfg["batch_size"]),
+            method=method,
+            learning_rate=lr,
+            momentum=float(cfg["momentum"]),
+            steps=int(cfg["compute_steps"]),
+            seed=seed,
+            options=cfg,
+            train=train,
+            world=world,
+        )
+        cache[(method, lr)] = float(np.max(world.allgather(compute_s)))  # the slowest rank paces the step
+    return cache[(method, lr)]
+
+
+def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, world, rank: int, cache: dict) -> dict:
     from tqdm.auto import tqdm
 
     from jaxcomm.netem import link_counters
 
     n = world.Get_size()
-    momentum = float(cfg["momentum"])
-    world.Barrier()
-    compute_s = compute_step_time(
-        model=cfg["model"],
-        batch_size=int(cfg["batch_size"]),
-        method=method,
-        learning_rate=lr,
-        momentum=momentum,
-        steps=int(cfg["compute_steps"]),
-        seed=seed,
-        options=cfg,
-        train=train,
-        world=world,
-    )
-    compute_s = float(np.max(world.allgather(compute_s)))  # the slowest rank paces the step
+    compute_s = _compute_s(method, seed, lr, cfg, train, world, cache)
 
     trainer, batches, info = _mpi_trainer(method, seed, lr, cfg, train, world, rank)
     state = trainer.init_state()
@@ -397,11 +404,12 @@ def main(argv: list[str] | None = None) -> None:
         plan += [("runs", m, s, _learning_rate(cfg, m)) for s in seeds for m in methods]
     for key in dict.fromkeys(k for k, *_ in plan):
         result[key] = []
+    compute_cache: dict = {}
     for i, (key, method, seed, lr) in enumerate(plan):
         if key == "timings":
             result[key].append(_time(method, seed, lr, cfg, train, world, rank))
         else:
-            result[key].append(_train(method, seed, lr, cfg, train, test_shard, world, rank))
+            result[key].append(_train(method, seed, lr, cfg, train, test_shard, world, rank, compute_cache))
         if rank == 0:  # after every run, so that an interrupted job keeps what it measured
             result["job_s"] = time.perf_counter() - t0
             result["complete"] = i + 1 == len(plan)
