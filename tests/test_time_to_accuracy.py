@@ -1,7 +1,8 @@
-"""``jaxcomm run time-to-accuracy``: its configuration checks, its summary, and a smoke run on an
-emulated network (2 processes, 200 Mbit/s) whose measurements are checked against each other:
-the bytes the kernel counted against the cost model's formula for the pipeline's own count, the
-curve's bookkeeping, and the link's rate against the measured time."""
+"""``jaxcomm run time-to-accuracy``: its configuration checks, its records and summary on hand-made
+jobs (closed forms), and a smoke run on an emulated network (2 processes: trained on the unshaped
+link, timed on a 200 Mbit/s one) whose measurements are checked against each other: the bytes
+the kernel counted against the cost model's formula for the pipeline's own count, the curve's
+bookkeeping, the link's rate against the measured time, and the records' keys and types."""
 
 from __future__ import annotations
 
@@ -185,6 +186,21 @@ def test_end_to_end_records_and_agreement():
     agree = {a["method"]: a for a in agreement(both)}
     assert agree["none"]["agreement"] == pytest.approx(110.0 / 12.5)
     assert agree["topk-1%+EF"]["seeds"] == 1 and agree["topk-1%+EF"]["agreement"] == pytest.approx(22.0 / 30.0)
+
+
+def test_sweep_records():
+    from jaxcomm.experiments.network.run import sweep_records
+
+    sweep = [
+        {**_run("none", 100, 0.05, reached_s=1.0), "learning_rate": 0.05},
+        {**_run("none", None, 0.05), "learning_rate": 0.5},
+    ]
+    got = sweep_records({"sweep": sweep})
+    assert [(g["learning_rate"], g["reached"], g["steps_to_target"]) for g in got] == [
+        (0.05, True, 100),
+        (0.5, False, None),
+    ]
+    assert got[0]["final_accuracy"] == pytest.approx(0.1) and sweep_records({}) == []
 
 
 @pytest.mark.mpi

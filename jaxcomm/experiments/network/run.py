@@ -55,6 +55,7 @@ __all__ = [
     "records_end_to_end",
     "run",
     "summarize",
+    "sweep_records",
 ]
 
 # The folder holding the ``jaxcomm`` package: the workers' working directory, so that
@@ -313,6 +314,23 @@ def agreement(records: list[dict]) -> list[dict]:
             }
         )
     return out
+
+
+def sweep_records(training: dict) -> list[dict]:
+    """One entry per run of the training job's learning-rate sweep: ``method``,
+    ``learning_rate``, ``seed``, ``reached``, ``steps_to_target`` (``None`` if not reached) and
+    ``final_accuracy`` (the last evaluation's test accuracy)."""
+    return [
+        {
+            "method": r["method"],
+            "learning_rate": float(r["learning_rate"]),
+            "seed": int(r["seed"]),
+            "reached": r["reached"] is not None,
+            "steps_to_target": int(r["reached"]["step"]) if r["reached"] else None,
+            "final_accuracy": float(r["curve"][-1]["accuracy"]) if r["curve"] else None,
+        }
+        for r in training.get("sweep", [])
+    ]
 
 
 def _fmt(value, spec: str) -> str:
@@ -577,17 +595,7 @@ def run(config: dict, out_dir: Path) -> dict:
         results["training"] = training
         results["timing_jobs"] = timing_jobs
         if training.get("sweep"):
-            results["sweep"] = [
-                {
-                    "method": r["method"],
-                    "learning_rate": r["learning_rate"],
-                    "seed": r["seed"],
-                    "reached": r["reached"] is not None,
-                    "steps_to_target": r["reached"]["step"] if r["reached"] else None,
-                    "final_accuracy": r["curve"][-1]["accuracy"] if r["curve"] else None,
-                }
-                for r in training["sweep"]
-            ]
+            results["sweep"] = sweep_records(training)
     if route in ("end_to_end", "compare"):
         for bandwidth in config["bandwidths"]:
             if route == "compare" and not _shaped(bandwidth):
