@@ -324,7 +324,13 @@ def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, worl
 
 def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int) -> dict:
     """Every step's time of ``method`` on this link: its warm-up (capped by ``timing_warmup``),
-    then :func:`timed_steps` steps whose kernel byte count is read (rank 0)."""
+    then :func:`timed_steps` steps whose kernel byte count is read (rank 0).
+
+    ``step_s`` is the mean of the timed steps' ``step_time`` (s, as the training job's clock
+    counts them); ``window_s`` the wall-clock of the timed window on rank 0, between barriers
+    (s). The window starts with the link's token bucket full: at most ``burst / rate`` seconds
+    of transfer (256 KiB: 0.2 s at 10 Mbit/s, 2 ms at 1 Gbit/s) pass without waiting.
+    """
     from jaxcomm.netem import link_counters
 
     trainer, batches, info = _mpi_trainer(method, seed, lr, cfg, train, world, rank)
@@ -337,8 +343,11 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
         state, hist_warm = trainer.fit(state, batches, warmup, progress=False)
     world.Barrier()
     before = link_counters() if rank == 0 else None
+    world.Barrier()  # every rank starts the window together, after rank 0 has read the counter
+    t0 = time.perf_counter()
     state, hist = trainer.fit(state, batches, warmup + steady, progress=False)
     world.Barrier()
+    window_s = time.perf_counter() - t0
     window_bytes = (link_counters() - before).bytes if before is not None else 0
     times = [row["step_time"] for row in hist]
     out = {
@@ -355,6 +364,7 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
         "wire_bits_per_step": float(np.mean([row["wire_bits"] for row in hist])),
         "messages_per_step": float(np.mean([row["messages"] for row in hist])),
         "link_bytes_per_step": window_bytes / steady,
+        "window_s": window_s,
     }
     if rank == 0:
         print(
