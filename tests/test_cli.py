@@ -320,6 +320,7 @@ def test_bad_config_is_one_line_exit_2_and_creates_nothing(tmp_path, override, k
         ("gradient-dropping", "methods=nosuch", r"GradientDroppingConfig.methods must be names from"),
         ("time-to-accuracy", "methods=nosuch", r"TimeToAccuracyConfig.methods must be names from"),
         ("time-to-accuracy", "learning_rate=-1", r"TimeToAccuracyConfig.learning_rate must be > 0"),
+        ("time-to-accuracy", "route=nosuch", r"TimeToAccuracyConfig.route: must be one of decomposed"),
     ],
 )
 def test_every_study_refuses_bad_seeds_and_methods_in_one_line(tmp_path, name, override, message):

@@ -1,7 +1,8 @@
-"""``jaxcomm run time-to-accuracy``: its configuration checks, its summary, and a smoke run on an
-emulated network (2 processes, 200 Mbit/s) whose measurements are checked against each other:
-the bytes the kernel counted against the cost model's formula for the pipeline's own count, the
-curve's bookkeeping, and the link's rate against the measured time."""
+"""``jaxcomm run time-to-accuracy``: its configuration checks, its records and summary on hand-made
+jobs (closed forms), and a smoke run on an emulated network (2 processes: trained on the unshaped
+link, timed on a 200 Mbit/s one) whose measurements are checked against each other: the bytes
+the kernel counted against the cost model's formula for the pipeline's own count, the curve's
+bookkeeping, the link's rate against the measured time, and the records' keys and types."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ EXP = get_experiment("time-to-accuracy")
         ("max_steps", 0, "max_steps"),
         ("eval_examples", 1, "eval_examples"),
         ("seeds", [], "seeds"),
+        ("route", "fast", "route"),
+        ("learning_rates", {"nosuch": 0.1}, "learning_rates"),
+        ("learning_rates", {"none": -0.1}, "learning_rates"),
+        ("lr_sweep", [0.0], "lr_sweep"),
+        ("timing_steps", 0, "timing_steps"),
+        ("dgc_steps_per_stage", 0, "dgc_steps_per_stage"),
     ],
 )
 def test_bad_config_names_the_field_before_anything_runs(tmp_path, key, value, match):
@@ -41,66 +48,171 @@ def test_bad_config_names_the_field_before_anything_runs(tmp_path, key, value, m
     assert not (tmp_path / "out").exists()
 
 
-def _run(method, reached_s, step_s, compute_s, bits, messages=4, strategy="allreduce", seed=0):
+def _run(method, reached_step, compute_s, seed=0, reached_s=None, strategy="allreduce", bits=32e6, sync_every=1):
+    """A hand-made run of a training job: evaluations every 10 steps, 1,000 kernel bytes per step."""
+    last = reached_step or 300
     return {
         "method": method,
         "seed": seed,
         "strategy": strategy,
+        "sync_every": sync_every,
         "compute_s": compute_s,
-        "step_s": step_s,
+        "step_s": 0.2,
         "wire_bits_per_step": bits,
-        "messages_per_step": messages,
-        "link_bytes_per_step": bits / 8 * 6,
-        "steps": 100,
-        "reached": None if reached_s is None else {"step": 100, "time_s": reached_s},
-        "curve": [],
-    }
-
-
-def test_summary_against_closed_forms():
-    from jaxcomm.experiments.network.run import summarize
-
-    link = {"latency_s": 1e-4, "throughput_bps": 5e9}
-    job = {
-        "bandwidth": "100mbit",
-        "procs": 4,
-        "link": link,
-        "runs": [
-            _run("none", 60.0, 0.6, 0.07, 32e6),
-            _run("none", 66.0, 0.62, 0.07, 32e6, seed=1),
-            _run("topk-1%+EF", 10.0, 0.1, 0.08, 0.64e6, strategy="allgather", seed=0),
-            _run("topk-1%+EF", 14.0, 0.1, 0.08, 0.64e6, strategy="allgather", seed=1),
-            _run("qsgd-16", None, 0.3, 0.08, 6e6, strategy="allgather"),
+        "messages_per_step": 4,
+        "link_bytes_per_step": 1000.0,
+        "steps": last,
+        "reached": None if reached_step is None else {"step": reached_step, "time_s": reached_s},
+        "curve": [
+            {"step": k, "time_s": 0.2 * k, "accuracy": 0.1, "link_bytes": 1000 * k} for k in range(10, last + 1, 10)
         ],
     }
-    rows = {r["method"]: r for r in summarize([job], 0.75)}
-    none, topk, qsgd = rows["none"], rows["topk-1%+EF"], rows["qsgd-16"]
-    assert none["time_to_target_s"] == pytest.approx(63.0) and none["time_std_s"] == pytest.approx(
-        np.std([60, 66], ddof=1)
+
+
+def _timing(method, step_s, warmup_step_times=(), sync_every=1, bits=32e6, messages=4, strategy="allreduce"):
+    return {
+        "method": method,
+        "seed": 0,
+        "strategy": strategy,
+        "sync_every": sync_every,
+        "warmup_steps": len(warmup_step_times),
+        "warmup_step_times": list(warmup_step_times),
+        "step_times": [step_s] * 20,
+        "step_s": step_s,
+        "compute_s": 0.05,
+        "wire_bits_per_step": bits,
+        "messages_per_step": messages,
+        "link_bytes_per_step": 1000.0,
+    }
+
+
+LINK = {"latency_s": 1e-4, "throughput_bps": 5e9}
+TRAINING = {
+    "bandwidth": "unlimited",
+    "procs": 4,
+    "mode": "train",
+    "link": LINK,
+    "runs": [
+        _run("none", 100, 0.05, seed=0, reached_s=12.0),
+        _run("none", 120, 0.05, seed=1, reached_s=13.0),
+        _run("fp16", 80, 0.06, seed=0, reached_s=9.0),
+        _run("fp16", 80, 0.06, seed=1, reached_s=9.0),
+        _run("bf16", 90, 0.06, seed=0, reached_s=10.0),
+        _run("bf16", 90, 0.06, seed=1, reached_s=11.0),
+        _run("topk-1%+EF", 200, 0.08, seed=0, reached_s=30.0, strategy="allgather"),
+        _run("topk-1%+EF", None, 0.08, seed=1, strategy="allgather"),
+    ],
+}
+TIMING = {
+    "bandwidth": "10mbit",
+    "procs": 4,
+    "mode": "time",
+    "link": LINK,
+    "timings": [
+        _timing("none", 1.0),
+        _timing("fp16", 0.5),
+        _timing("bf16", 0.4),
+        _timing("topk-1%+EF", 0.1, warmup_step_times=[0.3] * 10, strategy="allgather"),
+    ],
+}
+
+
+def test_decomposed_records_and_summary_against_closed_forms():
+    from jaxcomm.experiments.network.run import RECORD_KEYS, decomposed_time, records_decomposed, summarize
+
+    assert decomposed_time(200, TIMING["timings"][3]) == pytest.approx(10 * 0.3 + 190 * 0.1)
+    assert decomposed_time(5, TIMING["timings"][3]) == pytest.approx(5 * 0.3)
+    records = records_decomposed(TRAINING, TIMING)
+    assert len(records) == len(TRAINING["runs"]) and all(tuple(r) == RECORD_KEYS for r in records)
+    rec = {(r["method"], r["seed"]): r for r in records}
+    none0 = rec[("none", 0)]
+    assert none0["route"] == "decomposed" and none0["link"] == "10mbit" and none0["reached"] is True
+    assert none0["steps_to_target"] == 100 and none0["time_to_target_s"] == pytest.approx(100.0)
+    assert none0["bytes_to_target"] == 100_000 and none0["compute_only_s"] == pytest.approx(5.0)
+    assert none0["utilization"] == pytest.approx(0.05)
+    missed = rec[("topk-1%+EF", 1)]
+    assert missed["reached"] is False
+    assert all(missed[k] is None for k in RECORD_KEYS[5:])
+    rows = {r["method"]: r for r in summarize(records, [TRAINING, TIMING])}
+    none, fp16, bf16, topk = rows["none"], rows["fp16"], rows["bf16"], rows["topk-1%+EF"]
+    assert none["time_to_target_s"] == pytest.approx(110.0) and none["time_std_s"] == pytest.approx(
+        np.std([100, 120], ddof=1)
     )
-    assert none["speedup_vs_dense"] == pytest.approx(1.0)
-    assert topk["speedup_vs_dense"] == pytest.approx(63.0 / 12.0) and topk["reached"] == "2/2"
-    assert qsgd["reached"] == "0/1" and math.isnan(qsgd["time_to_target_s"]) and math.isnan(qsgd["speedup_vs_dense"])
-    # communication predicted for the shaped rate (not the measured throughput) and the measured α
-    want = 8 * 2 * 3 * 4e6 / 1e8 + 2 * 3 * 1 * 1e-4
-    assert none["comm_predicted_s"] == pytest.approx(want)
-    assert none["step_predicted_s"] == pytest.approx(0.07 + want)
-    assert none["comm_s"] == pytest.approx(0.61 - 0.07)
-    assert topk["predicted_MB_per_step"] == pytest.approx(4 * 3 * 0.08e6 / 1e6)
-    # "unlimited": the throughput measured at the start of the job stands in for the rate
-    job_u = {**job, "bandwidth": "unlimited"}
-    u = {r["method"]: r for r in summarize([job_u], 0.75)}
-    assert u["none"]["comm_predicted_s"] == pytest.approx(8 * 2 * 3 * 4e6 / 5e9 + 6e-4)
+    # 16-bit: the faster of fp16 (80 x 0.5 = 40 s) and bf16 (90 x 0.4 = 36 s)
+    assert fp16["time_to_target_s"] == pytest.approx(40.0) and bf16["time_to_target_s"] == pytest.approx(36.0)
+    assert none["speedup_vs_16bit"] == pytest.approx(36.0 / 110.0) and bf16["speedup_vs_16bit"] == pytest.approx(1.0)
+    assert fp16["speedup_vs_fp32"] == pytest.approx(110.0 / 40.0) and none["speedup_vs_fp32"] == pytest.approx(1.0)
+    keys = list(none)
+    assert keys.index("speedup_vs_16bit") < keys.index("speedup_vs_fp32")
+    # the compute-bound limit: dense's mean steps to target x its compute-only step, for every row
+    for row in rows.values():
+        assert row["compute_bound_limit_s"] == pytest.approx(110 * 0.05)
+    assert fp16["limit_fraction"] == pytest.approx(5.5 / 40.0)
+    assert fp16["utilization"] == pytest.approx(80 * 0.06 / 40.0)
+    assert fp16["MB_to_target"] == pytest.approx(0.08) and fp16["steps_to_target"] == pytest.approx(80)
+    assert topk["reached"] == "1/2" and math.isnan(topk["time_to_target_s"]) and math.isnan(topk["speedup_vs_fp32"])
+    # communication predicted for the link's rate and the measured latency
+    want = 8 * 2 * 3 * 4e6 / 1e7 + 2 * 3 * 1 * 1e-4
+    assert none["comm_predicted_s"] == pytest.approx(want) and none["step_predicted_s"] == pytest.approx(0.05 + want)
+    assert none["comm_s"] == pytest.approx(1.0 - 0.05)
+
+
+def test_periodic_methods_predicted_per_period():
+    """A method that communicates every H steps: the prediction is one period's, over H steps."""
+    from jaxcomm.experiments.network.run import summarize
+
+    timing = {**TIMING, "timings": [_timing("diloco-H20", 0.1, sync_every=20, bits=32e6 / 20, messages=4 / 20)]}
+    training = {**TRAINING, "runs": [_run("diloco-H20", 100, 0.05)]}
+    from jaxcomm.experiments.network.run import records_decomposed
+
+    (row,) = summarize(records_decomposed(training, timing), [timing])
+    want = (8 * 2 * 3 * 4e6 / 1e7 + 2 * 3 * 1 * 1e-4) / 20
+    assert row["comm_predicted_s"] == pytest.approx(want) and row["sync_every"] == 20
+    assert row["predicted_MB_per_step"] == pytest.approx(2 * 3 * 4e6 / 20 / 1e6)
+    assert math.isnan(row["speedup_vs_fp32"]) and math.isnan(row["speedup_vs_16bit"])
+
+
+def test_end_to_end_records_and_agreement():
+    from jaxcomm.experiments.network.run import agreement, records_decomposed, records_end_to_end, summarize
+
+    e2e = {**TRAINING, "bandwidth": "10mbit"}
+    records = records_end_to_end(e2e)
+    rec = {(r["method"], r["seed"]): r for r in records}
+    assert rec[("none", 1)]["route"] == "end_to_end" and rec[("none", 1)]["time_to_target_s"] == pytest.approx(13.0)
+    assert rec[("none", 1)]["utilization"] == pytest.approx(120 * 0.05 / 13.0)
+    rows = {r["method"]: r for r in summarize(records, [e2e])}
+    assert rows["none"]["speedup_vs_16bit"] == pytest.approx(9.0 / 12.5)
+    both = records + records_decomposed(TRAINING, TIMING)
+    agree = {a["method"]: a for a in agreement(both)}
+    assert agree["none"]["agreement"] == pytest.approx(110.0 / 12.5)
+    assert agree["topk-1%+EF"]["seeds"] == 1 and agree["topk-1%+EF"]["agreement"] == pytest.approx(22.0 / 30.0)
+
+
+def test_sweep_records():
+    from jaxcomm.experiments.network.run import sweep_records
+
+    sweep = [
+        {**_run("none", 100, 0.05, reached_s=1.0), "learning_rate": 0.05},
+        {**_run("none", None, 0.05), "learning_rate": 0.5},
+    ]
+    got = sweep_records({"sweep": sweep})
+    assert [(g["learning_rate"], g["reached"], g["steps_to_target"]) for g in got] == [
+        (0.05, True, 100),
+        (0.5, False, None),
+    ]
+    assert got[0]["final_accuracy"] == pytest.approx(0.1) and sweep_records({}) == []
 
 
 @pytest.mark.mpi
 def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
+    from jaxcomm.experiments.network.run import RECORD_KEYS
+
     cfg = EXP.config(smoke=True)
+    assert cfg["route"] == "decomposed"
     res = EXP.run(cfg, tmp_path)
     n, target, every = cfg["procs"], cfg["target_accuracy"], cfg["eval_every"]
-    (job,) = res["jobs"]
-    rate = 200e6
-    assert job["bandwidth"] == "200mbit" and job["procs"] == n
+    job = res["training"]
+    assert job["bandwidth"] == "unlimited" and job["procs"] == n and job["mode"] == "train"
     assert job["launch"]["drops"] == 0
     assert [r["method"] for r in job["runs"]] == list(cfg["methods"])
     for r in job["runs"]:
@@ -118,10 +230,10 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         # The kernel's byte count against the cost model's formula for the pipeline's count:
         # headers and Open MPI's protocol add at most 1 KiB per message on the wire, and each
         # evaluation window holds two barriers (at most 4 KiB). Below, the qdisc's counter itself
-        # reads up to 1-2 % under the payload when a step is one large message (measured on this
-        # link, 2 processes: 0.989 and 0.993 of it in two runs for the dense step's one fused 38 KB
-        # all-reduce, 0.998 for a plain MPI_Allreduce of 64 KiB), which many small messages' headers
-        # used to hide.
+        # reads up to 1-2 % under the payload when a step is one large message (measured on a
+        # 200 Mbit/s link, 2 processes: 0.989 and 0.993 of it in two runs for the dense step's one
+        # fused 38 KB all-reduce, 0.998 for a plain MPI_Allreduce of 64 KiB), which many small
+        # messages' headers used to hide.
         predicted = float(cost_model.step_bytes(r["strategy"], r["wire_bits_per_step"] / 8, n))
         per_worker = r["messages_per_step"] / n  # the trainer's metric counts all workers
         wire_messages = (2 if r["strategy"] in ("allreduce", "rounds") else 1) * n * (n - 1) * per_worker
@@ -130,16 +242,38 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         # counts, an all-reduce of the metrics): 3 n (n - 1) small messages more.
         upper = predicted + 1024 * (wire_messages + 3 * n * (n - 1)) + 4096 / every
         assert 0.97 * predicted <= measured <= upper, (r["method"], measured, predicted)
-        # A token bucket passes at most burst + rate · t / 8 bytes in t seconds (per window).
-        windows = len(curve)
-        assert curve[-1]["link_bytes"] <= windows * 256 * 1024 + rate * curve[-1]["time_s"] / 8
-        assert r["compute_s"] > 0 and r["step_s"] > 0
+        assert r["compute_s"] > 0 and r["step_s"] > 0 and r["sync_every"] == 1
+    (tj,) = res["timing_jobs"]
+    assert tj["bandwidth"] == "200mbit" and tj["mode"] == "time" and tj["launch"]["drops"] == 0
+    assert [t["method"] for t in tj["timings"]] == list(cfg["methods"])
+    for t in tj["timings"]:
+        assert len(t["step_times"]) == cfg["timing_steps"] and t["warmup_steps"] == 0
+        # A token bucket passes at most burst + rate · t / 8 bytes in t seconds (the window's wall clock,
+        # which also holds the closing barrier and the ranks' lag behind rank 0's step clock).
+        assert sum(t["step_times"]) <= t["window_s"]
+        assert t["link_bytes_per_step"] * len(t["step_times"]) <= 256 * 1024 + 200e6 * t["window_s"] / 8
+    # The records: one per link, method and seed, with these keys and types.
+    records = res["records"]
+    assert [(r["link"], r["method"], r["seed"]) for r in records] == [("200mbit", m, 0) for m in cfg["methods"]]
+    for rec in records:
+        assert tuple(rec) == RECORD_KEYS and rec["route"] == "decomposed" and isinstance(rec["reached"], bool)
+        if rec["reached"]:
+            assert isinstance(rec["steps_to_target"], int) and isinstance(rec["bytes_to_target"], int)
+            for key in ("time_to_target_s", "compute_only_s", "utilization"):
+                assert isinstance(rec[key], float) and rec[key] > 0
+        else:
+            assert all(rec[k] is None for k in RECORD_KEYS[5:])
+    prov = res["provenance"]
+    assert set(prov) == {"jax", "jaxlib", "jaxcomm", "git_commit", "hostname", "cpu_count", "date_utc"}
+    assert prov["cpu_count"] >= 1 and prov["jax"]
     rows = {row["method"]: row for row in res["summary"]}
-    if all(r["reached"] for r in job["runs"]):
-        t = {r["method"]: r["reached"]["time_s"] for r in job["runs"]}
-        assert rows["topk-1%+EF"]["speedup_vs_dense"] == pytest.approx(t["none"] / t["topk-1%+EF"])
-    assert len(res["summary"]) == len(cfg["methods"])
-    job_file = json.loads((tmp_path / "link-200mbit" / "results.json").read_text())
+    assert len(rows) == len(cfg["methods"]) and all(row["link"] == "200mbit" for row in rows.values())
+    head = EXP.summary(res)
+    assert [h["method"] for h in head] == list(cfg["methods"])
+    assert list(head[0]) == [
+        "link", "route", "method", "reached", "time to target (s)", "×16-bit", "×fp32", "MB to target", "utilization"
+    ]  # fmt: skip
+    job_file = json.loads((tmp_path / "train" / "results.json").read_text())
     assert job_file["complete"] and len(job_file["runs"]) == len(cfg["methods"])
     for name in ("accuracy_vs_time.png", "accuracy_vs_bytes.png", "step_time_model.png"):
         assert (tmp_path / name).stat().st_size > 10_000

@@ -312,12 +312,14 @@ def _coerce(key: str, text: Any, like: Any):
         except json.JSONDecodeError:
             if like is None:
                 return text
-            if isinstance(like, list):  # a,b,c: each item parsed like the default's items
-                item = like[0] if like else ""
+            if isinstance(like, list):  # a,b,c: each item parsed like the default's items (any literal if empty)
+                item = like[0] if like else None
                 return [_coerce(key, part.strip(), item) for part in _split_top(text) if part.strip()]
             raise ValueError(f"--set {key}: could not parse {text!r} as {type(like).__name__}") from None
         if isinstance(like, float) and isinstance(value, int):
             value = float(value)
+        if isinstance(like, list) and not isinstance(value, list):  # one item: a list of one
+            value = [_coerce(key, text, like[0])] if like else [value]
         if like is not None and not isinstance(value, type(like)):
             raise ValueError(f"--set {key}: expected {type(like).__name__}, got {text!r}")
         return value

@@ -1,67 +1,94 @@
 """``jaxcomm run time-to-accuracy``: wall-clock time to a test accuracy on an emulated network.
 
-For every bandwidth of the configuration, one ``mpirun`` job of ``procs`` processes runs
-inside a private network namespace whose shaped loopback carries every byte between the
-ranks (:func:`jaxcomm.netem.launch`, Open MPI's ring collectives
-:data:`jaxcomm.netem.RING_COLLECTIVES`). Each job trains every method and seed with
+Each job is one ``mpirun`` of ``procs`` processes inside a private network namespace whose
+shaped loopback carries every byte between the ranks (:func:`jaxcomm.netem.launch`, Open MPI's
+ring collectives :data:`jaxcomm.netem.RING_COLLECTIVES`); the ranks train with
 :class:`jaxcomm.train.Trainer` over :class:`jaxcomm.comm.MPIComm`
-(:mod:`~jaxcomm.experiments.network.worker`) and measures the training wall-clock, the bytes
-on the link and the step without its communication.
+(:mod:`~jaxcomm.experiments.network.worker`).
+
+Routes (``route`` of :class:`~.config.TimeToAccuracyConfig`):
+
+* ``"decomposed"`` (the default): the arithmetic of a step does not depend on the link, so one
+  job on the unshaped link trains every method and seed to the target (steps to target, the
+  kernel's byte count, the compute-only step); then one short job per shaped link times each
+  method's steps (its warm-up, then whole communication periods). Time to target on a link =
+  the warm-up steps' measured times + the remaining steps to target x the mean measured step
+  there. An ``"unlimited"`` link is the training job itself, timed end to end.
+* ``"end_to_end"``: one job per link trains every method and seed on it, timed by the wall clock.
+* ``"compare"``: both, and ``agreement`` = decomposed / end-to-end time to target per link and
+  method.
 
 Beside each measurement, the prediction of :func:`jaxcomm.cost_model.step_time` for a shared
-link: ``8 · step_bytes(strategy, P, n) / B + step_latency_rounds(strategy, n, m) · α`` with the
-pipeline's own ``P`` (``wire_bits / 8``) and ``m`` (one worker's ``messages``) per step, ``B`` the link's
-rate (for ``"unlimited"``, the throughput measured at the start of the job) and ``α`` the
-measured latency. Predicted step = measured compute + predicted communication.
+link: per communication period of ``H`` steps, ``8 · step_bytes(strategy, P, n) / B +
+step_latency_rounds(strategy, n, m) · α`` with the pipeline's own ``P`` (``wire_bits / 8``) and
+``m`` (one worker's ``messages``) per period, divided by ``H``; ``B`` is the link's rate (for
+``"unlimited"``, the throughput measured at the start of the job) and ``α`` the measured latency.
+Predicted step = measured compute + predicted communication.
 
-Outputs in the run folder: ``link-*/`` (each job's configuration, launch report and
-``results.json`` with every curve and measurement; ``jaxcomm run`` adds the whole study's
-``results.json``), ``accuracy_vs_time.png`` (one panel per bandwidth), ``accuracy_vs_bytes.png`` and
-``step_time_model.png`` (measured against predicted step time).
+Outputs in the run folder: ``train/``, ``time-*/``, ``link-*/`` (each job's configuration, launch
+report and ``results.json``; ``jaxcomm run`` adds the study's ``results.json`` with ``records``,
+``summary`` and ``provenance``), ``accuracy_vs_time.png`` (one panel per link and route),
+``accuracy_vs_bytes.png`` and ``step_time_model.png`` (measured against predicted step time).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from .config import METHODS
-
-__all__ = ["check_config", "run", "summarize"]
+__all__ = [
+    "RECORD_KEYS",
+    "agreement",
+    "check_config",
+    "decomposed_time",
+    "headline",
+    "provenance",
+    "records_decomposed",
+    "records_end_to_end",
+    "run",
+    "summarize",
+    "sweep_records",
+]
 
 # The folder holding the ``jaxcomm`` package: the workers' working directory, so that
 # ``python -m jaxcomm...`` imports the same package as the launcher.
 _PACKAGE_PARENT = Path(__file__).resolve().parents[3]
 _WORKER = "jaxcomm.experiments.network.worker"
+_SIXTEEN_BIT = ("fp16", "bf16")
+
+RECORD_KEYS = (
+    "link",
+    "method",
+    "seed",
+    "route",
+    "reached",
+    "steps_to_target",
+    "time_to_target_s",
+    "bytes_to_target",
+    "compute_only_s",
+    "utilization",
+)
+"""The keys of one record of ``results["records"]`` (one per link, method and seed)."""
 
 
-def check_config(config: dict) -> None:
-    """Raise ``ValueError`` naming the first invalid field of ``config`` (before anything runs)."""
-    from ... import netem
+def check_config(config: dict) -> dict:
+    """The configuration as checked by :class:`~.config.TimeToAccuracyConfig`.
 
-    if int(config["procs"]) < 2:
-        raise ValueError(f"procs: need at least 2 processes; got {config['procs']}")
-    if not config["bandwidths"]:
-        raise ValueError("bandwidths: give at least one link rate (e.g. 100mbit, or unlimited)")
-    for bw in config["bandwidths"]:
-        netem.parse_rate(str(bw), "bandwidths")
-    unknown = [m for m in config["methods"] if m not in METHODS]
-    if unknown or not config["methods"]:
-        raise ValueError(f"methods: unknown {unknown}; valid: {list(METHODS)}")
-    if not 0.0 < float(config["target_accuracy"]) <= 1.0:
-        raise ValueError(f"target_accuracy: must be in (0, 1]; got {config['target_accuracy']}")
-    for key in ("max_steps", "eval_every", "batch_size", "compute_steps"):
-        if int(config[key]) < 1:
-            raise ValueError(f"{key}: must be >= 1; got {config[key]}")
-    if int(config["eval_examples"]) < int(config["procs"]):
-        raise ValueError(f"eval_examples: need at least one per process ({config['procs']})")
-    if not config["seeds"]:
-        raise ValueError("seeds: give at least one seed")
+    Raises:
+      ValueError: naming the first invalid field (before anything runs).
+    """
+    from .._registry import config_from_dict, config_to_dict
+    from .config import TimeToAccuracyConfig
+
+    return config_to_dict(config_from_dict(TimeToAccuracyConfig, dict(config)))
 
 
 def _label(bandwidth: str) -> str:
@@ -75,115 +102,363 @@ def _rate_bps(bandwidth: str, link: dict) -> float:
     return float(link["throughput_bps"]) if rate is None else float(rate)
 
 
+def _shaped(bandwidth: str) -> bool:
+    from ... import netem
+
+    return netem.parse_rate(str(bandwidth), "bandwidths") is not None
+
+
 def _predicted_comm_s(run: dict, n: int, rate_bps: float, latency_s: float) -> float:
+    """Predicted communication per step (s): one communication period's, over its ``sync_every`` steps."""
     from ... import cost_model
 
+    h = int(run.get("sync_every", 1))
     net = cost_model.Network(rate_bps / 1e9, latency_s)
-    return float(
-        cost_model.step_time(
-            run["strategy"], run["wire_bits_per_step"] / 8, n, net, messages=int(round(run["messages_per_step"] / n))
-        )
+    period = cost_model.step_time(
+        run["strategy"],
+        run["wire_bits_per_step"] * h / 8,
+        n,
+        net,
+        messages=int(round(run["messages_per_step"] * h / n)),
     )
+    return float(period) / h
 
 
 def _predicted_bytes(run: dict, n: int) -> float:
+    """Predicted bytes on the link per step, all workers: one period's over its ``sync_every`` steps."""
     from ... import cost_model
 
-    return float(cost_model.step_bytes(run["strategy"], run["wire_bits_per_step"] / 8, n))
+    h = int(run.get("sync_every", 1))
+    return float(cost_model.step_bytes(run["strategy"], run["wire_bits_per_step"] * h / 8, n)) / h
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
     a = np.asarray(values, np.float64)
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
 
 
-def summarize(jobs: list[dict], target: float) -> list[dict]:
-    """One row per (bandwidth, method): time to ``target`` over the seeds (mean, sample std),
-    the speed-up over the uncompressed method at that bandwidth, and measured vs predicted step
-    time, communication time and bytes (means over seeds)."""
-    rows = []
+def _bytes_at(run: dict, step: int) -> int | None:
+    for point in run["curve"]:
+        if point["step"] == step:
+            return int(point["link_bytes"])
+    return None
+
+
+def _record(link, run, route, time_s) -> dict:
+    reached = run["reached"] is not None
+    steps = int(run["reached"]["step"]) if reached else None
+    compute_only = steps * float(run["compute_s"]) if reached else None
+    time_s = float(time_s) if reached else None
+    return {
+        "link": str(link),
+        "method": run["method"],
+        "seed": int(run["seed"]),
+        "route": route,
+        "reached": reached,
+        "steps_to_target": steps,
+        "time_to_target_s": time_s,
+        "bytes_to_target": _bytes_at(run, steps) if reached else None,
+        "compute_only_s": compute_only,
+        "utilization": compute_only / time_s if reached and time_s > 0 else None,
+    }
+
+
+def records_end_to_end(job: dict) -> list[dict]:
+    """One record per run of a training ``job`` (its ``runs``), timed end to end on its link:
+    time to target = the training wall-clock (s) at the first evaluation at or above the target;
+    bytes to target = the qdisc's count up to that evaluation; ``compute_only_s`` = steps to
+    target x the run's compute-only step (s); ``utilization`` = ``compute_only_s`` / time."""
+    return [
+        _record(job["bandwidth"], r, "end_to_end", r["reached"]["time_s"] if r["reached"] else None)
+        for r in job["runs"]
+    ]
+
+
+def decomposed_time(steps: int, timing: dict) -> float:
+    """Seconds for ``steps`` steps of a method on a link, from that link's timing entry: the
+    measured times of the first ``min(steps, warmup_steps)`` steps (``warmup_step_times``),
+    plus the remaining steps x the mean measured step (``step_s``) of the steady window."""
+    warm = list(timing.get("warmup_step_times") or [])[: int(steps)]
+    return float(sum(warm) + max(int(steps) - len(warm), 0) * float(timing["step_s"]))
+
+
+def records_decomposed(training: dict, timing_job: dict) -> list[dict]:
+    """One record per run of the unshaped ``training`` job, timed on the link of ``timing_job``:
+    time to target = :func:`decomposed_time` of the steps to target with the method's timing
+    entry there; bytes to target and the compute-only step are the training job's (the bytes a
+    step sends do not depend on the link)."""
+    timings = {t["method"]: t for t in timing_job["timings"]}
+    out = []
+    for r in training["runs"]:
+        t = decomposed_time(r["reached"]["step"], timings[r["method"]]) if r["reached"] else None
+        out.append(_record(timing_job["bandwidth"], r, "decomposed", t))
+    return out
+
+
+def _measures(jobs: list[dict]) -> dict:
+    """``(link, route) -> method -> (procs, link, [per-run measurement dicts])`` from the jobs."""
+    out: dict = {}
     for job in jobs:
-        n, link = int(job["procs"]), job["link"]
-        rate = _rate_bps(job["bandwidth"], link)
-        by_method: dict[str, list[dict]] = {}
-        for r in job["runs"]:
-            by_method.setdefault(r["method"], []).append(r)
-        dense_time = None
-        for method, runs in by_method.items():
-            times = [r["reached"]["time_s"] for r in runs if r["reached"]]
-            all_reached = len(times) == len(runs)
-            mean_t, std_t = _mean_std(times) if all_reached else (math.nan, math.nan)
-            if method == "none" and all_reached:
-                dense_time = mean_t
-            comm_meas = float(np.mean([r["step_s"] - r["compute_s"] for r in runs]))
-            comm_pred = float(np.mean([_predicted_comm_s(r, n, rate, link["latency_s"]) for r in runs]))
-            step_meas = float(np.mean([r["step_s"] for r in runs]))
-            compute = float(np.mean([r["compute_s"] for r in runs]))
-            rows.append(
-                {
-                    "bandwidth": job["bandwidth"],
-                    "method": method,
-                    "seeds": len(runs),
-                    "reached": f"{len(times)}/{len(runs)}",
-                    "time_to_target_s": mean_t,
-                    "time_std_s": std_t,
-                    "steps": float(np.mean([r["steps"] for r in runs])),
-                    "step_s": step_meas,
-                    "compute_s": compute,
-                    "comm_s": comm_meas,
-                    "comm_predicted_s": comm_pred,
-                    "step_predicted_s": compute + comm_pred,
-                    "link_MB_per_step": float(np.mean([r["link_bytes_per_step"] for r in runs])) / 1e6,
-                    "predicted_MB_per_step": float(np.mean([_predicted_bytes(r, n) for r in runs])) / 1e6,
-                }
+        entries = job.get("timings") if job.get("mode") == "time" else job.get("runs")
+        route = "decomposed" if job.get("mode") == "time" else "end_to_end"
+        per = out.setdefault((str(job["bandwidth"]), route), {})
+        for e in entries or []:
+            per.setdefault(e["method"], (int(job["procs"]), job["link"], job["bandwidth"], []))[3].append(e)
+    return out
+
+
+def summarize(records: list[dict], jobs: list[dict]) -> list[dict]:
+    """One row per (link, route, method) of ``records``.
+
+    Time to target over the seeds (mean and sample std, when every seed reached it; s); the
+    speed-ups ``speedup_vs_16bit`` (the faster of ``fp16``/``bf16`` at that link and route,
+    when present, over this method's time) and ``speedup_vs_fp32`` (dense, ``none``, over this
+    method's time); ``compute_bound_limit_s`` = dense's mean steps to target x dense's
+    compute-only step (s), and ``limit_fraction`` = that limit / this method's time; the means
+    of ``utilization``, ``steps_to_target`` and ``MB_to_target`` (kernel count, 1e6 bytes).
+    From ``jobs`` (training jobs' ``runs``, timing jobs' ``timings`` carrying ``compute_s``):
+    measured and predicted step, communication and bytes per step (means over seeds)."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["link"], r["route"]), {}).setdefault(r["method"], []).append(r)
+    measures = _measures(jobs)
+    rows = []
+    for (link, route), by_method in groups.items():
+        times = {}
+        for method, recs in by_method.items():
+            reached = [r for r in recs if r["reached"]]
+            times[method] = (
+                _mean_std([r["time_to_target_s"] for r in reached]) if len(reached) == len(recs) else (math.nan,) * 2
             )
-        for row in rows:
-            if row["bandwidth"] == job["bandwidth"]:
-                t = row["time_to_target_s"]
-                row["speedup_vs_dense"] = dense_time / t if dense_time and t == t else math.nan
+        dense = by_method.get("none", [])
+        if dense and all(r["reached"] for r in dense):
+            limit = float(np.mean([r["compute_only_s"] for r in dense]))
+        else:
+            limit = math.nan
+        dense_t = times.get("none", (math.nan,))[0]
+        sixteen = [times[m][0] for m in _SIXTEEN_BIT if m in times and times[m][0] == times[m][0]]
+        sixteen_t = min(sixteen) if sixteen else math.nan
+        for method, recs in by_method.items():
+            t, spread = times[method]
+            reached = [r for r in recs if r["reached"]]
+            all_reached = len(reached) == len(recs)
+
+            def mean_of(key, reached=reached, all_reached=all_reached):
+                return float(np.mean([r[key] for r in reached])) if all_reached else math.nan
+
+            row = {
+                "link": link,
+                "route": route,
+                "method": method,
+                "seeds": len(recs),
+                "reached": f"{len(reached)}/{len(recs)}",
+                "time_to_target_s": t,
+                "time_std_s": spread,
+                "speedup_vs_16bit": sixteen_t / t if t == t else math.nan,
+                "speedup_vs_fp32": dense_t / t if t == t else math.nan,
+                "compute_bound_limit_s": limit,
+                "limit_fraction": limit / t if t == t else math.nan,
+                "utilization": mean_of("utilization"),
+                "steps_to_target": mean_of("steps_to_target"),
+                "MB_to_target": mean_of("bytes_to_target") / 1e6,
+            }
+            got = measures.get((link, route), {}).get(method)
+            if got is not None:
+                n, link_meas, bandwidth, runs = got
+                rate = _rate_bps(bandwidth, link_meas)
+                comm_pred = float(np.mean([_predicted_comm_s(r, n, rate, link_meas["latency_s"]) for r in runs]))
+                step = float(np.mean([r["step_s"] for r in runs]))
+                compute = float(np.mean([r["compute_s"] for r in runs]))
+                row.update(
+                    {
+                        "sync_every": int(runs[0].get("sync_every", 1)),
+                        "step_s": step,
+                        "compute_s": compute,
+                        "comm_s": step - compute,
+                        "comm_predicted_s": comm_pred,
+                        "step_predicted_s": compute + comm_pred,
+                        "link_MB_per_step": float(np.mean([r["link_bytes_per_step"] for r in runs])) / 1e6,
+                        "predicted_MB_per_step": float(np.mean([_predicted_bytes(r, n) for r in runs])) / 1e6,
+                    }
+                )
+            rows.append(row)
     return rows
 
 
-def _plot(jobs: list[dict], rows: list[dict], config: dict, out_dir: Path) -> None:
+def agreement(records: list[dict]) -> list[dict]:
+    """Per (link, method) with both routes in ``records``: the mean time to target of each over
+    the seeds that reached it in both, and ``agreement`` = decomposed / end-to-end."""
+    by: dict = {}
+    for r in records:
+        by.setdefault((r["link"], r["method"]), {}).setdefault(r["route"], {})[r["seed"]] = r
+    out = []
+    for (link, method), routes in by.items():
+        if set(routes) != {"decomposed", "end_to_end"}:
+            continue
+        dec, e2e = routes["decomposed"], routes["end_to_end"]
+        seeds = [s for s in dec if s in e2e and dec[s]["reached"] and e2e[s]["reached"]]
+        if not seeds:
+            continue
+        d = float(np.mean([dec[s]["time_to_target_s"] for s in seeds]))
+        e = float(np.mean([e2e[s]["time_to_target_s"] for s in seeds]))
+        out.append(
+            {
+                "link": link,
+                "method": method,
+                "seeds": len(seeds),
+                "decomposed_s": d,
+                "end_to_end_s": e,
+                "agreement": d / e,
+            }
+        )
+    return out
+
+
+def sweep_records(training: dict) -> list[dict]:
+    """One entry per run of the training job's learning-rate sweep: ``method``,
+    ``learning_rate``, ``seed``, ``reached``, ``steps_to_target`` (``None`` if not reached) and
+    ``final_accuracy`` (the last evaluation's test accuracy)."""
+    return [
+        {
+            "method": r["method"],
+            "learning_rate": float(r["learning_rate"]),
+            "seed": int(r["seed"]),
+            "reached": r["reached"] is not None,
+            "steps_to_target": int(r["reached"]["step"]) if r["reached"] else None,
+            "final_accuracy": float(r["curve"][-1]["accuracy"]) if r["curve"] else None,
+        }
+        for r in training.get("sweep", [])
+    ]
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None or value != value else format(value, spec)
+
+
+def headline(results: dict) -> list[dict]:
+    """The headline table's rows from a study's results: link, route, method, seeds that reached
+    the target, time to target (mean ± sample std, s), speed-ups over the faster 16-bit method
+    and over float32, MB to target (kernel count) and utilization (compute-only time / time)."""
+    rows = []
+    for row in results.get("summary", []):
+        rows.append(
+            {
+                "link": row["link"],
+                "route": row["route"],
+                "method": row["method"],
+                "reached": row["reached"],
+                "time to target (s)": (
+                    "–"
+                    if row["time_to_target_s"] != row["time_to_target_s"]
+                    else f"{row['time_to_target_s']:.3g} ± {row['time_std_s']:.2g}"
+                ),
+                "×16-bit": _fmt(row["speedup_vs_16bit"], ".2f"),
+                "×fp32": _fmt(row["speedup_vs_fp32"], ".2f"),
+                "MB to target": _fmt(row["MB_to_target"], ".2f"),
+                "utilization": _fmt(row["utilization"], ".2f"),
+            }
+        )
+    return rows
+
+
+def provenance() -> dict:
+    """Versions of jax, jaxlib and jaxcomm, the git commit of the package's folder (``None``
+    outside a git checkout), the host's name, ``os.cpu_count()`` and the date (UTC, ISO 8601)."""
+    from importlib import metadata
+
+    import jaxcomm
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=_PACKAGE_PARENT, capture_output=True, text=True, timeout=30, check=False
+        )
+        commit = proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "jax": version("jax"),
+        "jaxlib": version("jaxlib"),
+        "jaxcomm": getattr(jaxcomm, "__version__", None),
+        "git_commit": commit,
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _panels(training: dict | None, timing_jobs: list[dict], e2e_jobs: list[dict]) -> list[tuple[str, list]]:
+    """``(title, [(method, seed index, [time_s], [accuracy])])`` per link and route."""
+    panels = []
+    for tj in timing_jobs:
+        timings = {t["method"]: t for t in tj["timings"]}
+        curves = []
+        for r in training["runs"]:
+            c = r["curve"]
+            curves.append(
+                (
+                    r["method"],
+                    r["seed"],
+                    [decomposed_time(p["step"], timings[r["method"]]) for p in c],
+                    [p["accuracy"] for p in c],
+                )
+            )
+        panels.append((f"link {tj['bandwidth']} (decomposed)", curves))
+    for job in e2e_jobs:
+        curves = [
+            (r["method"], r["seed"], [p["time_s"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]])
+            for r in job["runs"]
+        ]
+        panels.append((f"link {job['bandwidth']} (measured end to end)", curves))
+    return panels
+
+
+def _plot(panels: list, bytes_job: dict, rows: list[dict], config: dict, out_dir: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     methods = list(config["methods"])
-    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
     what = f"{config['model']} on {config['dataset']}, {config['procs']} MPI processes"
     target = float(config["target_accuracy"])
 
-    fig, axes = plt.subplots(1, len(jobs), figsize=(4.6 * len(jobs), 3.9), sharey=True, squeeze=False)
-    for ax, job in zip(axes[0], jobs):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.9), sharey=True, squeeze=False)
+    for ax, (title, curves) in zip(axes[0], panels):
         seen = set()
-        for r in job["runs"]:
-            c = r["curve"]
-            first = r["method"] not in seen
-            seen.add(r["method"])
+        for method, _, xs, ys in curves:
+            first = method not in seen
+            seen.add(method)
             ax.plot(
-                [p["time_s"] for p in c],
-                [p["accuracy"] for p in c],
-                color=colors[r["method"]],
+                xs,
+                ys,
+                color=colors[method],
                 lw=1.6 if first else 0.8,
                 alpha=1.0 if first else 0.6,
-                label=r["method"] if first else None,
+                label=method if first else None,
             )
         ax.axhline(target, color="0.5", ls=":", lw=1)
         ax.set_xlim(left=0.0)
-        ax.set_title(f"link {job['bandwidth']} (measured)")
-        ax.set_xlabel("training wall-clock (s, measured)")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("training wall-clock (s)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("test accuracy")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="center right")
     fig.suptitle(f"Time to accuracy: {what}", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 0.88, 1))
+    fig.tight_layout(rect=(0, 0, 0.85, 1))
     fig.savefig(out_dir / "accuracy_vs_time.png", dpi=120)
     plt.close(fig)
 
-    job = jobs[0]
+    job = bytes_job
     fig, ax = plt.subplots(figsize=(5.6, 3.9))
     seen = set()
     for r in job["runs"]:
@@ -211,13 +486,14 @@ def _plot(jobs: list[dict], rows: list[dict], config: dict, out_dir: Path) -> No
 
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
     markers = "osD^v<>"
-    bws = [j["bandwidth"] for j in jobs]
+    rows = [r for r in rows if "step_s" in r]
+    bws = list(dict.fromkeys(r["link"] for r in rows))
     for row in rows:
         ax.scatter(
             row["step_predicted_s"],
             row["step_s"],
             color=colors[row["method"]],
-            marker=markers[bws.index(row["bandwidth"]) % len(markers)],
+            marker=markers[bws.index(row["link"]) % len(markers)],
             s=40,
             zorder=3,
         )
@@ -241,8 +517,36 @@ def _plot(jobs: list[dict], rows: list[dict], config: dict, out_dir: Path) -> No
     plt.close(fig)
 
 
+def _launch(config: dict, bandwidth: str, mode: str, job_dir: Path, env: dict, extra: dict | None = None) -> dict:
+    """One ``mpirun`` job of the worker in ``mode`` on a link of ``bandwidth``; its results."""
+    from ... import netem
+
+    job_dir.mkdir(parents=True, exist_ok=True)
+    job_config = {**config, "bandwidth": bandwidth, "mode": mode, **(extra or {})}
+    (job_dir / "config.json").write_text(json.dumps(job_config, indent=1))
+    print(f"time-to-accuracy: {mode} job on link {bandwidth} -> {job_dir}", flush=True)
+    res = netem.launch(
+        int(config["procs"]),
+        [sys.executable, "-m", _WORKER, str(job_dir)],
+        bandwidth=bandwidth,
+        env=env,
+        timeout=float(config["timeout_s"]),
+        cwd=_PACKAGE_PARENT,
+        report=job_dir / "launch.json",
+    )
+    if res.returncode != 0 or not (job_dir / "results.json").exists():
+        why = "timed out" if res.timed_out else f"exit code {res.returncode}"
+        raise RuntimeError(f"the {mode} job on link {bandwidth} failed ({why}); see {job_dir}")
+    job = json.loads((job_dir / "results.json").read_text())
+    job["launch"] = {"bytes": res.bytes, "packets": res.packets, "drops": res.drops, "wall_s": res.wall_s}
+    return job
+
+
 def run(config: dict, out_dir: Path) -> dict:
-    """Launch one emulated-network job per bandwidth; write the figures and return the results.
+    """Run the study of ``config`` (its ``route``); write the figures and return the results:
+    ``records`` (one per link, method, seed and route; keys :data:`RECORD_KEYS`), ``summary``
+    (:func:`summarize`), ``provenance``, the jobs (``training``, ``timing_jobs``, ``jobs``: the
+    end-to-end ones), ``sweep`` (with ``lr_sweep``) and, for ``route="compare"``, ``agreement``.
 
     Raises:
       ValueError: an invalid configuration (before anything runs).
@@ -251,39 +555,60 @@ def run(config: dict, out_dir: Path) -> dict:
     """
     from ... import netem
 
-    check_config(config)
+    config = check_config(config)
     missing = netem.missing_requirements()
     if missing:
         raise netem.NetemUnavailable(
             "time-to-accuracy runs MPI jobs on an emulated network; this process lacks: " + "; ".join(missing)
         )
     out_dir = Path(out_dir)
-    jobs = []
+    route = config["route"]
     env = {**os.environ, **netem.RING_COLLECTIVES}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")) if p)
     # Every job compiles the same steps: a persistent compilation cache shared by the jobs
     # saves all but the first compilation (it never enters the timed steps either way).
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(out_dir / "jax_cache"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    for bandwidth in config["bandwidths"]:
-        job_dir = out_dir / f"link-{_label(bandwidth)}"
-        job_dir.mkdir(parents=True, exist_ok=True)
-        (job_dir / "config.json").write_text(json.dumps({**config, "bandwidth": bandwidth}, indent=1))
-        res = netem.launch(
-            int(config["procs"]),
-            [sys.executable, "-m", _WORKER, str(job_dir)],
-            bandwidth=bandwidth,
-            env=env,
-            timeout=float(config["timeout_s"]),
-            cwd=_PACKAGE_PARENT,
-            report=job_dir / "launch.json",
-        )
-        if res.returncode != 0 or not (job_dir / "results.json").exists():
-            why = "timed out" if res.timed_out else f"exit code {res.returncode}"
-            raise RuntimeError(f"the job on link {bandwidth} failed ({why}); see {job_dir}")
-        job = json.loads((job_dir / "results.json").read_text())
-        job["launch"] = {"bytes": res.bytes, "packets": res.packets, "drops": res.drops, "wall_s": res.wall_s}
-        jobs.append(job)
-    rows = summarize(jobs, float(config["target_accuracy"]))
-    _plot(jobs, rows, config, out_dir)
-    return {"jobs": jobs, "summary": rows}
+    results: dict = {"route": route, "provenance": provenance()}
+    records: list[dict] = []
+    training, timing_jobs, e2e_jobs = None, [], []
+    if route in ("decomposed", "compare"):
+        training = _launch(config, "unlimited", "train", out_dir / "train", env)
+        compute = {}
+        for r in training["runs"]:
+            compute.setdefault(r["method"], []).append(r["compute_s"])
+        # A method's warm-up is timed no further than the training needed to reach the target.
+        needed = {}
+        for r in training["runs"]:
+            needed[r["method"]] = max(needed.get(r["method"], 0), r["reached"]["step"] if r["reached"] else r["steps"])
+        for bandwidth in config["bandwidths"]:
+            if not _shaped(bandwidth):  # the training job ran on this link: timed end to end
+                records += records_end_to_end(training)
+                continue
+            tj = _launch(
+                config, bandwidth, "time", out_dir / f"time-{_label(bandwidth)}", env, {"timing_warmup": needed}
+            )
+            for t in tj["timings"]:
+                t["compute_s"] = float(np.mean(compute[t["method"]]))
+            timing_jobs.append(tj)
+            records += records_decomposed(training, tj)
+        results["training"] = training
+        results["timing_jobs"] = timing_jobs
+        if training.get("sweep"):
+            results["sweep"] = sweep_records(training)
+    if route in ("end_to_end", "compare"):
+        for bandwidth in config["bandwidths"]:
+            if route == "compare" and not _shaped(bandwidth):
+                continue  # the training job is this link's end-to-end measurement
+            job = _launch(config, bandwidth, "train", out_dir / f"link-{_label(bandwidth)}", env)
+            e2e_jobs.append(job)
+            records += records_end_to_end(job)
+        results["jobs"] = e2e_jobs
+    jobs = ([training] if training else []) + timing_jobs + e2e_jobs
+    rows = summarize(records, jobs)
+    results["records"] = records
+    results["summary"] = rows
+    if route == "compare":
+        results["agreement"] = agreement(records)
+    _plot(_panels(training, timing_jobs, e2e_jobs), training or e2e_jobs[0], rows, config, out_dir)
+    return results

@@ -2,42 +2,54 @@
 
 ``python -m jaxcomm.experiments.network.worker DIR`` (started by
 :func:`jaxcomm.experiments.network.run.run` through :func:`jaxcomm.netem.launch`) reads
-``DIR/config.json`` (the :class:`~.config.TimeToAccuracyConfig` fields and ``bandwidth``) and
-rank 0 writes ``DIR/results.json`` (again after every run, ``"complete"`` once all are done):
+``DIR/config.json`` (the :class:`~.config.TimeToAccuracyConfig` fields, ``bandwidth`` and
+``mode``) and rank 0 writes ``DIR/results.json`` (again after every run, ``"complete"`` once all
+are done). Every job first measures its link:
 
-* ``link``: the latency ``α`` (s) and throughput (bit/s) of the link as Open MPI sees it,
-  measured first: ``α`` = the median time of an 8-byte ``MPI_Allreduce`` over its ``2 (n − 1)``
-  ring steps; the throughput = ``8 · 2 (n − 1) P`` over the median time of a ``P = 4 MiB``
-  ring all-reduce, less its latency.
-* ``runs``: per method and seed, the training curve and its measurements:
+* ``link``: the latency ``α`` (s) and throughput (bit/s) of the link as Open MPI sees it:
+  ``α`` = the median time of an 8-byte ``MPI_Allreduce`` over its ``2 (n − 1)`` ring steps;
+  the throughput = ``8 · 2 (n − 1) P`` over the median time of a ``P``-byte ring all-reduce,
+  less its latency (``P`` = 4 MiB unshaped, else about half a second of the link's rate, at
+  least 256 KiB).
 
-  - ``compute_s``: median step time of the same optimizer with a one-worker communicator
-    (:class:`jaxcomm.comm.Local`: forward, backward, compression and decoding, no
-    communication), timed on every rank at once so the processes share the CPU as in training;
-  - ``curve``: after every ``eval_every`` steps: ``step``, ``time_s`` (the training steps'
-    wall-clock seconds so far on rank 0: evaluation, data loading and compilation are not
-    counted), ``accuracy`` (test accuracy over ``eval_examples``, evaluated in parallel),
-    ``link_bytes`` (bytes the kernel's qdisc passed during those steps, all ranks) and
-    ``wire_bits`` (the pipeline's count for one worker);
-  - ``step_s``: median step time; ``wire_bits_per_step`` (one worker's, from the optimizer
-    state) and ``messages_per_step`` (the collectives' arrays of all workers together, the
-    trainer's ``messages`` metric).
+``mode = "train"`` (the decomposed route's unshaped job, and every job of the end-to-end route)
+trains each method and seed until the test accuracy reaches ``target_accuracy`` or
+``max_steps``; every rank makes the same decision (the accuracy is all-reduced). ``runs``: per
+method and seed,
 
-The job trains until the test accuracy reaches ``target_accuracy`` or ``max_steps``; every rank
-makes the same decision (the accuracy is all-reduced). Rank 0 shows one progress bar per run
-(one line per evaluation when its output is not a terminal, as under ``mpirun``).
+* ``compute_s``: step time of the same optimizer with a one-worker communicator
+  (:class:`jaxcomm.comm.Local`: forward, backward, compression and decoding, no communication),
+  timed on every rank at once so the processes share the CPU as in training: the median over
+  whole communication periods of a period's mean step (s), measured once per method and
+  learning rate (with the first seed run) and recorded with every seed;
+* ``curve``: after every ``eval_every`` steps: ``step``, ``time_s`` (the training steps'
+  wall-clock seconds so far on rank 0: evaluation, data loading and compilation are not
+  counted), ``accuracy`` (test accuracy over ``eval_examples``, evaluated in parallel),
+  ``link_bytes`` (bytes the kernel's qdisc passed during those steps, all ranks) and
+  ``wire_bits`` (the pipeline's count for one worker);
+* ``step_s`` (s; the median over whole periods of a period's mean step), ``wire_bits_per_step``
+  (one worker's, mean over whole periods) and ``messages_per_step`` (the collectives' arrays
+  of all workers together, the trainer's ``messages`` metric, mean over whole periods), and
+  the method's ``compressor``, ``strategy``, ``sync_every`` and ``learning_rate``.
+
+With ``lr_sweep``, ``sweep`` first holds one such run per method and learning rate (first
+seed). ``mode = "time"`` (the decomposed route's shaped jobs) trains each method for its
+``warmup_steps`` (capped by ``timing_warmup``) and then at least ``timing_steps`` steps in whole
+communication periods, and records every step's time (``timings``). Rank 0 prints one line per
+evaluation and one per run.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["compute_step_time", "main", "measure_link"]
+__all__ = ["compute_step_time", "main", "measure_link", "period_mean", "timed_steps"]
 
 
 def measure_link(world, repeats: int = 20, payload_bytes: int = 4 << 20) -> dict:
@@ -98,6 +110,30 @@ def _idle_barrier(world, poll_s: float = 0.02) -> None:
         time.sleep(poll_s)
 
 
+def period_mean(values, sync_every: int, reduce=np.median) -> float:
+    """``reduce`` over whole communication periods of a period's mean value.
+
+    ``values`` (one per step) are cut to whole periods of ``sync_every`` steps; each period's
+    mean is one sample. With fewer steps than one period, the mean of all of them.
+    """
+    a = np.asarray(values, np.float64)
+    h = max(int(sync_every), 1)
+    whole = (len(a) // h) * h
+    if whole == 0:
+        return float(a.mean()) if len(a) else math.nan
+    return float(reduce(a[:whole].reshape(-1, h).mean(axis=1)))
+
+
+def timed_steps(least: int, sync_every: int) -> int:
+    """Steps a timing window covers: at least ``least`` and two periods, in whole periods of ``sync_every``."""
+    h = max(int(sync_every), 1)
+    return h * max(2, math.ceil(int(least) / h))
+
+
+def _learning_rate(cfg: dict, method: str) -> float:
+    return float((cfg.get("learning_rates") or {}).get(method, cfg["learning_rate"]))
+
+
 def compute_step_time(
     *,
     model: str = "resnet20",
@@ -108,11 +144,12 @@ def compute_step_time(
     momentum: float = 0.9,
     steps: int = 20,
     seed: int = 0,
+    options: dict | None = None,
     train=None,
     world=None,
 ) -> float:
-    """Median seconds of one training step of ``method`` on this process's default device,
-    without communication: the same optimizer with a one-worker communicator
+    """Seconds of one training step of ``method`` on this process's default device, without
+    communication: the same optimizer with a one-worker communicator
     (:class:`jaxcomm.comm.Local`), i.e. forward, backward, compression and decoding.
 
     This is the compute side of the balance that ``jaxcomm run time-to-accuracy`` measures:
@@ -123,14 +160,17 @@ def compute_step_time(
       model, dataset: as :class:`~jaxcomm.experiments.network.config.TimeToAccuracyConfig`.
       batch_size: examples per step (one worker's batch).
       method: a label of :data:`~jaxcomm.experiments.network.config.METHODS`.
-      learning_rate, momentum: of ``optax.sgd``.
-      steps: steps timed after two untimed ones (compilation), ``>= 1``.
+      learning_rate, momentum: of the method's ``optax.sgd``.
+      steps: steps timed after two untimed ones (compilation), ``>= 1``; rounded up to whole
+        communication periods of the method.
       seed: initialisation and data order.
+      options: the configuration fields a method reads (``dgc_steps_per_stage``).
       train: the training :class:`~jaxcomm.data.Dataset` (default: loaded from ``dataset``).
       world: an mpi4py communicator: every rank times its own steps at once (after a
         barrier), so that processes sharing the cores share them as in training.
     Returns:
-      the median step time in seconds (compilation excluded).
+      the median over whole communication periods of a period's mean step time, in seconds
+      (compilation excluded; for a method that communicates every step, the median step).
     """
     import jax
 
@@ -138,14 +178,16 @@ def compute_step_time(
     from jaxcomm.comm import Local
     from jaxcomm.train import Trainer
 
-    from .._common import build_model, load_image_task, method_transform
-    from .config import METHODS
+    from .._common import build_model, load_image_task
+    from .config import build_method
 
     if int(steps) < 1:
         raise ValueError(f"steps: must be >= 1; got {steps}")
     if train is None:
         train, _ = load_image_task(dataset, 0, 1)
-    tx, _ = method_transform(METHODS, method, learning_rate, momentum)
+    tx, info = build_method(method, learning_rate, momentum, options)
+    h = max(int(info.sync_every), 1)
+    steps = h * math.ceil(int(steps) / h)
     trainer = Trainer(build_model(model, train, seed), tx, comm=Local(), seed=seed)
     batches = data.WorkerBatches([train], int(batch_size), jax.random.PRNGKey(seed + 7))
     state = trainer.init_state()
@@ -154,39 +196,23 @@ def compute_step_time(
     state, _ = trainer.fit(state, batches, 2, progress=False)
     if world is not None:
         world.Barrier()
-    state, hist = trainer.fit(state, batches, 2 + int(steps), progress=False)
-    return float(np.median([row["step_time"] for row in hist]))
+    state, hist = trainer.fit(state, batches, 2 + steps, progress=False)
+    return period_mean([row["step_time"] for row in hist], h)
 
 
-def _train(method: str, seed: int, cfg: dict, train, test_shard, world, rank: int) -> dict:
+def _mpi_trainer(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int):
+    """A trainer of ``method`` over MPI with its step compiled and loaded, and its batches."""
     import jax
-    from tqdm.auto import tqdm
 
     from jaxcomm import data
     from jaxcomm.comm import MPIComm
-    from jaxcomm.netem import link_counters
     from jaxcomm.train import Trainer
 
-    from .._common import build_model, method_transform
-    from .config import METHODS
+    from .._common import build_model
+    from .config import build_method
 
     n = world.Get_size()
-    lr, momentum = float(cfg["learning_rate"]), float(cfg["momentum"])
-    tx, compressor = method_transform(METHODS, method, lr, momentum)
-    world.Barrier()
-    compute_s = compute_step_time(
-        model=cfg["model"],
-        batch_size=int(cfg["batch_size"]),
-        method=method,
-        learning_rate=lr,
-        momentum=momentum,
-        steps=int(cfg["compute_steps"]),
-        seed=seed,
-        train=train,
-        world=world,
-    )
-    compute_s = float(np.max(world.allgather(compute_s)))  # the slowest rank paces the step
-
+    tx, info = build_method(method, lr, float(cfg["momentum"]), cfg)
     trainer = Trainer(build_model(cfg["model"], train, seed), tx, comm=MPIComm(), seed=seed)
     key = jax.random.PRNGKey(seed)
     shards = data.split_iid(train, n, key)
@@ -195,12 +221,43 @@ def _train(method: str, seed: int, cfg: dict, train, test_shard, world, rank: in
     _compile(trainer, trainer.init_state(), warm, world, rank)
     trainer.fit(trainer.init_state(), warm, 2, progress=False)  # load the executable, connect
     batches = data.WorkerBatches(shards, global_batch, jax.random.fold_in(key, 1))
-    state = trainer.init_state()
+    return trainer, batches, info
 
+
+def _compute_s(method: str, seed: int, lr: float, cfg: dict, train, world, cache: dict) -> float:
+    """The compute-only step (s) of ``method`` at ``lr``: measured once (first seed), then reused."""
+    if (method, lr) not in cache:
+        world.Barrier()
+        compute_s = compute_step_time(
+            model=cfg["model"],
+            batch_size=int(cfg["batch_size"]),
+            method=method,
+            learning_rate=lr,
+            momentum=float(cfg["momentum"]),
+            steps=int(cfg["compute_steps"]),
+            seed=seed,
+            options=cfg,
+            train=train,
+            world=world,
+        )
+        cache[(method, lr)] = float(np.max(world.allgather(compute_s)))  # the slowest rank paces the step
+    return cache[(method, lr)]
+
+
+def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, world, rank: int, cache: dict) -> dict:
+    from tqdm.auto import tqdm
+
+    from jaxcomm.netem import link_counters
+
+    n = world.Get_size()
+    compute_s = _compute_s(method, seed, lr, cfg, train, world, cache)
+
+    trainer, batches, info = _mpi_trainer(method, seed, lr, cfg, train, world, rank)
+    state = trainer.init_state()
     target, max_steps, every = float(cfg["target_accuracy"]), int(cfg["max_steps"]), int(cfg["eval_every"])
     curve, step_times, bits, messages = [], [], [], []
     elapsed, total_bytes, step = 0.0, 0, 0
-    desc = f"{cfg['bandwidth']} {method} seed {seed}"
+    desc = f"{cfg['bandwidth']} {method} lr {lr:g} seed {seed}"
     # Under mpirun the output is a pipe, which holds a bar's carriage-return updates back:
     # then one line per evaluation instead.
     lines = rank == 0 and not sys.stderr.isatty()
@@ -238,15 +295,26 @@ def _train(method: str, seed: int, cfg: dict, train, test_shard, world, rank: in
             reached = {"step": step, "time_s": elapsed}
             break
     bar.close()
+    if rank == 0:
+        outcome = (
+            f"reached {target:g} at step {step} in {elapsed:.1f} s"
+            if reached
+            else f"did not reach {target:g} in {step} steps ({elapsed:.1f} s)"
+        )
+        print(f"[run] {desc}: {outcome}; compute-only step {compute_s * 1e3:.1f} ms", flush=True)
+    h = info.sync_every
     return {
         "method": method,
         "seed": seed,
-        "compressor": compressor.name,
-        "strategy": "rounds" if compressor.rounds is not None else compressor.strategy,
+        "learning_rate": lr,
+        "compressor": info.compressor,
+        "strategy": info.strategy,
+        "sync_every": h,
+        "warmup_steps": info.warmup_steps,
         "compute_s": compute_s,
-        "step_s": float(np.median(step_times)),
-        "wire_bits_per_step": float(np.median(bits)),
-        "messages_per_step": float(np.median(messages)),
+        "step_s": period_mean(step_times, h),
+        "wire_bits_per_step": period_mean(bits, h, np.mean),
+        "messages_per_step": period_mean(messages, h, np.mean),
         "link_bytes_per_step": total_bytes / max(step, 1),
         "steps": step,
         "reached": reached,
@@ -254,13 +322,78 @@ def _train(method: str, seed: int, cfg: dict, train, test_shard, world, rank: in
     }
 
 
+def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int) -> dict:
+    """Every step's time of ``method`` on this link: its warm-up (capped by ``timing_warmup``),
+    then :func:`timed_steps` steps whose kernel byte count is read (rank 0).
+
+    ``step_s`` is the mean of the timed steps' ``step_time`` (s, as the training job's clock
+    counts them); ``window_s`` the wall-clock of the timed window on rank 0, between barriers
+    (s). The window starts with the link's token bucket full: at most ``burst / rate`` seconds
+    of transfer (256 KiB: 0.2 s at 10 Mbit/s, 2 ms at 1 Gbit/s) pass without waiting.
+    """
+    from jaxcomm.netem import link_counters
+
+    trainer, batches, info = _mpi_trainer(method, seed, lr, cfg, train, world, rank)
+    h = info.sync_every
+    warmup = min(int(info.warmup_steps), int((cfg.get("timing_warmup") or {}).get(method, info.warmup_steps)))
+    steady = timed_steps(int(cfg["timing_steps"]), h)
+    state = trainer.init_state()
+    hist_warm = []
+    if warmup:
+        state, hist_warm = trainer.fit(state, batches, warmup, progress=False)
+    world.Barrier()
+    before = link_counters() if rank == 0 else None
+    world.Barrier()  # every rank starts the window together, after rank 0 has read the counter
+    t0 = time.perf_counter()
+    state, hist = trainer.fit(state, batches, warmup + steady, progress=False)
+    world.Barrier()
+    window_s = time.perf_counter() - t0
+    window_bytes = (link_counters() - before).bytes if before is not None else 0
+    times = [row["step_time"] for row in hist]
+    out = {
+        "method": method,
+        "seed": seed,
+        "learning_rate": lr,
+        "compressor": info.compressor,
+        "strategy": info.strategy,
+        "sync_every": h,
+        "warmup_steps": warmup,
+        "warmup_step_times": [row["step_time"] for row in hist_warm],
+        "step_times": times,
+        "step_s": float(np.mean(times)),
+        "wire_bits_per_step": float(np.mean([row["wire_bits"] for row in hist])),
+        "messages_per_step": float(np.mean([row["messages"] for row in hist])),
+        "link_bytes_per_step": window_bytes / steady,
+        "window_s": window_s,
+    }
+    if rank == 0:
+        print(
+            f"[time] {cfg['bandwidth']} {method}: {steady} steps ({steady // h} periods) after {warmup}, "
+            f"mean step {out['step_s'] * 1e3:.1f} ms, {out['link_bytes_per_step'] / 1e6:.3f} MB/step on the link",
+            flush=True,
+        )
+    return out
+
+
+def _link_payload(bandwidth: str, n: int) -> int:
+    """Bytes of the all-reduce that measures the throughput: 4 MiB unshaped, else about half a
+    second of the link's rate for the whole ring, at least 256 KiB."""
+    from jaxcomm.netem import parse_rate
+
+    rate = parse_rate(str(bandwidth), "bandwidth")
+    if rate is None:
+        return 4 << 20
+    return int(min(4 << 20, max(256 << 10, rate / 8 * 0.5 / (2 * (n - 1)))))
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run every method and seed of ``DIR/config.json``; rank 0 writes ``DIR/results.json``."""
+    """Run the job of ``DIR/config.json``; rank 0 writes ``DIR/results.json``."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m jaxcomm.experiments.network.worker DIR")
     out = Path(argv[0])
     cfg = json.loads((out / "config.json").read_text())
+    mode = cfg.get("mode", "train")
     from mpi4py import MPI
 
     from .._common import load_image_task
@@ -270,24 +403,29 @@ def main(argv: list[str] | None = None) -> None:
     train, test = load_image_task(cfg["dataset"], int(cfg["train_examples"]), 0)
     per = int(cfg["eval_examples"]) // n
     test_shard = test.take(np.arange(rank * per, (rank + 1) * per))
-    link = measure_link(world)
-    runs: list[dict] = []
+    link = measure_link(world, payload_bytes=_link_payload(cfg["bandwidth"], n))
     t0 = time.perf_counter()
-    for seed in cfg["seeds"]:
-        for method in cfg["methods"]:
-            runs.append(_train(method, int(seed), cfg, train, test_shard, world, rank))
-            if rank == 0:  # after every run, so that an interrupted job keeps what it measured
-                result = {
-                    "bandwidth": cfg["bandwidth"],
-                    "procs": n,
-                    "link": link,
-                    "runs": runs,
-                    "job_s": time.perf_counter() - t0,
-                    "complete": len(runs) == len(cfg["seeds"]) * len(cfg["methods"]),
-                }
-                partial = out / "results.json.partial"
-                partial.write_text(json.dumps(result, indent=1))
-                partial.replace(out / "results.json")
+    result: dict = {"bandwidth": cfg["bandwidth"], "procs": n, "mode": mode, "link": link}
+    seeds, methods = [int(s) for s in cfg["seeds"]], list(cfg["methods"])
+    if mode == "time":
+        plan = [("timings", m, seeds[0], _learning_rate(cfg, m)) for m in methods]
+    else:
+        plan = [("sweep", m, seeds[0], float(lr)) for lr in cfg.get("lr_sweep") or () for m in methods]
+        plan += [("runs", m, s, _learning_rate(cfg, m)) for s in seeds for m in methods]
+    for key in dict.fromkeys(k for k, *_ in plan):
+        result[key] = []
+    compute_cache: dict = {}
+    for i, (key, method, seed, lr) in enumerate(plan):
+        if key == "timings":
+            result[key].append(_time(method, seed, lr, cfg, train, world, rank))
+        else:
+            result[key].append(_train(method, seed, lr, cfg, train, test_shard, world, rank, compute_cache))
+        if rank == 0:  # after every run, so that an interrupted job keeps what it measured
+            result["job_s"] = time.perf_counter() - t0
+            result["complete"] = i + 1 == len(plan)
+            partial = out / "results.json.partial"
+            partial.write_text(json.dumps(result, indent=1))
+            partial.replace(out / "results.json")
 
 
 if __name__ == "__main__":
