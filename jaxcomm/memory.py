@@ -214,8 +214,11 @@ def dgc(momentum: float = 0.9) -> Memory:
         raise ValueError(f"momentum must be in [0, 1); got {momentum}")
 
     def init(x):
-        z = jnp.zeros(jnp.shape(x), jnp.result_type(x))
-        return DGCMemoryState(momentum=z, accumulation=z)
+        # Two arrays, not one twice: a jitted step that donates its state would donate the same buffer twice.
+        return DGCMemoryState(
+            momentum=jnp.zeros(jnp.shape(x), jnp.result_type(x)),
+            accumulation=jnp.zeros(jnp.shape(x), jnp.result_type(x)),
+        )
 
     def corrected(state, g):
         _check_shape(state.momentum, g, "dgc memory")

@@ -229,7 +229,7 @@ def diloco(
         parts = [[leaves[j] for j in g] for g in groups]
         return DiLoCoState(
             count=jnp.zeros((), jnp.int32),
-            anchor=jax.tree.map(jnp.asarray, params),
+            anchor=jax.tree.map(lambda x: jnp.array(x, copy=True), params),  # its own buffers (donation)
             inner_state=inner.init(params),
             outer_states=tuple(outer.init(p) for p in parts),
             exchange_states=tuple(mean.init(p) for p in parts),
