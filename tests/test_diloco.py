@@ -217,3 +217,22 @@ def test_mpi_in_step_and_overlapped_match_the_reference_with_a_late_rank(tmp_pat
     with np.load(out) as z:
         for case in ("in_step", "overlap"):
             _close({k: z[f"{case}/{k}"] for k in KEYS}, ref)
+
+
+def test_initial_states_hold_no_buffer_twice():
+    """A jitted step donates its state: no buffer may appear twice in ``(params, tx.init(params))``
+    (DiLoCo's anchor is a copy of the parameters; DGC's two buffers are two arrays)."""
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,))}
+    for tx in (
+        jc.diloco(
+            optax.sgd(0.1, momentum=0.9),
+            every=4,
+            fragments=2,
+            compressor=jc.compressors.topk(ratio=0.5),
+            memory=jc.memory.residual(),
+        ),
+        optax.chain(jc.deep_gradient_compression(0.5, axis_name="data"), optax.sgd(0.1)),
+    ):
+        leaves = [x for x in jax.tree.leaves((params, tx.init(params))) if isinstance(x, jax.Array)]
+        pointers = [x.unsafe_buffer_pointer() for x in leaves]
+        assert len(pointers) == len(set(pointers))
