@@ -34,7 +34,10 @@ class AsyncMean:
     """Means of arrays over the processes of an mpi4py communicator, computed by a background thread.
 
     Every process must start and finish the same tags in the same order (SPMD), as for any
-    collective; tags identify exchanges in flight (at most one per tag).
+    collective; tags identify exchanges in flight (at most one per tag: a tag started again
+    before it was finished, as when training restarts from a fresh state, replaces the one in
+    flight, which still completes in the thread and whose result is dropped). The thread runs
+    the exchanges one at a time, in the order they were started.
 
     Args:
       comm: an ``mpi4py.MPI.Comm`` (e.g. ``MPIComm().comm``); a private duplicate is used, so the
@@ -66,8 +69,8 @@ class AsyncMean:
     def _submit(self, tag: int, arrays) -> None:
         copies = [np.array(a, copy=True) for a in arrays]  # the device buffers may be reused
         with self._lock:
-            if tag in self._jobs:
-                raise RuntimeError(f"AsyncMean: exchange {tag} started again before it was finished")
+            # A tag started again while in flight (training restarted from a fresh state): every process
+            # does the same, the old exchange completes in the thread first, and its result is dropped.
             self._jobs[tag] = self._pool.submit(self._mean, copies)
 
     def _collect(self, tag: int) -> list[np.ndarray]:

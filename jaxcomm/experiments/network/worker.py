@@ -185,7 +185,8 @@ def compute_step_time(
         raise ValueError(f"steps: must be >= 1; got {steps}")
     if train is None:
         train, _ = load_image_task(dataset, 0, 1)
-    tx, info = build_method(method, learning_rate, momentum, options)
+    # one_worker: a method that overlaps its exchange with an MPI thread builds without it here
+    tx, info = build_method(method, learning_rate, momentum, {**(options or {}), "one_worker": True})
     h = max(int(info.sync_every), 1)
     steps = h * math.ceil(int(steps) / h)
     trainer = Trainer(build_model(model, train, seed), tx, comm=Local(), seed=seed)
