@@ -3,7 +3,7 @@
 ::
 
     jaxcomm list                                  # experiments and compressors
-    jaxcomm run EXPERIMENT [--smoke] [--devices N] [--set key=value ...] [--out DIR]
+    jaxcomm run EXPERIMENT [--smoke | --full] [--devices N] [--set key=value ...] [--out DIR]
     jaxcomm demo [--devices N]                    # every compressor on a real model's gradients
     jaxcomm launch -n N [--bandwidth 200mbit] [--latency 0.1ms] [--report FILE] -- CMD ARGS...
     jaxcomm launch --check                        # can this machine emulate a network?
@@ -100,7 +100,7 @@ def _cmd_run(args) -> int:
         if args.help:
             _print_run_help(args.run_parser, exp)
             return 0
-        config = exp.config(smoke=args.smoke, overrides=_parse_sets(args.set or []))
+        config = exp.config(smoke=args.smoke, overrides=_parse_sets(args.set or []), full=args.full)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -112,9 +112,10 @@ def _cmd_run(args) -> int:
     elif "devices" in config:
         # The experiment's own worker count: simulate that many CPU devices.
         _set_devices(int(config["devices"]))
-    out = Path(args.out or Path("runs") / (exp.name + ("-smoke" if args.smoke else "")))
+    variant = " --smoke" if args.smoke else " --full" if args.full else ""
+    out = Path(args.out or Path("runs") / (exp.name + variant.replace(" --", "-")))
     out.mkdir(parents=True, exist_ok=True)
-    print(f"jaxcomm run {exp.name}{' --smoke' if args.smoke else ''} -> {out}")
+    print(f"jaxcomm run {exp.name}{variant} -> {out}")
     t0 = time.time()
     results = exp.run(config, out)
     results.setdefault("config", config)
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("experiment", nargs="?", default=None)
     p_run.add_argument("-h", "--help", action="store_true", help="show this help and the config keys of EXPERIMENT")
     p_run.add_argument("--smoke", action="store_true", help="the small configuration (under a minute)")
+    p_run.add_argument("--full", action="store_true", help="the larger study, where an experiment has one")
     p_run.add_argument("--devices", type=int, default=None, help="simulated CPU devices (sets XLA_FLAGS)")
     p_run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     p_run.add_argument("--out", default=None, help="output folder (default runs/EXPERIMENT)")

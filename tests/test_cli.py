@@ -34,6 +34,16 @@ def test_unknown_key_lists_valid_ones(capsys):
     assert "unknown config key" in err and "steps" in err
 
 
+def test_full_is_refused_where_it_does_not_apply(capsys):
+    """``--full`` needs an experiment with a larger study, and not ``--smoke`` beside it: exit 2, named."""
+    assert cli.main(["run", "grace", "--full"]) == 2
+    assert "--full: grace has one study" in capsys.readouterr().err
+    assert cli.main(["run", "time-to-accuracy", "--smoke", "--full"]) == 2
+    assert "choose one" in capsys.readouterr().err
+    full = get_experiment("time-to-accuracy").config(full=True)
+    assert full != get_experiment("time-to-accuracy").config() and full["model"] == "resnet20"
+
+
 def test_override_types_are_checked():
     cfg = get_experiment("grace").config(smoke=True)
     assert apply_overrides(cfg, {"steps": "7"})["steps"] == 7

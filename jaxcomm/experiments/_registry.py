@@ -71,14 +71,20 @@ class Experiment:
         """The small configuration as a dict."""
         return config_to_dict(self.config_type.smoke())
 
-    def config(self, smoke: bool = False, overrides: dict | None = None) -> dict:
-        """The configuration as a dict: ``default()`` or ``smoke()``, then ``overrides``.
+    def config(self, smoke: bool = False, overrides: dict | None = None, *, full: bool = False) -> dict:
+        """The configuration as a dict: ``default()``, ``smoke()`` or ``full()``, then ``overrides``.
 
         ``overrides`` values may be strings from ``--set`` (parsed as the field's
-        type). Raises ``ValueError`` naming a key that is not a field, or a value
-        of the wrong type.
+        type). ``full`` is the larger study of an experiment whose configuration defines
+        ``full()`` (its default is then the shorter main job). Raises ``ValueError`` naming a
+        key that is not a field, or a value of the wrong type; ``smoke`` with ``full``, or
+        ``full`` for an experiment without it.
         """
-        base = self.config_type.smoke() if smoke else self.config_type.default()
+        if smoke and full:
+            raise ValueError("--smoke and --full: choose one configuration")
+        if full and not callable(getattr(self.config_type, "full", None)):
+            raise ValueError(f"--full: {self.name} has one study (its default); run it without --full")
+        base = self.config_type.smoke() if smoke else self.config_type.full() if full else self.config_type.default()
         merged = apply_overrides(config_to_dict(base), overrides or {})
         return config_to_dict(config_from_dict(self.config_type, merged))
 
