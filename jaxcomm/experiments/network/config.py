@@ -151,8 +151,9 @@ METHODS: dict[str, Builder] = {
   quantization of what is averaged; ``sparseloco-H20``: top-k 2 % (tensors of at most 256
   entries whole) with residual memory (β = 0.9) and an outer ``sgd(1.0)``;
   ``streaming-diloco-H20``: 4 fragments, one every 5 steps, sent in bfloat16 by an MPI
-  communication thread that overlaps the next 2 inner steps, then applied and blended half-half (``overlap=True``; the compute-only step is timed without the
-  thread, on one worker)."""
+  communication thread that overlaps the next 2 inner steps, then applied and blended
+  half-half (``overlap=True``; the compute-only step is timed without the thread, on one
+  worker)."""
 
 ROUTES = ("decomposed", "end_to_end", "compare")
 """How the time to target is measured (see :class:`TimeToAccuracyConfig`)."""
