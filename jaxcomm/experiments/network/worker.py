@@ -305,12 +305,7 @@ def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, worl
         print(f"[run] {desc}: {outcome}; compute-only step {compute_s * 1e3:.1f} ms", flush=True)
     h = info.sync_every
     return {
-        "method": method,
-        "seed": seed,
-        "learning_rate": lr,
-        "compressor": info.compressor,
-        "strategy": info.strategy,
-        "sync_every": h,
+        **_described(method, seed, lr, info),
         "warmup_steps": info.warmup_steps,
         "compute_s": compute_s,
         "step_s": period_mean(step_times, h),
@@ -320,6 +315,18 @@ def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, worl
         "steps": step,
         "reached": reached,
         "curve": curve,
+    }
+
+
+def _described(method: str, seed: int, lr: float, info) -> dict:
+    """The fields that say which run a record is: method, seed, learning rate, what is sent and how."""
+    return {
+        "method": method,
+        "seed": seed,
+        "learning_rate": lr,
+        "compressor": info.compressor,
+        "strategy": info.strategy,
+        "sync_every": info.sync_every,
     }
 
 
@@ -352,12 +359,7 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
     window_bytes = (link_counters() - before).bytes if before is not None else 0
     times = [row["step_time"] for row in hist]
     out = {
-        "method": method,
-        "seed": seed,
-        "learning_rate": lr,
-        "compressor": info.compressor,
-        "strategy": info.strategy,
-        "sync_every": h,
+        **_described(method, seed, lr, info),
         "warmup_steps": warmup,
         "warmup_step_times": [row["step_time"] for row in hist_warm],
         "step_times": times,
