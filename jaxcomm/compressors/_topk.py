@@ -84,7 +84,10 @@ def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False, dense_be
         return SparsePayload(values=vals, indices=idx, shape=tuple(np.shape(x)), dtype=x.dtype)
 
     def compress(x, key, state):
-        k = selected(ratio, dense_below, int(np.size(x)))
+        d = int(np.size(x))
+        k = selected(ratio, dense_below, d)
+        if d <= dense_below:  # sent whole: every index in order, no selection to compile or run
+            return payload(x, jnp.arange(d, dtype=jnp.int32)), state
         if not reuse_threshold:
             return payload(x, topk_indices(x, k, key)), state
         idx, _, guess = top_indices_reusing(jnp.ravel(x), k, key, state, keys_of=magnitude_keys)

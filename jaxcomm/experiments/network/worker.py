@@ -201,6 +201,12 @@ def compute_step_time(
     return period_mean([row["step_time"] for row in hist], h)
 
 
+_COMPILED: dict = {}
+"""(method, learning rate, model) -> (tx, info, jitted step) of this process: an MPI step's program
+holds its communicator's handle, so the persistent compilation cache cannot serve it to a new
+trainer; later seeds reuse the step compiled for the first (their state is a new argument)."""
+
+
 def _mpi_trainer(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int):
     """A trainer of ``method`` over MPI with its step compiled and loaded, and its batches."""
     import jax
@@ -213,13 +219,18 @@ def _mpi_trainer(method: str, seed: int, lr: float, cfg: dict, train, world, ran
     from .config import build_method
 
     n = world.Get_size()
-    tx, info = build_method(method, lr, float(cfg["momentum"]), cfg)
+    compiled = _COMPILED.get((method, lr, cfg["model"]))
+    tx, info = compiled[:2] if compiled else build_method(method, lr, float(cfg["momentum"]), cfg)
     trainer = Trainer(build_model(cfg["model"], train, seed), tx, comm=MPIComm(), seed=seed)
     key = jax.random.PRNGKey(seed)
     shards = data.split_iid(train, n, key)
     global_batch = n * int(cfg["batch_size"])  # WorkerBatches takes the global batch
     warm = data.WorkerBatches(shards, global_batch, jax.random.fold_in(key, 2))
-    _compile(trainer, trainer.init_state(), warm, world, rank)
+    if compiled:  # the same program (a seed changes values only): the step compiled for an earlier seed
+        trainer.step_fn = compiled[2]
+    else:
+        _compile(trainer, trainer.init_state(), warm, world, rank)
+        _COMPILED[(method, lr, cfg["model"])] = (tx, info, trainer.step_fn)
     trainer.fit(trainer.init_state(), warm, 2, progress=False)  # load the executable, connect
     batches = data.WorkerBatches(shards, global_batch, jax.random.fold_in(key, 1))
     return trainer, batches, info
