@@ -289,7 +289,9 @@ def diloco(
         def receiver(q):
             def receive(_):
                 if overlap:
-                    like = [compressor.compress(local[j], state.exchange_states[q].key)[0].data for j in groups[q]]
+                    # the payloads' shapes and dtypes only (traced abstractly: nothing is compressed here)
+                    key = state.exchange_states[q].key
+                    like = [jax.eval_shape(lambda x: compressor.compress(x, key)[0].data, local[j]) for j in groups[q]]
                     delta = async_mean().finish(q, like)
                 else:
                     delta = [pending[j] for j in groups[q]]
