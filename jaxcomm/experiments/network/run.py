@@ -148,9 +148,18 @@ def _bytes_at(run: dict, step: int) -> int | None:
 
 def _record(link, run, route, time_s) -> dict:
     reached = run["reached"] is not None
-    steps = int(run["reached"]["step"]) if reached else None
-    compute_only = steps * float(run["compute_s"]) if reached else None
-    time_s = float(time_s) if reached else None
+    steps: int | None = None
+    compute_only: float | None = None
+    bytes_to: int | None = None
+    utilization: float | None = None
+    if reached:
+        steps = int(run["reached"]["step"])
+        compute_only = steps * float(run["compute_s"])
+        bytes_to = _bytes_at(run, steps)
+        time_s = float(time_s)
+        utilization = compute_only / time_s if time_s > 0 else None
+    else:
+        time_s = None
     return {
         "link": str(link),
         "method": run["method"],
@@ -159,9 +168,9 @@ def _record(link, run, route, time_s) -> dict:
         "reached": reached,
         "steps_to_target": steps,
         "time_to_target_s": time_s,
-        "bytes_to_target": _bytes_at(run, steps) if reached else None,
+        "bytes_to_target": bytes_to,
         "compute_only_s": compute_only,
-        "utilization": compute_only / time_s if reached and time_s > 0 else None,
+        "utilization": utilization,
     }
 
 
@@ -398,6 +407,7 @@ def _panels(training: dict | None, timing_jobs: list[dict], e2e_jobs: list[dict]
     """``(title, [(method, seed index, [time_s], [accuracy])])`` per link and route."""
     panels = []
     for tj in timing_jobs:
+        assert training is not None, "a decomposed timing job needs the training job it times"
         timings = {t["method"]: t for t in tj["timings"]}
         curves = []
         for r in training["runs"]:
@@ -574,11 +584,11 @@ def run(config: dict, out_dir: Path) -> dict:
     training, timing_jobs, e2e_jobs = None, [], []
     if route in ("decomposed", "compare"):
         training = _launch(config, "unlimited", "train", out_dir / "train", env)
-        compute = {}
+        compute: dict[str, list[float]] = {}
         for r in training["runs"]:
             compute.setdefault(r["method"], []).append(r["compute_s"])
         # A method's warm-up is timed no further than the training needed to reach the target.
-        needed = {}
+        needed: dict[str, int] = {}
         for r in training["runs"]:
             needed[r["method"]] = max(needed.get(r["method"], 0), r["reached"]["step"] if r["reached"] else r["steps"])
         for bandwidth in config["bandwidths"]:
