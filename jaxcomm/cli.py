@@ -20,7 +20,8 @@ method is one ``error:`` line on stderr, exit status 2, and no output folder.
 
 A method (quickstart's ``--set methods=...``, comma-separated) is a label or a
 spec ``COMPRESSOR[(k=v, ...)][+MEMORY[(k=v, ...)]][@STRATEGY]``, e.g.
-``topk(ratio=0.01)+residual@allgather``; see ``jaxcomm.experiments._common.parse_method``.
+``topk(ratio=0.01)+residual@allgather``; the grammar is in the documentation's
+command-line page, section "Method specs" (``docs/api/cli.md``).
 
 ``launch`` runs ``mpirun -n N CMD ARGS...`` on an emulated network (a private
 network namespace whose loopback is throttled; :mod:`jaxcomm.netem`) and prints

@@ -263,6 +263,28 @@ def test_module_map_names_only_existing_modules():
     assert not stale, "\n".join(stale)
 
 
+def test_cli_help_points_at_the_method_spec_page():
+    """The ``jaxcomm`` help names no private module; the page it points to documents the grammar,
+    and the page's example specs parse."""
+    import jaxcomm.cli as cli
+    from jaxcomm.experiments._common import parse_method
+    from jaxcomm.experiments._registry import _split_top
+
+    doc = cli.__doc__ or ""
+    assert re.findall(r"jaxcomm(?:\.\w+)*\._\w+", doc) == [], "the CLI help points at a private module"
+    pointers = re.findall(r'section "([^"]+)" \(``(docs/[\w/.-]+)``\)', doc)
+    assert pointers, 'the CLI help must name its docs page: section "TITLE" (``docs/PAGE.md``)'
+    for title, page in pointers:
+        text = (ROOT / page).read_text()
+        assert re.search(rf"^## {re.escape(title)}$", text, flags=re.M), f"{page} has no section '## {title}'"
+    page = (DOCS / "api" / "cli.md").read_text()
+    specs = [s for _, info, code in code_blocks(page) if info == "bash" for s in re.findall(r"methods=([^'\n]+)", code)]
+    assert specs, "docs/api/cli.md shows no example --set methods=..."
+    for spec in specs:
+        for method in _split_top(spec):  # as `--set methods=...` splits it
+            parse_method(method)  # raises ValueError, naming the part, if the documented example is wrong
+
+
 # --------------------------------------------------------------------------- #
 # No tracker words in what users read
 # --------------------------------------------------------------------------- #
