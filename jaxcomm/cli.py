@@ -17,7 +17,7 @@ default and meaning.
 
 A method (quickstart's ``--set methods=...``, comma-separated) is a label or a
 spec ``COMPRESSOR[(k=v, ...)][+MEMORY[(k=v, ...)]][@STRATEGY]``, e.g.
-``topk(ratio=0.01)+residual@allgather``; see ``jaxcomm.experiments._common.parse_method``.
+``topk(ratio=0.01)+residual@allgather``; see ``jaxcomm.experiments._spec.parse_method``.
 
 ``launch`` runs ``mpirun -n N CMD ARGS...`` on an emulated network (a private
 network namespace whose loopback is throttled; :mod:`jaxcomm.netem`) and prints
@@ -139,7 +139,7 @@ def _cmd_run(args) -> int:
             return 0
         return _fail("run: give an EXPERIMENT (jaxcomm list names them), or run --help")
     variant = " --smoke" if args.smoke else " --full" if args.full else ""
-    try:  # every check, before anything is created or JAX is imported
+    try:  # every check, before anything is created (JAX is imported last, by _set_devices)
         exp = get_experiment(args.experiment)
         if args.help:
             _print_run_help(args.run_parser, exp)
