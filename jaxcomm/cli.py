@@ -68,7 +68,7 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse, whose errors are one ``error:`` line (via :func:`main`) instead of usage and a message."""
 
-    def error(self, message: str):  # type: ignore[override]  # raises instead of exiting
+    def error(self, message: str):  # raises instead of exiting
         raise _UsageError(message)
 
 

@@ -109,11 +109,12 @@ def _source_memories() -> dict[str, Signature]:
     tree = _module_tree(_PACKAGE / "memory.py")
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     for node in tree.body:
-        targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
-        target = targets[0] if targets else None
-        if isinstance(target, ast.Name) and target.id == "_FACTORIES" and isinstance(node.value, ast.Dict):
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or not isinstance(node.value, ast.Dict):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if any(isinstance(t, ast.Name) and t.id == "_FACTORIES" for t in targets):
             return {
-                k.value: Signature.of_source(functions[v.id])
+                str(k.value): Signature.of_source(functions[v.id])
                 for k, v in zip(node.value.keys, node.value.values)
                 if isinstance(k, ast.Constant) and isinstance(v, ast.Name)
             }
@@ -168,22 +169,28 @@ def _depth(text: str) -> int:
 
 def _literal(node: ast.expr, where: str):
     """The value of a scalar literal node: a finite number, a string, ``True``/``False``/``None``."""
-    sign = 1
+    kinds = f"{where} must be one literal: a number, a string, True, False or None"
+    negate = isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        sign = -1 if isinstance(node.op, ast.USub) else 1
         node = node.operand
         if not (isinstance(node, ast.Constant) and type(node.value) in (int, float)):
-            raise ValueError(f"{where} must be one literal: a number, a string, True, False or None")
-    if not (isinstance(node, ast.Constant) and (node.value is None or type(node.value) in (bool, int, float, str))):
-        raise ValueError(f"{where} must be one literal: a number, a string, True, False or None")
+            raise ValueError(kinds)
+    if not isinstance(node, ast.Constant):
+        raise ValueError(kinds)
     value = node.value
-    if type(value) in (int, float):
-        value = sign * value
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{where} must be a finite number; got {value}")
-        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        value = -value if negate else value
+        if not -(2**63) <= value < 2**63:
             raise ValueError(f"{where} must be an integer within 64 bits; got one of {len(str(abs(value)))} digits")
-    return value
+        return value
+    if isinstance(value, float):
+        value = -value if negate else value
+        if not math.isfinite(value):
+            raise ValueError(f"{where} must be a finite number; got {value}")
+        return value
+    raise ValueError(kinds)  # bytes, complex, Ellipsis
 
 
 def _call(text: str, spec: str, kind: str) -> tuple[str, list[ast.keyword], str]:
