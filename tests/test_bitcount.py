@@ -2,10 +2,11 @@
 whose payload is past int32.
 
 The arithmetic is checked against Python's integers (hypothesis draws counts, weights and sums across
-the whole ``[0, 2**64)`` range, the carries included), traced and untraced, under ``vmap`` and inside
-``shard_map(check_vma=True)``. The pipeline tests put more than ``2**31`` bits of one tensor on the
-wire, through a static count (a dense ``none()`` payload), a dynamic one (``threshold(v=0)``: a count
-of kept entries times 64 bits) and the variable-length all-gather (bytes sent times 8).
+the whole ``[0, 2**64 - 1)`` range, the carries and the overflows included), traced and untraced,
+under ``vmap`` and inside ``shard_map(check_vma=True)``. The pipeline tests put more than ``2**31``
+bits of one tensor on the wire, through a static count (a dense ``none()`` payload), a dynamic one
+(``threshold(v=0)``: a count of kept entries times 64 bits) and the variable-length all-gather
+(bytes sent times 8).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.strict_promotion
 
 U32 = st.integers(0, 2**32 - 1)
 I31 = st.integers(0, 2**31 - 1)
-U64 = st.integers(0, 2**64 - 1)
+U64 = st.integers(0, 2**64 - 2)  # every exact count (2**64 - 1 marks a saturated one)
+SAT = BitCount.SATURATED
 
 
 @given(count=U32, weight=U32)
@@ -37,11 +39,21 @@ def test_product_is_exact(count, weight):
     assert int(jax.jit(lambda c: BitCount.product(c, weight))(jnp.uint32(count))) == expected
 
 
+_add = jax.jit(lambda x, y: x + y)
+
+
 @given(a=U64, b=U64)
-def test_add_carries_exactly_modulo_2_64(a, b):
-    assert int(BitCount.of(a) + BitCount.of(b)) == (a + b) % 2**64
-    assert int(jax.jit(lambda x, y: x + y)(BitCount.of(a), BitCount.of(b))) == (a + b) % 2**64
-    assert int(BitCount.of(a) + b) == int(b + BitCount.of(a)) == (a + b) % 2**64
+def test_add_is_exact_or_refused_or_saturated(a, b):
+    """Exact below 2**64 - 1; at or past it an OverflowError on the host and the saturated count traced."""
+    traced = _add(BitCount.of(a), BitCount.of(b))
+    if a + b < SAT:
+        assert int(BitCount.of(a) + BitCount.of(b)) == int(traced) == a + b
+        assert int(BitCount.of(a) + b) == int(b + BitCount.of(a)) == a + b
+        assert not bool(traced.is_saturated())
+    else:
+        with pytest.raises(OverflowError, match=r"2\*\*64 - 1"):
+            BitCount.of(a) + b
+        assert bool(traced.is_saturated())
 
 
 @given(a=U64, b=U64)
@@ -58,12 +70,22 @@ def test_comparisons_are_exact(a, b):
     assert bool((BitCount.stack([a, a]) == a).all())
 
 
-@given(values=st.lists(st.integers(0, 2**50), min_size=0, max_size=40))
-def test_sum_is_exact(values):
-    counts = BitCount.of(np.asarray(values, np.int64).reshape(-1))
-    assert int(counts.sum()) == sum(values)
-    assert int(jax.jit(lambda c: c.sum())(counts)) == sum(values)
+_sum = jax.jit(lambda c: c.sum())
+
+
+@given(values=st.lists(st.integers(0, 2**62), min_size=0, max_size=40))
+def test_sum_is_exact_or_refused_or_saturated(values):
+    """Exact below 2**64 - 1 (about half the draws pass it); past it as for ``+``. The traced sum
+    runs on the values padded with zeros to 40 (one compiled shape)."""
+    counts = BitCount.of(np.asarray(values, np.uint64).reshape(-1))
     assert np.asarray(counts).tolist() == values
+    traced = _sum(BitCount.of(np.asarray(values + [0] * (40 - len(values)), np.uint64)))
+    if sum(values) < SAT:
+        assert int(counts.sum()) == int(traced) == sum(values)
+    else:
+        with pytest.raises(OverflowError, match=r"2\*\*64"):
+            counts.sum()
+        assert bool(traced.is_saturated())
 
 
 def test_long_sums_go_by_chunks():
@@ -93,9 +115,9 @@ def test_of_arrays_and_host_reads():
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match=r"\[0, 2\*\*64\)"):
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*64 - 1\)"):
         BitCount.of(-1)
-    with pytest.raises(ValueError, match=r"\[0, 2\*\*64\)"):
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*64 - 1\)"):
         BitCount.of(2**64)
     with pytest.raises(TypeError, match="integer dtype"):
         BitCount.of(jnp.float32(1.0))
@@ -116,6 +138,73 @@ def test_refusals():
     with pytest.raises(OverflowError, match="int64"):
         np.asarray(BitCount.of(2**63))
     assert int(BitCount.of(2**63)) == 2**63  # int() reads every count
+
+
+def test_negative_and_overflowing_host_values_are_refused():
+    """Concrete values that are not counts raise, naming the problem, instead of wrapping."""
+    with pytest.raises(ValueError, match="non-negative, got -1"):
+        BitCount.of([-1])
+    with pytest.raises(ValueError, match=r"got -1 \(int8"):
+        BitCount.of(jnp.int8(-1))
+    with pytest.raises(ValueError, match=r"count must lie in \[0, 2\*\*32\), got -1"):
+        BitCount.product(jnp.int32(-1), 64)
+    with pytest.raises(ValueError, match=r"count must lie in \[0, 2\*\*32\)"):
+        BitCount.product(-1, 64)
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match=r"got -1 \(int64"):
+            BitCount.of(jnp.int64(-1))
+        with pytest.raises(ValueError, match=r"got 4294967296"):
+            BitCount.product(jnp.int64(2**32), 1)  # would have been cut to its low word
+    with pytest.raises(ValueError, match="saturated"):
+        BitCount.of(2**64 - 1)
+    with pytest.raises(ValueError, match="beyond 64 bits"):
+        BitCount.of([2**64])
+    with pytest.raises(OverflowError, match=r"2\*\*64 - 1"):
+        BitCount.of(2**64 - 2) + 1
+    with pytest.raises(OverflowError, match=r"2\*\*64 - 1"):
+        BitCount.of(2**63) + BitCount.of(2**63)
+    # 2**16 terms of 2**48: the high words sum to 2**32 (a uint32 sum of them would be 0)
+    with pytest.raises(OverflowError, match=r"2\*\*64"):
+        BitCount.of(np.full(2**16, 2**48, np.int64)).sum()
+    assert int(BitCount.of(np.full(2**16 - 1, 2**48, np.int64)).sum()) == (2**16 - 1) * 2**48
+
+
+def test_traced_negatives_and_overflows_saturate_and_stay_saturated():
+    sat = _add(BitCount.of(2**64 - 2), BitCount.of(1))
+    assert bool(sat.is_saturated()) and repr(sat) == "BitCount(saturated)"
+    assert bool(_add(sat, BitCount.of(0)).is_saturated()) and bool(_add(BitCount.of(5), sat).is_saturated())
+    assert bool(sat > BitCount.of(2**64 - 2))  # compares as the largest count
+    with pytest.raises(OverflowError, match="saturated"):
+        int(sat)
+    with pytest.raises(OverflowError, match="saturated"):
+        np.asarray(BitCount.stack([sat, BitCount.of(1)]))
+    prod = jax.jit(lambda c: BitCount.product(c, 64))(jnp.asarray([-1, 3], jnp.int32))
+    assert prod.is_saturated().tolist() == [True, False] and int(prod[1]) == 192
+    assert repr(prod) == "BitCount(['saturated', 192])"
+    assert jax.jit(BitCount.of)(jnp.asarray([-1, 7], jnp.int8)).is_saturated().tolist() == [True, False]
+    total = jax.jit(lambda c: c.sum())(BitCount.of(np.full(2**16, 2**48, np.int64)))
+    assert bool(total.is_saturated())
+    per = jax.vmap(lambda c: BitCount.product(c, 2) + BitCount.of(2**64 - 4))(jnp.asarray([0, 1, 2], jnp.int32))
+    assert per.is_saturated().tolist() == [False, False, True] and int(per[1]) == 2**64 - 2
+
+
+def test_bool_equality_and_len_follow_python_protocols():
+    assert bool(BitCount.of(7)) and bool(BitCount.of(2**40)) and not bool(BitCount.of(0))
+    with pytest.raises(ValueError, match="ambiguous"):
+        bool(BitCount.zeros((2,)))
+    with pytest.raises(TypeError, match="integer count, got NoneType"):
+        BitCount.of(None)
+    with pytest.raises(TypeError, match="count must be an integer array"):
+        BitCount.product(None, 8)
+    assert (BitCount.of(5) == None) is False and (BitCount.of(5) != None) is True  # noqa: E711
+    assert (BitCount.of(5) == "5") is False and (BitCount.of(5) == 5.0) is False
+    assert BitCount.of(5) in [None, "5", BitCount.of(5)]  # membership compares with ==: no error on the others
+    with pytest.raises(TypeError):
+        BitCount.of(5) < None  # noqa: B015
+    with pytest.raises(TypeError):
+        BitCount.of(5) + None
+    with pytest.raises(TypeError, match="len"):
+        len(BitCount.of(5))
 
 
 def test_vmap_and_shard_map_with_check_vma():

@@ -3,6 +3,7 @@ interrupted saves, and the earlier flat layout."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -143,9 +144,10 @@ def _save_flat_layout(directory: Path, step: int, state):
 
 def test_checkpoints_of_the_flat_layout_still_load(tmp_path):
     _save_flat_layout(tmp_path, 4, _state())
-    got, _, _ = restore_checkpoint(tmp_path, _state(seed=3))
+    with pytest.warns(UserWarning, match="without digests of its record"):
+        got, _, _ = restore_checkpoint(tmp_path, _state(seed=3))
     _equal(got, _state())
-    with pytest.raises(CheckpointError, match="flat layout of earlier jaxcomm versions"):
+    with pytest.raises(CheckpointError, match="flat layout of earlier jaxcomm versions"), pytest.warns(UserWarning):
         restore_checkpoint(tmp_path, _state(width=5))
 
 
@@ -229,3 +231,146 @@ def test_an_asynchronous_save_survives_the_next_step_donating_the_state(tmp_path
     _equal(got, expected)
     second, _, _ = restore_checkpoint(tmp_path, got, step=2)
     _equal(second, jax.tree.map(lambda x: x * 2 + 1, expected))
+
+
+# --------------------------------------------------------------------------- #
+# Checkpoint identity: what determines the trajectory is checked on resume
+# --------------------------------------------------------------------------- #
+def _digits_trainer(compressor=None, lr=0.1):
+    import optax
+    from flax import nnx
+
+    import jaxcomm as jc
+    from jaxcomm import models
+    from jaxcomm.train import Trainer
+
+    c = jc.compressors.topk(ratio=0.1) if compressor is None else compressor
+    model = models.MLP(in_features=64, hidden=(8,), num_classes=10, rngs=nnx.Rngs(0))
+    tx = optax.chain(jc.compressed_mean(c, memory=jc.memory.residual()), optax.sgd(lr))
+    return Trainer(model, tx, num_workers=2)
+
+
+def _digits_batches():
+    from jaxcomm import data
+
+    return data.WorkerBatches(data.split_iid(data.load_digits(), 2, jax.random.PRNGKey(0)), 16, jax.random.PRNGKey(1))
+
+
+def _fit(trainer, directory, steps, **kw):
+    kw = {"checkpoint_every": 2, "metadata": {"h": 8}, "progress": False, **kw}
+    return trainer.fit(trainer.init_state(), _digits_batches(), steps, checkpoint_dir=directory, **kw)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A top-k run checkpointed at steps 2 and 4 (sgd 0.1, metadata {"h": 8}); tests work on copies."""
+    directory = tmp_path_factory.mktemp("trained") / "run"
+    _fit(_digits_trainer(), directory, 4)
+    return directory
+
+
+def _copy(trained, tmp_path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(trained, tmp_path / "run"))
+
+
+def _edit_record(directory: Path, at: int, **fields) -> None:
+    path = directory / str(at) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({**meta, **fields}))
+
+
+@pytest.mark.parametrize(
+    ("compressor", "lr", "match"),
+    [
+        ("randomk", 0.1, r"compressor\.name: saved 'topk', this run 'randomk'"),
+        ("contractive", 0.1, r"compressor\.name: saved 'topk', this run 'contractive'"),
+        (None, 0.05, r"1 entry differs: tx\.update\S*\.step_size: saved -0\.1, this run -0\.05"),
+    ],
+)
+def test_resuming_with_another_transformation_is_refused_naming_it(trained, tmp_path, compressor, lr, match):
+    import jaxcomm as jc
+
+    c = {
+        "randomk": lambda: jc.compressors.randomk(ratio=0.1),
+        "contractive": lambda: jc.compressors.contractive(jc.compressors.qsgd(levels=4)),
+    }.get(compressor, lambda: None)()
+    directory = _copy(trained, tmp_path)
+    with pytest.raises(CheckpointError, match=match + r".*accept_changes=\('transform',\)"):
+        _fit(_digits_trainer(c, lr), directory, 6)
+
+
+def test_an_accepted_change_resumes_and_is_reported(trained, tmp_path):
+    directory = _copy(trained, tmp_path)
+    trainer = _digits_trainer(lr=0.05)
+    with pytest.warns(UserWarning, match=r"accepted: the transformation .*\.step_size: saved -0\.1, this run -0\.05"):
+        _, history = _fit(trainer, directory, 5, accept_changes=("transform",))
+    assert [row["step"] for row in history] == [5]
+    run = json.loads((directory / "5" / "meta" / "metadata").read_text())["run"]
+    assert run == json.loads(json.dumps(trainer.describe_run()))  # the new checkpoint records the new run
+
+
+@pytest.mark.parametrize(
+    ("fields", "match", "acceptable"),
+    [
+        ({"position": [0, 1]}, r"its recorded position \(\[0, 1\]\) does not match the digest", True),
+        ({"metadata": {"h": 9}}, r"its recorded metadata \(\{\"h\": 9\}\) does not match the digest", True),
+        ({"step": 3}, r"recorded step \(3\) does not match .*recorded step 3 is not its folder's step 4", False),
+        ({"sha256": {}}, r"its recorded sha256 \(\{\}\) does not match the digest", False),
+    ],
+)
+def test_an_edited_record_is_named(trained, tmp_path, fields, match, acceptable):
+    directory = _copy(trained, tmp_path)
+    _edit_record(directory, 4, **fields)
+    template = _digits_trainer().init_state()
+    how = r"pass accept_changes=" if acceptable else r"resume from an earlier step"
+    with pytest.raises(CheckpointError, match=match + ".*" + how):
+        restore_checkpoint(directory, template)
+    if acceptable:
+        (name,) = fields
+        with pytest.warns(UserWarning, match=f"accepted: its recorded {name}"):
+            _, position, meta = restore_checkpoint(directory, template, accept_changes=(name,))
+        assert position == tuple(fields.get("position", position)) and meta == fields.get("metadata", {"h": 8})
+
+
+def test_a_step_replaced_by_a_file_is_reported(trained, tmp_path):
+    import shutil
+
+    directory = _copy(trained, tmp_path)
+    shutil.rmtree(directory / "4")
+    (directory / "4").write_text("not a checkpoint")
+    with pytest.warns(
+        UserWarning, match=r"not complete checkpoints: 4 \(not a folder\).*last complete checkpoint is step 2"
+    ):
+        assert latest_step(directory) == 2
+
+
+def test_an_unreadable_array_metadata_file_is_one_clear_error(trained, tmp_path, capfd):
+    # orbax reads this file in one asyncio.gather with the arrays: failing there used to leave the
+    # array reads in flight, whose completions printed "Event loop is closed" tracebacks. The file
+    # is now read first, so the error comes before orbax starts any array read.
+    directory = _copy(trained, tmp_path)
+    (path,) = (directory / "4" / "state" / "array_metadatas").iterdir()
+    path.write_text("")
+    with pytest.raises(CheckpointError, match=r"unreadable \(array metadata file .*process_0: JSONDecodeError"):
+        restore_checkpoint(directory, _digits_trainer().init_state())
+    assert "Event loop is closed" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"checkpoint_every": -1}, ValueError, r"checkpoint_every must be an int >= 0 .*got -1"),
+        ({"checkpoint_every": True}, ValueError, r"checkpoint_every must be an int >= 0"),
+        ({"eval_every": -2}, ValueError, r"eval_every must be an int >= 0"),
+        ({"metadata": {"lr": np.float32(0.1)}}, TypeError, r"metadata must be JSON-serialisable .*float32"),
+        ({"metadata": [1]}, TypeError, r"metadata must be a dict"),
+        ({"accept_changes": "transform"}, TypeError, r"accept_changes must be a tuple of names"),
+        ({"accept_changes": ("lr",)}, ValueError, r"accept_changes: unknown \['lr'\]"),
+    ],
+)
+def test_bad_fit_arguments_are_refused_before_any_work(tmp_path, kw, error, match):
+    with pytest.raises(error, match=match):
+        _fit(_digits_trainer(), tmp_path / "run", 2, **kw)
+    assert not (tmp_path / "run").exists()

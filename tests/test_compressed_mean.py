@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from compressor_examples import MEAN_KWARGS
+from compressor_examples import EXACT_SETTINGS, MEAN_KWARGS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
@@ -414,6 +414,36 @@ def test_every_compressor_traces_inside_shard_map(name):
         t,
     )
     f.trace(spec(x0), spec(x0), spec(tx.init(x0)))
+
+
+@pytest.mark.parametrize("setting", sorted(EXACT_SETTINGS))
+def test_exact_settings_give_the_uncompressed_mean_inside_shard_map(setting):
+    """Every setting the docs call exact, in a shard_map step with the varying-axes check on, sends
+    the uncompressed mean (NumPy, float64) and leaves nothing in the error-feedback memory.
+
+    A 2400-entry tensor takes the sparsifiers' large-tensor paths (bit-packed masks, the sampled
+    threshold, DGC's adaptation with its exact top-k branch), a 5-entry one the small-tensor paths.
+    """
+    name, kwargs = EXACT_SETTINGS[setting]
+    n, mesh = 4, mesh_of(4)
+    tx = compressed_mean(jc.compressors.make(name, **kwargs), "data", memory=mem.residual())
+    rng = np.random.default_rng(0)
+    g = {"b": rng.standard_normal((n, 5)), "w": rng.standard_normal((n, 48, 50))}
+    g = jax.tree.map(lambda v: v.astype(np.float32), g)
+    x0 = jax.tree.map(lambda v: jnp.zeros(v.shape[1:]), g)
+
+    def worker(g, state):
+        g, state = jax.tree.map(lambda v: v[0], (g, state))
+        u, state = tx.update(g, state, x0)
+        return jax.tree.map(lambda v: v[None], (u, state.memory))
+
+    f = jax.jit(jax.shard_map(worker, mesh=mesh, in_specs=(P("data"),) * 2, out_specs=P("data"), check_vma=True))
+    put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))
+    u, memory = f(put(g), put(stacked(tx.init(x0), n)))
+    for k, v in g.items():
+        mean = v.astype(np.float64).mean(0)  # every worker receives it
+        np.testing.assert_allclose(np.asarray(u[k]), np.broadcast_to(mean, v.shape), rtol=1e-6, atol=1e-6, err_msg=k)
+        np.testing.assert_array_equal(np.asarray(memory[k]), 0.0, err_msg=k)
 
 
 # --------------------------------------------------------------------------- #

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compressor_examples import EXACT_SETTINGS
 from flax import nnx
 from mpirun import ROOT, run_mpi
 
@@ -137,9 +138,13 @@ def _assert_matches_numpy(got, reference):
     np.testing.assert_allclose(np.asarray(got["linear"]["bias"][...])[0], b, rtol=1e-5, atol=1e-6)
 
 
-def test_step_trains_like_numpy_with_the_type_check_on():
-    """check_vma=True: per-worker parameters through compressed_mean give plain mean-gradient SGD."""
-    _assert_matches_numpy(*_least_squares())
+@pytest.mark.parametrize("setting", sorted(EXACT_SETTINGS))
+def test_step_trains_like_numpy_with_the_type_check_on(setting):
+    """check_vma=True: per-worker parameters through compressed_mean with every setting the docs
+    call exact (none() among them) give plain mean-gradient SGD."""
+    name, kwargs = EXACT_SETTINGS[setting]
+    tx = optax.chain(jc.compressed_mean(jc.compressors.make(name, **kwargs)), optax.sgd(0.1))
+    _assert_matches_numpy(*_least_squares(tx=tx))
 
 
 def test_replicated_parameters_trip_the_guard_inside_the_step():

@@ -145,7 +145,7 @@ def wire_bits(payload) -> int | BitCount:
     ends know the model. For fixed-size payloads the result is a Python ``int``;
     for count-based payloads (threshold methods with a fixed-capacity buffer) it
     is a scalar :class:`~jaxcomm.BitCount` computed from the count (two uint32
-    words, exact below ``2**64`` bits; ``int(bits)`` reads it on the host).
+    words, exact up to ``2**64 - 2`` bits; ``int(bits)`` reads it on the host).
 
     Args:
       payload: a :class:`Payload`, or any pytree containing payloads.

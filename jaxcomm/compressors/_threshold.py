@@ -132,7 +132,10 @@ def dgc(
     selected (which is the exact top-k of ``x``) and stop; if between ``k`` and
     ``upper_bound * k``, stop; if fewer than ``lower_bound * k``, lower the
     threshold ``thr <- lower_bound * thr`` and select again. Finally keep the
-    first ``k`` selected in index order (``indices[:num_selects]``).
+    first ``k`` selected in index order (``indices[:num_selects]``). Where
+    ``k = d`` (``ratio = 1``, or a tensor so small that ``ceil(d * ratio) = d``)
+    every entry is sent, without sampling: the sampled threshold could only drop
+    entries the buffer has room for, so ``dgc(ratio=1)`` is exact.
 
     DGC's momentum correction and factor masking are memory functions (see
     :mod:`jaxcomm.memory`), not part of the compressor (GRACE Sec. IV-C).
@@ -169,6 +172,9 @@ def dgc(
         if d == 0:
             z = jnp.zeros((0,), x.dtype)
             return CountSparsePayload(z, z.astype(jnp.uint8), jnp.int32(0), shape, x.dtype), state
+        if k >= d:  # the buffer holds every entry: a sampled threshold could only drop some
+            vals, idx = _sparse_payload(x, jnp.arange(d, dtype=jnp.int32))
+            return CountSparsePayload(values=vals, indices=idx, count=jnp.int32(d), shape=shape, dtype=x.dtype), state
         # The importance |x| (NaN -> +Inf) is elementwise: it is recomputed from x inside each
         # pass that reads it (sample gather, selection, exact top-k) rather than stored as a
         # d-entry array that the adaptation loop and the top-k branch would carry.

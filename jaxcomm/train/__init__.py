@@ -6,7 +6,14 @@
 >>> # trainer = jc.train.Trainer(model, tx)
 """
 
-from ._checkpoint import Checkpointer, CheckpointError, latest_step, restore_checkpoint, save_checkpoint
+from ._checkpoint import (
+    ACCEPTABLE_CHANGES,
+    Checkpointer,
+    CheckpointError,
+    latest_step,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from ._mesh import make_mesh, shard_workers, stack_workers, unstack_worker
 from ._nnx import (
     PureModel,
@@ -21,6 +28,7 @@ from ._step import TrainState, collect_counter, init_train_state, make_train_ste
 from ._trainer import NonFiniteLossError, Trainer, to_workers
 
 __all__ = [
+    "ACCEPTABLE_CHANGES",
     "CheckpointError",
     "Checkpointer",
     "NonFiniteLossError",

@@ -18,14 +18,26 @@ view that keeps the buffer alive, and JAX then copies instead of donating). Wait
 instead would serialise training and writing; copying the state on device would
 double its memory.
 
-Restoring checks, in order: orbax's own validation of the tree structure and
-shapes against the running job's state, the stored dtypes (orbax would cast
-silently), every array's digest (a flipped bit names the array and the step's
-folder) and the run's metadata. Every failure is a :class:`CheckpointError`,
-never a silent fresh start. A save that was interrupted (the process killed
-while writing) leaves an unfinished temporary folder that orbax never lists; the
-checkpointer warns about it and resumes from the last complete checkpoint.
-Checkpoints of the earlier flat layout (items ``leaf_00000`` ...) still load.
+The checkpoint's record (a JSON item) holds the step, the data position, the
+user's metadata, a description of the run (:func:`~._describe.describe` of the
+transformation and the task: compressor, memory, strategy, optimizer and their
+hyper-parameters), the PRNG key types and every array's digest, and a SHA-256
+digest of each of these fields.
+
+Restoring checks, in order, before any array is read: each record field against
+its digest (an edited or damaged record is named), the recorded step against the
+folder's, the metadata and the run description against the running job's, the
+tree structure, shapes and dtypes (orbax would cast silently) and orbax's array
+metadata file; then, after reading, every array's digest (a flipped bit names the
+array and the step's folder). Every failure is a :class:`CheckpointError` naming
+what differs, never a silent fresh start. A different position, metadata or
+transformation can be accepted on purpose (``accept_changes``; each accepted
+difference is still reported, as a warning). A save that was interrupted (the
+process killed while writing) leaves an unfinished temporary folder that orbax
+never lists, and a step folder replaced by something else is not listed either;
+the checkpointer warns about both and resumes from the last complete checkpoint.
+Checkpoints of the earlier flat layout (items ``leaf_00000`` ...) still load, with
+a warning that their record has no digests to check.
 """
 
 from __future__ import annotations
@@ -39,10 +51,28 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["CheckpointError", "Checkpointer", "save_checkpoint", "restore_checkpoint", "latest_step"]
+__all__ = [
+    "ACCEPTABLE_CHANGES",
+    "CheckpointError",
+    "Checkpointer",
+    "check_accept_changes",
+    "check_metadata",
+    "save_checkpoint",
+    "restore_checkpoint",
+    "latest_step",
+]
 
 LAYOUT = "structured-v1"
 """``meta["layout"]`` of checkpoints written by :class:`Checkpointer` (absent in the flat legacy layout)."""
+
+ACCEPTABLE_CHANGES = ("position", "metadata", "transform")
+"""The differences ``accept_changes`` may accept on resume: the data position recorded with the
+checkpoint (edited by hand, e.g. to skip data), the run's ``metadata``, and the transformation or
+task (``transform``: another learning rate, compressor or memory). The arrays, their digests, the
+step and the PRNG key types are never accepted: a state that does not match is not resumed."""
+
+_RECORDED = ("step", "position", "metadata", "run", "prng_keys", "sha256")  # the record fields with a digest
+_CATEGORY = {"position": "position", "metadata": "metadata", "run": "transform"}  # others: never accepted
 
 
 class CheckpointError(RuntimeError):
@@ -67,6 +97,49 @@ def _leaves_by_name(tree) -> dict:
 def _digest(x) -> str:
     a = np.ascontiguousarray(np.asarray(x))
     return hashlib.sha256(a.view(np.uint8).reshape(-1).tobytes() if a.size else b"").hexdigest()
+
+
+def _record_digest(value) -> str:
+    """SHA-256 of a record field's canonical JSON (sorted keys, ASCII)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_metadata(metadata, name: str = "metadata") -> dict:
+    """``metadata`` (``{}`` for ``None``) if it is a dict that JSON can write, else a ``TypeError`` naming ``name``."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise TypeError(f"{name} must be a dict of JSON values (or None); got {type(metadata).__name__}")
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} must be JSON-serialisable (it is written with every checkpoint and compared on resume): {e}"
+        ) from None
+    return metadata
+
+
+def check_accept_changes(accept_changes) -> frozenset:
+    """``accept_changes`` as a set of names from :data:`ACCEPTABLE_CHANGES` (else a clear error)."""
+    if isinstance(accept_changes, str) or not isinstance(accept_changes, (tuple, list, set, frozenset)):
+        raise TypeError(
+            f"accept_changes must be a tuple of names from {ACCEPTABLE_CHANGES}, e.g. ('transform',); "
+            f"got {accept_changes!r}"
+        )
+    unknown = sorted(set(map(str, accept_changes)) - set(ACCEPTABLE_CHANGES))
+    if unknown:
+        raise ValueError(f"accept_changes: unknown {unknown}; the changes one can accept are {ACCEPTABLE_CHANGES}")
+    return frozenset(accept_changes)
+
+
+def _run_differences(saved: dict, current: dict, limit: int = 6) -> str:
+    """The entries of two run descriptions that differ, the first ``limit`` of them spelled out."""
+    keys = list(dict.fromkeys([*current, *saved]))
+    diff = [k for k in keys if saved.get(k) != current.get(k)]
+    shown = [f"{k}: saved {saved.get(k, '(absent)')}, this run {current.get(k, '(absent)')}" for k in diff[:limit]]
+    more = f"; and {len(diff) - limit} more" if len(diff) > limit else ""
+    counted = "1 entry differs" if len(diff) == 1 else f"{len(diff)} entries differ"
+    return f"{counted}: " + "; ".join(shown) + more
 
 
 def _is_key(x) -> bool:
@@ -120,6 +193,17 @@ class Checkpointer:
                 UserWarning,
                 stacklevel=2,
             )
+        listed = set(self._manager.all_steps())
+        unlisted = sorted(p for p in self.directory.iterdir() if p.name.isdigit() and int(p.name) not in listed)
+        if unlisted:  # e.g. a step folder replaced by a file: orbax skips it without a word
+            what = {True: "a folder orbax does not list", False: "not a folder"}
+            kinds = ", ".join(f"{p.name} ({what[p.is_dir()]})" for p in unlisted)
+            warnings.warn(
+                f"{self.directory}: step entries that are not complete checkpoints: {kinds}; they are ignored, "
+                f"and the last complete checkpoint is step {self.latest_step()}",
+                UserWarning,
+                stacklevel=2,
+            )
 
     # ---------------------------------------------------------------- lifetime
     def __enter__(self) -> Checkpointer:
@@ -143,16 +227,19 @@ class Checkpointer:
         return self._manager.latest_step()
 
     # -------------------------------------------------------------------- save
-    def save(self, step: int, state, *, position=None, metadata: dict | None = None) -> None:
+    def save(self, step: int, state, *, position=None, metadata: dict | None = None, run: dict | None = None) -> None:
         """Start saving ``state`` (any pytree of arrays, typed PRNG keys included) as checkpoint ``step``.
 
         Returns once every array is copied to the host; the caller may then donate
         or overwrite ``state``'s buffers while the files are written.
 
-        ``position`` (the data iterator's ``(epoch, index)``) and ``metadata``
-        (JSON-serialisable run description, compared on restore) go in a JSON item
-        with every array's SHA-256 digest.
+        ``position`` (the data iterator's ``(epoch, index)``), ``metadata``
+        (the user's JSON-serialisable run description) and ``run`` (a
+        ``{path: text}`` description of the computation, :func:`~._describe.describe`)
+        go in a JSON record with every array's SHA-256 digest and a digest of each
+        record field; all are compared on restore.
         """
+        metadata = check_metadata(metadata)
         keys = _key_impls(state)
         state = _key_data(state)  # typed PRNG keys are written as their key data, re-wrapped on restore
         host = jax.device_get(state)  # the bytes being saved: digested here, whatever the step does next
@@ -161,27 +248,48 @@ class Checkpointer:
             "prng_keys": keys,
             "step": int(step),
             "position": None if position is None else [int(v) for v in position],
-            "metadata": metadata or {},
+            "metadata": metadata,
+            "run": run,
             "sha256": {name: _digest(x) for name, x in _leaves_by_name(host).items()},
         }
+        meta["digests"] = {field: _record_digest(meta[field]) for field in _RECORDED}
         self._manager.save(
             int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         )
 
     # ----------------------------------------------------------------- restore
-    def restore(self, template, *, step: int | None = None, metadata: dict | None = None):
+    def restore(
+        self,
+        template,
+        *,
+        step: int | None = None,
+        metadata: dict | None = None,
+        run: dict | None = None,
+        accept_changes=(),
+    ):
         """Restore checkpoint ``step`` (default: the latest) into the structure of ``template``.
 
         ``template`` is a pytree like the saved state (e.g. a freshly initialised
         ``TrainState``); its shardings place the restored arrays.
 
+        Args:
+          metadata: if given, must equal the saved metadata.
+          run: if given, the running job's description (:func:`~._describe.describe`);
+            must equal the saved one.
+          accept_changes: names from :data:`ACCEPTABLE_CHANGES` whose differences
+            are accepted on purpose (each is reported by a ``UserWarning``).
         Returns:
           ``(state, position, metadata)``.
         Raises:
-          CheckpointError: no checkpoint, unreadable files, a structure, shape or
-            dtype that differs from ``template``, an array whose digest differs
-            (named), or different ``metadata`` (the message says which).
+          CheckpointError: no checkpoint, unreadable files, a record field that does
+            not match its digest, another step, ``metadata`` or ``run`` (not
+            accepted), a structure, shape or dtype that differs from ``template``,
+            or an array whose digest differs. The message names what differs and,
+            where it can be accepted, the ``accept_changes`` that resumes anyway.
         """
+        accept = check_accept_changes(accept_changes)
+        if metadata is not None:
+            check_metadata(metadata)
         self.wait()
         where = self.directory
         if step is None:
@@ -192,17 +300,70 @@ class Checkpointer:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax raises several types for unreadable files
             raise CheckpointError(f"checkpoint {step} in {where} is unreadable (metadata): {e}") from e
+        self._check_record(step, meta, metadata, run, accept)
         if meta.get("layout") != LAYOUT:
             state = _restore_flat(self._manager, where, step, meta, template)
         else:
             state = self._restore_structured(step, meta, template)
-        if metadata is not None and meta.get("metadata") != json.loads(json.dumps(metadata)):
-            raise CheckpointError(
-                f"checkpoint {step} in {where} was written by a different configuration: "
-                f"saved {meta.get('metadata')} vs current {metadata}"
-            )
         position = meta.get("position")
         return state, (tuple(position) if position is not None else None), meta.get("metadata", {})
+
+    def _check_record(self, step: int, meta: dict, metadata, run, accept: frozenset) -> None:
+        """Every record field against its digest, then the step, metadata and run against this job's."""
+        found: list[tuple[str, str]] = []  # (category, what differs)
+        record = self.directory / str(step) / "meta"
+        digests = meta.get("digests")
+        if not isinstance(digests, dict):
+            warnings.warn(
+                f"checkpoint {step} in {self.directory} was written without digests of its record (an earlier "
+                "jaxcomm): its step, position, metadata and run description cannot be checked",
+                UserWarning,
+                stacklevel=3,
+            )
+        else:
+            for field in _RECORDED:
+                if digests.get(field) != _record_digest(meta.get(field)):
+                    shown = json.dumps(meta.get(field))
+                    found.append(
+                        (
+                            _CATEGORY.get(field, "record"),
+                            f"its recorded {field} ({shown[:200]}) does not match the digest written with it "
+                            f"({record} was edited or damaged)",
+                        )
+                    )
+        if meta.get("step", step) != step:
+            found.append(("record", f"its recorded step {meta.get('step')} is not its folder's step {step}"))
+        if metadata is not None and meta.get("metadata") != json.loads(json.dumps(metadata)):
+            found.append(
+                (
+                    "metadata",
+                    f"it was written by a different configuration: metadata saved {meta.get('metadata')} vs "
+                    f"current {metadata}",
+                )
+            )
+        if run is not None:
+            saved = meta.get("run")
+            if saved is None:
+                warnings.warn(
+                    f"checkpoint {step} in {self.directory} records no run description: the transformation "
+                    "(compressor, memory, optimizer, learning rate) cannot be checked",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            elif saved != json.loads(json.dumps(run)):
+                found.append(("transform", "the transformation or task differs: " + _run_differences(saved, run)))
+        refused = [text for category, text in found if category not in accept]
+        if refused:
+            fixable = sorted({c for c, _ in found if c not in accept and c != "record"})
+            folder = self.directory / str(step)
+            if any(c == "record" for c, _ in found):
+                how = f"; resume from an earlier step (restore(step=...)) or move the folder {folder} away"
+            else:
+                names = tuple(sorted(accept | set(fixable)))
+                how = f"; to resume from it anyway on purpose, pass accept_changes={names} (Trainer.fit or restore)"
+            raise CheckpointError(f"checkpoint {step} in {self.directory}: " + "; ".join(refused) + how)
+        for _, text in found:
+            warnings.warn(f"checkpoint {step} in {self.directory}, accepted: {text}", UserWarning, stacklevel=3)
 
     def _restore_structured(self, step: int, meta: dict, template):
         where = self.directory / str(step)
@@ -235,6 +396,7 @@ class Checkpointer:
                 f"checkpoint {step} in {self.directory} does not match this run (was it written by a different "
                 f"model, optimizer or worker count?): " + "; ".join(problems[:10])
             )
+        _check_array_metadatas(self.directory, step)
         try:
             args = ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(template)))
             state = self._manager.restore(step, args=args)["state"]
@@ -257,6 +419,26 @@ class Checkpointer:
         return jax.tree.map(
             lambda t, x: jax.random.wrap_key_data(x, impl=jax.random.key_impl(t)) if _is_key(t) else x, typed, state
         )
+
+
+def _check_array_metadatas(directory: Path, step: int) -> None:
+    """Refuse an unreadable orbax array-metadata file before orbax reads it.
+
+    orbax reads ``state/array_metadatas/process_*`` in the same ``asyncio.gather`` as
+    the arrays; when that read fails first, the gather ends while the array reads
+    are still running, and their completions then print "Event loop is closed"
+    tracebacks from orbax's background thread next to the error. Reading the JSON
+    here first turns the failure into one clear error with nothing in flight.
+    """
+    for path in sorted((directory / str(step) / "state" / "array_metadatas").glob("*")):
+        try:
+            entries = json.loads(path.read_text())["array_metadatas"]
+            if not isinstance(entries, list):
+                raise TypeError(f"array_metadatas is a {type(entries).__name__}, not a list")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"checkpoint {step} in {directory} is unreadable (array metadata file {path}: {type(e).__name__}: {e})"
+            ) from e
 
 
 def _restore_flat(manager, directory: Path, step: int, meta: dict, template):
@@ -287,7 +469,14 @@ def _restore_flat(manager, directory: Path, step: int, meta: dict, template):
 # One-call forms (one manager per call, synchronous)
 # --------------------------------------------------------------------------- #
 def save_checkpoint(
-    directory, step: int, state, *, position=None, metadata: dict | None = None, max_to_keep: int | None = 3
+    directory,
+    step: int,
+    state,
+    *,
+    position=None,
+    metadata: dict | None = None,
+    run: dict | None = None,
+    max_to_keep: int | None = 3,
 ) -> Path:
     """Save ``state`` as checkpoint ``step`` under ``directory`` and wait until it is on disk.
 
@@ -295,7 +484,7 @@ def save_checkpoint(
     :class:`Checkpointer` instead. Returns the checkpoint root.
     """
     with Checkpointer(directory, max_to_keep=max_to_keep, async_save=False) as ckpt:
-        ckpt.save(step, state, position=position, metadata=metadata)
+        ckpt.save(step, state, position=position, metadata=metadata, run=run)
     return Path(directory)
 
 
@@ -308,7 +497,9 @@ def latest_step(directory) -> int | None:
         return ckpt.latest_step()
 
 
-def restore_checkpoint(directory, template, *, step: int | None = None, metadata: dict | None = None):
+def restore_checkpoint(
+    directory, template, *, step: int | None = None, metadata: dict | None = None, run=None, accept_changes=()
+):
     """Restore checkpoint ``step`` (default: latest) into the structure of ``template``.
 
     The one-call form of :meth:`Checkpointer.restore`: returns
@@ -318,4 +509,4 @@ def restore_checkpoint(directory, template, *, step: int | None = None, metadata
     if not directory.exists():
         raise CheckpointError(f"no checkpoint directory at {directory}")
     with Checkpointer(directory) as ckpt:
-        return ckpt.restore(template, step=step, metadata=metadata)
+        return ckpt.restore(template, step=step, metadata=metadata, run=run, accept_changes=accept_changes)

@@ -26,7 +26,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._checkpoint import Checkpointer
+from ._checkpoint import Checkpointer, check_accept_changes, check_metadata
+from ._describe import describe
 from ._mesh import make_mesh
 from ._nnx import (
     PureModel,
@@ -212,6 +213,7 @@ class Trainer:
         desc: str = "train",
         callback: Callable[[int, TrainState, dict], TrainState] | None = None,
         watchdog_s: float | None = None,
+        accept_changes=(),
     ):
         """Train until ``state.step == num_steps``; returns ``(state, history)``.
 
@@ -219,14 +221,25 @@ class Trainer:
           batches: a :class:`jaxcomm.data.WorkerBatches` (or any iterator of global
             batches with a ``position``/``seek`` for resumption).
           eval_fn: ``state -> dict`` run every ``eval_every`` steps and at the end.
-          checkpoint_dir: if given, save every ``checkpoint_every`` steps and at the
-            end through one :class:`Checkpointer` (asynchronous saves, all on disk
-            when ``fit`` returns or raises); with ``resume`` the latest complete
-            checkpoint is restored first (its structure, dtypes, digests and
-            ``metadata`` must match, else ``CheckpointError``). With ``comm``
+          checkpoint_dir: if given, save every ``checkpoint_every`` steps (an int
+            ``>= 0``; 0: only at the end) and at the end through one
+            :class:`Checkpointer` (asynchronous saves, all on disk when ``fit``
+            returns or raises); with ``resume`` the latest complete checkpoint is
+            restored first. Its record (step, data position, ``metadata``), the
+            run's description (:meth:`describe_run`: the transformation chain with
+            its compressor, memory, strategy, optimizer and hyper-parameters, and
+            the task), its structure, dtypes and array digests must match, else
+            ``CheckpointError`` naming what differs. With ``comm``
             (one process per worker) each process keeps its own folder
             ``checkpoint_dir/rank_NNNNN`` and all resume from the newest step every
             process has completed.
+          metadata: a JSON-serialisable dict describing the run (refused up front
+            otherwise), saved with every checkpoint and compared on resume.
+          accept_changes: names from :data:`~jaxcomm.train.ACCEPTABLE_CHANGES`
+            (``"position"``, ``"metadata"``, ``"transform"``) whose differences from
+            the checkpoint are accepted on purpose when resuming, e.g.
+            ``("transform",)`` to go on with another learning rate; each accepted
+            difference is reported by a ``UserWarning``.
           callback: ``(step, state, row) -> state`` after each step (e.g. periodic
             parameter averaging).
           watchdog_s: with an ``MPIComm`` (one process per worker), run the steps
@@ -245,6 +258,12 @@ class Trainer:
         Raises:
           NonFiniteLossError: NaN/Inf loss; the last good checkpoint stays on disk.
         """
+        for name, value in (("checkpoint_every", checkpoint_every), ("eval_every", eval_every)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: only at the end); got {value!r}")
+        check_metadata(metadata)
+        accept_changes = check_accept_changes(accept_changes)
+        run = self.describe_run() if checkpoint_dir is not None else None
         if checkpoint_dir is not None and self.comm is not None and (self.num_workers or 1) > 1:
             # One process per worker: each keeps its own state (memories, keys) in its own folder.
             checkpoint_dir = Path(checkpoint_dir) / f"rank_{int(getattr(self.comm, 'rank', 0)):05d}"
@@ -261,7 +280,9 @@ class Trainer:
             history: list[dict] = []
             step = self._agreed_step(ckpt.latest_step()) if ckpt is not None and resume else None
             if ckpt is not None and step is not None:
-                state, position, _ = ckpt.restore(state, step=step, metadata=metadata)
+                state, position, _ = ckpt.restore(
+                    state, step=step, metadata=metadata, run=run, accept_changes=accept_changes
+                )
                 if position is not None and hasattr(batches, "seek"):
                     batches.seek(position)
             start = int(_first_worker(state.step)) if self.mesh is not None else int(state.step)
@@ -297,9 +318,24 @@ class Trainer:
                 if ckpt is not None and (
                     (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == num_steps
                 ):
-                    ckpt.save(step + 1, state, position=getattr(batches, "position", None), metadata=metadata)
+                    position = getattr(batches, "position", None)
+                    ckpt.save(step + 1, state, position=position, metadata=metadata, run=run)
             bar.close()
             return state, history
+
+    def describe_run(self) -> dict[str, str]:
+        """What a checkpoint records of this trainer's computation, ``{path: text}``
+        (:func:`~jaxcomm.train._describe.describe` of ``tx`` and ``task``).
+
+        Covered: the transformation chain's structure and every value its functions
+        captured (compressor name and hyper-parameters, memory, strategy, warm-up
+        stages, the optimizer's learning rate, momentum and schedules) and the task
+        (its name, or the loss function's name and captures). Not covered: the
+        model (its parameters' names, shapes and dtypes are checked with the
+        state), function bodies, and globals a function reads.
+        """
+        task = {"task": repr(self.task)} if isinstance(self.task, str) else describe(self.task, "task")
+        return {**describe(self.tx, "tx"), **task}
 
     def _agreed_step(self, latest: int | None) -> int | None:
         """The step every process resumes from: the smallest of their latest complete checkpoints

@@ -41,7 +41,7 @@ first payload of a fused group, the group's bucket padding -- so that
 included, and count them whole. With one worker nothing is sent, and
 ``wire_bits`` is the payload's own format count (:func:`~jaxcomm.compressors.wire_bits`).
 The counts are :class:`~jaxcomm.BitCount` values (two uint32 words each): exact up to
-``2**64`` bits, whatever the tensor's size.
+``2**64 - 2`` bits, whatever the tensor's size (past it: an error, or saturated when traced).
 """
 
 from __future__ import annotations

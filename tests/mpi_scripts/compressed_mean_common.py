@@ -38,6 +38,10 @@ CASES = {
     "threshold_allgather": lambda **where: compressed_mean(
         jc.compressors.threshold(v=0.5), memory=mem.residual(), **where
     ),
+    # DGC's exact setting (k = d: every entry sent, nothing left in the memory) over the counted gather
+    "dgc_exact_allgather": lambda **where: compressed_mean(
+        jc.compressors.dgc(ratio=1.0), memory=mem.residual(), **where
+    ),
     # two allreduce rounds yielded by the compressor's rounds (P, then Q)
     "powersgd_allreduce": lambda **where: compressed_mean(
         jc.compressors.powersgd(matrix_approximation_rank=1), memory=mem.residual(), **where
