@@ -83,7 +83,13 @@ def fp16_np(phi, key):
 CASES = {
     "allreduce": ("allreduce", lambda: jc.compressors.randomk(ratio=0.5), randomk_np, ("none", None), "mean"),
     "allgather": ("allgather", lambda: jc.compressors.topk(ratio=0.25), topk_np, ("dgc", 0.9), "mean"),
-    "allgather_counted": ("allgather", lambda: jc.compressors.threshold(v=0.5), threshold_np, ("residual", 0.5), "mean"),
+    "allgather_counted": (
+        "allgather",
+        lambda: jc.compressors.threshold(v=0.5),
+        threshold_np,
+        ("residual", 0.5),
+        "mean",
+    ),
     "broadcast": ("broadcast", jc.compressors.scaled_sign, scaled_sign_np, ("efsignsgd", 0.5), "mean"),
     "reduce_scatter": ("reduce_scatter", jc.compressors.fp16, fp16_np, ("residual", 1.0), "owners"),
     # full rank: PowerSGD's two rounds reproduce the mean, and the memory keeps φ_i − mean
@@ -199,14 +205,14 @@ def run(f, state, seq):
 
 
 def compression_states(state):
-    is_cs = lambda node: isinstance(node, jc.transforms.CompressionState)  # noqa: E731
+    is_cs = lambda node: isinstance(node, jc.transforms.CompressionState)
     return [s for s in jax.tree.leaves(state, is_leaf=is_cs) if is_cs(s)]
 
 
 def assert_skipped(before, after):
     """``after`` is ``before`` with one more skipped step: counters hold only the flag's all-reduce."""
     for b, a in zip(compression_states(before), compression_states(after)):
-        kept = lambda s: (s.count, s.key, s.memory, s.compressor_states)  # noqa: E731
+        kept = lambda s: (s.count, s.key, s.memory, s.compressor_states)
         jax.tree.map(np.testing.assert_array_equal, kept(b), kept(a))
         np.testing.assert_array_equal(np.asarray(a.notfinite_count), np.asarray(b.notfinite_count) + 1)
     first = compression_states(after)[0]
@@ -296,7 +302,7 @@ def test_diloco_skips_the_exchange_and_keeps_the_memory():
     )
     f, state0 = step_of(tx, with_params=True)
     outs, states = run(f, state0, with_nan(gradients(seed=2)))  # BAD = 1: the first exchange (t = 2)
-    exchange = lambda s: s.exchange_states[0]  # noqa: E731
+    exchange = lambda s: s.exchange_states[0]
     assert_skipped(exchange(states[BAD - 1]), exchange(states[BAD]))
     np.testing.assert_array_equal(np.asarray(exchange(states[BAD]).memory[1]), 0.0)  # ["b", "w"]: no NaN kept
     for k in NAMES:
@@ -319,7 +325,9 @@ def test_error_feedback_skip_equals_optax_apply_if_finite():
         g = {k: jnp.asarray(v[1]) for k, v in g.items()}  # worker 1's gradients: NaN at step BAD
         (out, s), (ref, w) = step(g, s), wstep(g, w)
         jax.tree.map(np.testing.assert_array_equal, out, ref)
-    jax.tree.map(np.testing.assert_array_equal, s._replace(notfinite_count=0), w.inner_state._replace(notfinite_count=0))
+    jax.tree.map(
+        np.testing.assert_array_equal, s._replace(notfinite_count=0), w.inner_state._replace(notfinite_count=0)
+    )
     assert int(s.notfinite_count) == int(w.total_notfinite) == 1
 
 

@@ -168,8 +168,9 @@ def diloco(
       An optax transformation with state :class:`DiLoCoState`; ``update`` requires ``params``.
     Raises:
       ValueError: ``every < 1``; ``every`` not a multiple of ``fragments``; ``delay`` outside
-        ``[0, H / F)``; ``blend`` outside ``[0, 1)``; ``skip_nonfinite`` with ``overlap``; (at ``init``) more fragments than parameter
-        arrays; (at ``update``) no ``params``, or a tree other than ``init``'s.
+        ``[0, H / F)``; ``blend`` outside ``[0, 1)``; ``skip_nonfinite`` with ``overlap``; (at
+        ``init``) more fragments than parameter arrays; (at ``update``) no ``params``, or a tree
+        other than ``init``'s.
       TypeError: ``inner``/``outer`` not optax transformations; a wrong ``compressor``/``memory``.
     """
     for name, tx in (("inner", inner), ("outer", outer)):
