@@ -10,6 +10,7 @@ other transforms on the pipeline, the library's own run on the gradients without
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hlo_collectives import collectives
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -162,14 +164,9 @@ def reference(case: str, seq: list[dict]) -> list[dict]:
 # --------------------------------------------------------------------------- #
 # The mesh harness: one jitted step per transform
 # --------------------------------------------------------------------------- #
-MESH = None
-
-
+@functools.cache
 def mesh():
-    global MESH
-    if MESH is None:
-        MESH = Mesh(np.array(jax.devices()[:N]), ("data",))
-    return MESH
+    return Mesh(np.array(jax.devices()[:N]), ("data",))
 
 
 def put(tree):
@@ -248,6 +245,15 @@ def test_skipped_step_leaves_the_run_of_the_other_steps(case):
     last = states[-1]
     assert np.asarray(last.notfinite_count).tolist() == [1] * N
     assert np.asarray(last.count).tolist() == [STEPS - 1] * N
+
+    # The lowered program: the flag's int32 all-reduce before the cond, the step's collectives in its
+    # run branch and none in the skip branch; wire_bits counts both.
+    found = collectives(f.lower(put(clean[0]), state0).as_text(dialect="hlo"), N)
+    assert found.fixed == [("all-reduce", 4)]
+    ((run_bytes, skip_bytes),) = found.switches
+    assert skip_bytes == 0 and run_bytes > 0
+    if strategy != "broadcast":  # on a mesh a broadcast is an all-reduce of n payloads; a worker sends one
+        np.testing.assert_array_equal(np.asarray(states[0].wire_bits).sum(axis=1), 8 * (4 + run_bytes))
 
 
 # --------------------------------------------------------------------------- #
