@@ -149,9 +149,11 @@ def test_zero_counters_zeroes_only_the_counters():
         compressor_states=(),
         wire_bits=jnp.array([5, 7]),
         messages=jnp.int32(2),
+        notfinite_count=jnp.int32(1),
     )
     z = zero_counters((s, {"x": jnp.ones(2)}))
     assert int(z[0].count) == 3 and z[0].wire_bits.tolist() == [0, 0] and int(z[0].messages) == 0
+    assert int(z[0].notfinite_count) == 1  # a count of steps, like count: not a per-step counter
     assert z[1]["x"].tolist() == [1.0, 1.0]
 
 

@@ -3,7 +3,8 @@
 One ``mpirun -n 4`` runs every case of ``tests/mpi_scripts/compressed_mean_common.CASES``
 (compressed_mean with random-k over allreduce with a shared key, QSGD over
 allgather with per-rank keys, Threshold-v's variable-length all-gather, PowerSGD's
-two allreduce rounds, and DoubleSqueeze)
+two allreduce rounds, DoubleSqueeze, and top-k with a NaN on one process at one
+step, which every process skips together)
 after checking every MPIComm collective; this process runs the same worker code
 inside ``jax.shard_map`` on 4 of its 8 simulated devices and compares.
 """
@@ -43,6 +44,7 @@ def test_mpi_matches_mesh(case, mpi_results):
     for leaf in common.SHAPES:
         got = mpi_results[f"{case}/{leaf}"]
         assert got.shape == (common.N, *common.SHAPES[leaf])
+        assert np.isfinite(got).all(), f"{case}/{leaf}: non-finite parameters"
         for r in range(1, common.N):  # every process ends the step with the same parameters
             np.testing.assert_array_equal(got[r], got[0], err_msg=f"{case}/{leaf}: rank {r} diverged")
         np.testing.assert_allclose(got[0], mesh[leaf][0], rtol=tol, atol=tol, err_msg=f"{case}/{leaf}")

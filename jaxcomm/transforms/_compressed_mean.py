@@ -30,8 +30,10 @@ from ._pipeline import (
     check_feedback,
     check_memory,
     check_served,
+    check_skip_nonfinite,
     choose_strategy,
     compress_step,
+    if_finite,
     init_state,
     sums_in_16_bits,
 )
@@ -48,6 +50,7 @@ def compressed_mean(
     strategy: str = "auto",
     fuse: bool = True,
     warmup: Sequence[tuple[int, Compressor]] = (),
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Mean of the workers' gradients, communicated compressed (GRACE Algorithm 1).
 
@@ -120,6 +123,18 @@ def compressed_mean(
     denser stages whatever their ``k`` (a capacity sized for the first stage), or need
     the counted all-gather of variable-length payloads.
 
+    Non-finite gradients (``skip_nonfinite``): with ``True``, every worker flags whether its
+    gradient has a NaN or Inf, the flags are summed (one extra all-reduce of an int32 per
+    step: 32 bits in ``state.wire_bits[0]``, one more in ``state.messages``), and if any
+    worker's is not finite, *all* workers skip the step together: the output is zeros on
+    every worker (so the parameters stay identical and unchanged), nothing else is sent, and
+    the state (count, key, memories, compressor states) stays as it was, so the following
+    steps are those of the run without that step; ``state.notfinite_count`` counts the
+    skipped steps. With ``False`` (default; no extra collective) a non-finite gradient is
+    compressed and sent as it is: the mean is not finite at that step and, with a memory
+    that keeps the error, at later steps too (the memory keeps the non-finite entries);
+    ``state.notfinite_count`` counts the steps at which this worker's gradient was not finite.
+
     Pitfall: inside ``jax.shard_map``, ``jax.grad`` of replicated parameters
     silently sums the gradient over the axis; cast the parameters first with
     ``jax.lax.pcast(params, axis, to="varying")``. Where jax tracks it
@@ -143,6 +158,8 @@ def compressed_mean(
         state as ``compressor`` (stateless top-k stages around a stateless top-k),
         take no dense warm-up of its own, and have a strategy the communicator
         serves (``strategy="auto"`` resolves per stage); ``steps`` an integer ``>= 1``.
+      skip_nonfinite: skip a step, on every worker, when some worker's gradient is not
+        finite (above); default ``False``.
     Returns:
       ``GradientTransformationExtraArgs`` with per-worker state
       :class:`~jaxcomm.transforms.CompressionState`.
@@ -158,14 +175,15 @@ def compressed_mean(
       ValueError: a ``warmup`` stage whose compressor keeps another state than
         ``compressor`` (at build time on a probe tensor, at ``init`` per tensor), whose
         strategy cannot be served, or with ``steps < 1``; the message names ``warmup[j]``.
-      TypeError: wrong types for ``compressor``, ``memory``, ``comm``, ``fuse`` or
-        ``warmup`` (not a sequence of ``(int, Compressor)`` pairs).
+      TypeError: wrong types for ``compressor``, ``memory``, ``comm``, ``fuse``,
+        ``skip_nonfinite`` or ``warmup`` (not a sequence of ``(int, Compressor)`` pairs).
     """
     compressor = check_compressor(compressor, dense_warmup=True)
     memory = memory_lib.none() if memory is None else check_memory(memory)
     comm_obj = resolve(axis_name, comm)
     if not isinstance(fuse, bool):
         raise TypeError(f"fuse must be a bool; got {type(fuse).__name__}")
+    skip = check_skip_nonfinite(skip_nonfinite)
     stages = check_warmup(warmup, compressor)
     main = _Phase(compressor, strategy, memory, None)
     phases = [_Phase(c, strategy, memory, f"warmup[{j}]") for j, (c, _) in enumerate(stages)] + [main]
@@ -196,11 +214,8 @@ def compressed_mean(
                     )
         return state
 
-    def update_fn(updates, state: CompressionState, params=None, **extra_args):
-        del params, extra_args
-        n = int(comm_obj.size)  # raises ValueError naming the axis where it is not bound
-        for phase in phases:
-            phase.check_served(comm_obj)
+    def step(updates, state: CompressionState):
+        n = int(comm_obj.size)
 
         def branch(phase: _Phase):
             return lambda _: phase.step(comm_obj, updates, state, n, fuse)
@@ -223,6 +238,13 @@ def compressed_mean(
         # every worker takes the same branch and runs the same collectives).
         index = sum((state.count >= b).astype(jnp.int32) for b in bounds) if bounds else jnp.zeros((), jnp.int32)
         return typed_switch(index, branches)
+
+    def update_fn(updates, state: CompressionState, params=None, **extra_args):
+        del params, extra_args
+        _ = int(comm_obj.size)  # raises ValueError naming the axis where it is not bound
+        for phase in phases:
+            phase.check_served(comm_obj)
+        return if_finite(comm_obj, updates, state, step, skip=skip)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -84,6 +84,7 @@ def deep_gradient_compression(
     axis_name: str | None = None,
     comm=None,
     fuse: bool = True,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Deep Gradient Compression (Lin et al., ICLR 2018): clipping, momentum correction, masking, warm-up.
 
@@ -132,6 +133,9 @@ def deep_gradient_compression(
       axis_name / comm: the workers' communicator, as in
         :func:`~jaxcomm.transforms.compressed_mean`.
       fuse: as in :func:`~jaxcomm.transforms.compressed_mean`.
+      skip_nonfinite: as in :func:`~jaxcomm.transforms.compressed_mean`: when some worker's
+        (clipped) gradient has a NaN or Inf, every worker skips the step and ``U``, ``V``
+        stay as they were; ``False`` (default): ``U`` and ``V`` keep the non-finite entries.
     Returns:
       An ``optax`` chain (per-worker state) whose ``update`` maps each worker's
       gradient tree to the workers' mean of the sparse accumulated velocities,
@@ -149,5 +153,7 @@ def deep_gradient_compression(
     if not steps_per_stage:
         _check_drop_ratio(initial_drop_ratio, "initial_drop_ratio")
     clip = optax.identity() if clip_norm is None else local_clip(clip_norm, axis_name=axis_name, comm=comm)
-    mean = compressed_mean(compressor, axis_name, comm=comm, memory=memory, fuse=fuse, warmup=stages)
+    mean = compressed_mean(
+        compressor, axis_name, comm=comm, memory=memory, fuse=fuse, warmup=stages, skip_nonfinite=skip_nonfinite
+    )
     return optax.chain(clip, mean)

@@ -115,6 +115,7 @@ def diloco(
     strategy: str = "auto",
     fuse: bool = True,
     overlap: bool = False,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo (and Streaming DiLoCo, SparseLoCo): ``every`` local steps, then an outer step.
 
@@ -158,12 +159,18 @@ def diloco(
         without memory (the payload's mean is the pipeline's ``allreduce`` route, summed in
         float32). An exchange still in flight is not part of the state: checkpoint at steps
         where none is (``t mod (H / F) >= delay``).
+      skip_nonfinite: of :func:`~jaxcomm.compressed_mean`, for the exchanges: when some
+        worker's pseudo-gradient has a NaN or Inf, every worker skips that exchange, whose
+        mean is then zero, and the fragment's memories stay as they were (its
+        ``exchange_states[p].notfinite_count`` counts it). The outer step and the blend
+        still run with that zero mean. Not with ``overlap``.
     Returns:
       An optax transformation with state :class:`DiLoCoState`; ``update`` requires ``params``.
     Raises:
       ValueError: ``every < 1``; ``every`` not a multiple of ``fragments``; ``delay`` outside
-        ``[0, H / F)``; ``blend`` outside ``[0, 1)``; (at ``init``) more fragments than parameter
-        arrays; (at ``update``) no ``params``, or a tree other than ``init``'s.
+        ``[0, H / F)``; ``blend`` outside ``[0, 1)``; ``skip_nonfinite`` with ``overlap``; (at
+        ``init``) more fragments than parameter arrays; (at ``update``) no ``params``, or a tree
+        other than ``init``'s.
       TypeError: ``inner``/``outer`` not optax transformations; a wrong ``compressor``/``memory``.
     """
     for name, tx in (("inner", inner), ("outer", outer)):
@@ -183,9 +190,16 @@ def diloco(
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
     compressor = compressors_lib.none() if compressor is None else check_compressor(compressor)
     memory = memory_lib.none() if memory is None else check_memory(memory)
-    mean = compressed_mean(compressor, axis_name, comm=comm, memory=memory, strategy=strategy, fuse=fuse)
+    mean = compressed_mean(
+        compressor, axis_name, comm=comm, memory=memory, strategy=strategy, fuse=fuse, skip_nonfinite=skip_nonfinite
+    )
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be a bool; got {overlap!r}")
+    if overlap and skip_nonfinite:
+        raise ValueError(
+            "skip_nonfinite=True needs the pipeline's exchange, but overlap=True sends the payloads from an MPI "
+            "communication thread; use one of them"
+        )
     if overlap and (compressor.name not in _OVERLAP_COMPRESSORS or memory.name != "none"):
         raise ValueError(
             f"overlap supports the compressors {_OVERLAP_COMPRESSORS} without memory; got {compressor!r} "

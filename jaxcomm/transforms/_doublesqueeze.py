@@ -54,10 +54,12 @@ from ._pipeline import (
     check_compressor,
     check_memory,
     check_served,
+    check_skip_nonfinite,
     check_stateless,
     choose_strategy,
     compress_step,
     flatten_updates,
+    if_finite,
     init_state,
 )
 
@@ -82,6 +84,9 @@ class DoubleSqueezeState(NamedTuple):
         sent). ``server="sharded"``: each worker holds the entries of the
         chunks it owns and zeros elsewhere, and ``server.wire_bits[l]`` is its
         compressed chunk's size.
+
+    Both halves count the steps with a gradient that was not finite in ``notfinite_count``
+    (the skipped steps with ``skip_nonfinite=True``).
     """
 
     worker: CompressionState
@@ -97,6 +102,7 @@ def doublesqueeze(
     server: str = "replicated",
     worker_memory: memory_lib.Memory | None = None,
     server_memory: memory_lib.Memory | None = None,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """DoubleSqueeze (Tang et al. 2019, Algorithm 1): error-compensated compression on both passes.
 
@@ -132,6 +138,11 @@ def doublesqueeze(
       worker_memory: worker error feedback (default
         :func:`jaxcomm.memory.residual`: ``v_i = g_i + δ_i``).
       server_memory: server error feedback (default ``residual()``).
+      skip_nonfinite: when some worker's gradient has a NaN or Inf, every worker skips the
+        step (one extra int32 all-reduce per step): the output is zeros and both halves'
+        states stay as they were, each counting the step in ``notfinite_count``. ``False``
+        (default): the step runs as it is, and the worker and server errors keep the
+        non-finite entries (see :func:`~jaxcomm.transforms.compressed_mean`).
 
     Returns:
       An optax transformation with state :class:`DoubleSqueezeState`; ``update``
@@ -145,7 +156,7 @@ def doublesqueeze(
 
         diverge; :func:`jaxcomm.compressors.contractive` scales it into a contraction).
       TypeError: ``compressor``/``server_compressor`` not a Compressor, a
-        memory not a Memory, ``comm`` not a Communicator.
+        memory not a Memory, ``comm`` not a Communicator, ``skip_nonfinite`` not a bool.
       ValueError: a compressor strategy the communicator cannot serve, a
         multi-round compressor (``rounds``), a stateful compressor
         with ``server="sharded"``, an unknown ``server``; at trace time, a
@@ -158,6 +169,7 @@ def doublesqueeze(
     server_mem = memory_lib.residual() if server_memory is None else check_memory(server_memory, "server_memory")
     if server not in SERVER_MODES:
         raise ValueError(f"server must be one of {SERVER_MODES}; got {server!r}")
+    skip = check_skip_nonfinite(skip_nonfinite)
     if server == "sharded":
         for c, name in ((compressor, "compressor"), (server_c, "server_compressor")):
             check_stateless(c, name, "server='sharded'")
@@ -179,8 +191,9 @@ def doublesqueeze(
         if not isinstance(state, DoubleSqueezeState):
             raise TypeError(f"state must be a DoubleSqueezeState (from init); got {type(state).__name__}")
         check_served(communicator, worker_strategy, compressor)
-        if server == "sharded":
-            return _sharded(updates, state)
+        return if_finite(communicator, updates, state, _sharded if server == "sharded" else _replicated, skip=skip)
+
+    def _replicated(updates, state):
         # Worker half: the compressed mean of the v_i.
         ex, leaves, treedef, worker_state, _ = compress_step(
             communicator, updates, state.worker, compressor=compressor, memory=worker_mem, strategy=worker_strategy
@@ -229,6 +242,7 @@ def doublesqueeze(
             compressor_states=state.server.compressor_states,
             wire_bits=BitCount.stack(ex.owner_bits) if ex.owner_bits else BitCount.zeros((0,)),
             messages=jnp.zeros((), jnp.int32),
+            notfinite_count=state.server.notfinite_count,
         )
         return treedef.unflatten(outs), DoubleSqueezeState(worker_state, server_state)
 

@@ -11,13 +11,22 @@ import optax
 
 from .. import memory as memory_lib
 from ..compressors._base import Compressor
-from ._pipeline import LOCAL, CompressionState, check_compressor, check_memory, compress_step, init_state
+from ._pipeline import (
+    LOCAL,
+    CompressionState,
+    check_compressor,
+    check_memory,
+    check_skip_nonfinite,
+    compress_step,
+    if_finite,
+    init_state,
+)
 
 __all__ = ["error_feedback"]
 
 
 def error_feedback(
-    compressor: Compressor, memory: memory_lib.Memory | None = None
+    compressor: Compressor, memory: memory_lib.Memory | None = None, *, skip_nonfinite: bool = False
 ) -> optax.GradientTransformationExtraArgs:
     """Error-feedback compression of a gradient tree (EF-SGD; GRACE Algorithm 1 with one node).
 
@@ -39,9 +48,17 @@ def error_feedback(
     uses ``split(step_key, num_leaves)[i]``. Works under ``jax.jit``, and per
     worker inside ``jax.shard_map``.
 
+    Non-finite gradients: with ``skip_nonfinite=True``, a step whose gradient has a NaN or
+    Inf in any leaf outputs zeros and leaves the state (count, key, memories) as it was,
+    adding one to ``state.notfinite_count`` (what ``optax.apply_if_finite`` does around
+    it; nothing is communicated either way). With ``False`` (default) the step runs as it
+    is, a memory that keeps the error keeps the non-finite entries for later steps, and
+    ``state.notfinite_count`` counts such steps.
+
     Args:
       compressor: a :class:`~jaxcomm.compressors.Compressor`.
       memory: a :class:`~jaxcomm.memory.Memory`; default ``residual()``.
+      skip_nonfinite: skip a step whose gradient is not finite (above).
     Returns:
       An optax ``GradientTransformationExtraArgs`` with state
       :class:`~jaxcomm.transforms.CompressionState`; ``state.wire_bits[i]`` is
@@ -51,23 +68,28 @@ def error_feedback(
       ValueError: at ``init``, a memory that feeds back (any but ``none``) around an
         unbiased compressor whose variance factor is ``ω ≥ 1`` at a tensor's size (it would
         diverge; :func:`jaxcomm.compressors.contractive` scales it into a contraction).
-      TypeError: ``compressor`` or ``memory`` of the wrong type; non-float leaves.
+      TypeError: ``compressor`` or ``memory`` of the wrong type, ``skip_nonfinite`` not a bool;
+        non-float leaves.
       ValueError: ``update`` sees a different tree than ``init``.
     """
     compressor = check_compressor(compressor)
     memory = memory_lib.residual() if memory is None else check_memory(memory)
+    skip = check_skip_nonfinite(skip_nonfinite)
     strategy = compressor.strategy
     scale = float(memory.output_scale)
 
     def init_fn(params):
         return init_state(params, compressor, memory)
 
-    def update_fn(updates, state: CompressionState, params=None, **extra_args):
-        del params, extra_args
+    def step(updates, state: CompressionState):
         ex, leaves, treedef, new_state, _ = compress_step(
             LOCAL, updates, state, compressor=compressor, memory=memory, strategy=strategy
         )
         outs = [(m if scale == 1.0 else m * scale).astype(g.dtype) for m, g in zip(ex.means, leaves)]
         return treedef.unflatten(outs), new_state
+
+    def update_fn(updates, state: CompressionState, params=None, **extra_args):
+        del params, extra_args
+        return if_finite(LOCAL, updates, state, step, skip=skip)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

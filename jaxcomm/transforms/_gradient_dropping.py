@@ -56,7 +56,16 @@ from ..compressors import index_dtype, topk
 from ..compressors._base import Compressor, check_finite_scalar, check_positive_int
 from ..compressors.payloads import DensePayload, SparsePayload
 from ._local_clip import clip_leaves
-from ._pipeline import CompressionState, compress_step, group_vector, groups_of, init_state, ungroup
+from ._pipeline import (
+    CompressionState,
+    check_skip_nonfinite,
+    compress_step,
+    group_vector,
+    groups_of,
+    if_finite,
+    init_state,
+    ungroup,
+)
 
 __all__ = [
     "DropRatioSchedule",
@@ -206,6 +215,7 @@ def gradient_dropping(
     clip_norm: float | None = None,
     scope: str = "global",
     exchange: str = "auto",
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Gradient dropping (Algorithm 1) combined with the local gradient (Algorithm 2).
 
@@ -255,6 +265,12 @@ def gradient_dropping(
         branch sends a fixed capacity ``K_cap`` (the final ``K``) of
         (value, index) pairs, zero-padded when ``K_t < K_cap``. ``wire_bits``
         records the branch actually taken.
+      skip_nonfinite: when some worker's local gradient has a NaN or Inf, every worker
+        skips the step (one extra int32 all-reduce per step): ``C`` is zeros on every
+        worker, the residuals ``E`` and the step count stay as they were, and
+        ``state.notfinite_count`` counts the step. ``False`` (default): the step runs as
+        it is and ``E`` keeps the non-finite entries that were not sent (see
+        :func:`~jaxcomm.transforms.compressed_mean`).
 
     Returns:
       An optax transformation; its state is a :class:`~jaxcomm.transforms.CompressionState`
@@ -265,6 +281,7 @@ def gradient_dropping(
       ValueError: bad ``mode``/``scope``/``exchange``, ``drop_ratio`` outside
         ``[0, 1)``, non-positive ``clip_norm``, ``exchange="sparse"`` with a
         schedule, or updates whose tree differs from the one ``init`` saw.
+      TypeError: ``skip_nonfinite`` not a bool.
     """
     if mode not in COMBINATIONS:
         raise ValueError(f"mode must be one of {COMBINATIONS}; got {mode!r}")
@@ -286,6 +303,7 @@ def gradient_dropping(
         )
     if clip_norm is not None:
         clip_norm = check_finite_scalar(clip_norm, "clip_norm", positive=True)
+    skip = check_skip_nonfinite(skip_nonfinite)
     communicator = resolve(axis_name=axis_name, comm=comm)
     memory = memory_lib.residual()  # E <- E + L;  E <- E - S
 
@@ -309,6 +327,10 @@ def gradient_dropping(
         for g, e in zip(leaves, res_leaves):
             if jnp.shape(g) != jnp.shape(e):
                 raise ValueError(f"updates leaf of shape {jnp.shape(g)} does not match the state's {jnp.shape(e)}")
+        return if_finite(communicator, updates, state, step, skip=skip)
+
+    def step(updates, state):
+        leaves, treedef = jax.tree.flatten(updates)
         n = communicator.size
 
         if clip_norm is not None:

@@ -42,6 +42,17 @@ included, and count them whole. With one worker nothing is sent, and
 ``wire_bits`` is the payload's own format count (:func:`~jaxcomm.compressors.wire_bits`).
 The counts are :class:`~jaxcomm.BitCount` values (two uint32 words each): exact up to
 ``2**64 - 2`` bits, whatever the tensor's size (past it: an error, or saturated when traced).
+
+Non-finite gradients (:func:`if_finite`, the transforms' ``skip_nonfinite``): every worker
+checks its own gradient, ``bad_i = any(¬isfinite(g_i))`` over every leaf. With
+``skip_nonfinite=True`` the workers sum their flags (one int32 all-reduce; none with one
+worker) and, if any worker's gradient is not finite, *every* worker skips the step: the
+output is zeros, and the state (step count, key, memories, compressor states) is left as it
+was, so the run continues exactly as if that step had not happened; ``notfinite_count``
+counts the skipped steps. With ``skip_nonfinite=False`` (the default) the step runs as it
+is and ``notfinite_count`` counts the steps at which this worker's own gradient was not
+finite: a memory that keeps the error (``residual``, ``dgc``, ``efsignsgd``) then keeps the
+non-finite entries, and they reach the output again at later steps.
 """
 
 from __future__ import annotations
@@ -57,7 +68,7 @@ import numpy as np
 from .. import memory as memory_lib
 from .._bitcount import BitCount
 from .._keys import step_keys
-from .._vma import varying_axes
+from .._vma import typed_cond, varying_axes
 from ..comm import (
     ALL_GATHER,
     BROADCAST,
@@ -76,7 +87,9 @@ from ..compressors._base import Compressor, check_float_input, check_state_match
 __all__ = [
     "STRATEGIES",
     "FUSE_MAX_BYTES",
+    "NONFINITE_FLAG_BITS",
     "CompressionState",
+    "if_finite",
     "run_rounds",
 ]
 
@@ -86,6 +99,10 @@ STRATEGIES = ("allreduce", "allgather", "broadcast", "reduce_scatter")
 FUSE_MAX_BYTES = 1 << 20
 """With ``fuse=True``, payloads of at most this many bytes (per worker) share one all-gather;
 a larger payload is gathered on its own (Horovod's fusion threshold)."""
+
+NONFINITE_FLAG_BITS = 32
+"""Bits each worker sends per step for the non-finite flag with ``skip_nonfinite=True`` and more
+than one worker (one int32 all-reduce; :func:`if_finite`)."""
 
 _UNROLL_MAX = 16
 """Up to this many workers, gathered payloads are decompressed in one unrolled sum (XLA fuses
@@ -112,6 +129,11 @@ class CompressionState(NamedTuple):
         volume per worker, ``np.asarray(state.wire_bits)`` the int64 counts per tensor.
       messages: int32 scalar, arrays this worker handed to collectives at the
         last step (one per MPI call on the MPI backend).
+      notfinite_count: int32 scalar, steps with a gradient that was not finite (optax's
+        ``apply_if_finite`` keeps the same count). With ``skip_nonfinite=True``: the steps
+        skipped because some worker's gradient was not finite (the same on every worker);
+        ``count`` does not include them. Otherwise: the steps at which this worker's own
+        gradient was not finite (they ran as they were).
     """
 
     count: jax.Array  # type: ignore[assignment]  # optax's name for the step count; shadows tuple.count
@@ -120,6 +142,7 @@ class CompressionState(NamedTuple):
     compressor_states: tuple
     wire_bits: BitCount
     messages: jax.Array
+    notfinite_count: jax.Array
 
 
 # --------------------------------------------------------------------------- #
@@ -306,6 +329,7 @@ def init_state(
         compressor_states=tuple(compressor.init_state(group_vector(leaves, g)) for g in groups),
         wire_bits=BitCount.zeros((len(groups),)),
         messages=jnp.zeros((), jnp.int32),
+        notfinite_count=jnp.zeros((), jnp.int32),
     )
 
 
@@ -858,8 +882,101 @@ def compress_step(
         compressor_states=tuple(ex.states),
         wire_bits=BitCount.stack(ex.bits) if ex.bits else BitCount.zeros((0,)),
         messages=jnp.asarray(ex.messages, jnp.int32),
+        notfinite_count=state.notfinite_count,
     )
     return ex, leaves, treedef, new_state, groups
+
+
+# --------------------------------------------------------------------------- #
+# Non-finite gradients
+# --------------------------------------------------------------------------- #
+def check_skip_nonfinite(skip_nonfinite) -> bool:
+    """``skip_nonfinite`` if it is a bool; ``TypeError`` naming it otherwise."""
+    if not isinstance(skip_nonfinite, (bool, np.bool_)):
+        raise TypeError(f"skip_nonfinite must be a bool; got {skip_nonfinite!r}")
+    return bool(skip_nonfinite)
+
+
+def _each_compression_state(fn, state):
+    """``state`` with ``fn(s, first)`` applied to every :class:`CompressionState` ``s`` in it (tree order;
+    ``first`` is true for the first one only)."""
+    seen: list = []
+
+    def one(node):
+        if not isinstance(node, CompressionState):
+            return node
+        seen.append(node)
+        return fn(node, len(seen) == 1)
+
+    return jax.tree.map(one, state, is_leaf=lambda node: isinstance(node, CompressionState))
+
+
+def if_finite(comm, updates, state, step, *, skip: bool):
+    """One step of a compressing transformation under the non-finite policy: ``(outputs, new_state)``.
+
+    Every worker computes ``bad_i = any(¬isfinite(g))`` over every leaf of its ``updates``.
+
+    * ``skip=False``: ``step(updates, state)`` runs as it is, and every
+      :class:`CompressionState` in the new state adds ``bad_i`` to its ``notfinite_count``
+      (this worker's own gradient; nothing is communicated).
+    * ``skip=True``: with ``n > 1`` workers, the flags are summed, ``B = Σ_i bad_i``, by one
+      all-reduce of an int32 scalar (:data:`NONFINITE_FLAG_BITS` bits, reported on the first
+      tensor of the first :class:`CompressionState`, and one message); with one worker
+      ``B = bad_0``. ``B > 0`` is the same on every worker, so every worker takes the same
+      branch of a ``lax.cond``: when ``B = 0``, ``step(updates, state)``; otherwise zeros
+      shaped and typed like ``updates`` and ``state`` unchanged except that every
+      :class:`CompressionState` adds 1 to ``notfinite_count`` and records only the flag in
+      ``wire_bits`` and ``messages``. Skipping together keeps the workers' outputs (and
+      so their parameters) identical, and every collective of the step is run by all of
+      them or by none.
+
+    Args:
+      comm: the workers' communicator (``size`` and ``sum``).
+      updates: this worker's gradient tree.
+      state: the transformation's state: a :class:`CompressionState` or a NamedTuple of them.
+      step: ``(updates, state) -> (outputs, new_state)``, the transformation's step.
+      skip: the policy (the transformations' ``skip_nonfinite``).
+    """
+    leaves = jax.tree.leaves(updates)
+    if not leaves:
+        return step(updates, state)
+    bad = jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves])))
+    if not skip:
+        outputs, new_state = step(updates, state)
+        flagged = bad.astype(jnp.int32)
+        return outputs, _each_compression_state(
+            lambda s, first: s._replace(notfinite_count=s.notfinite_count + flagged), new_state
+        )
+    n = int(comm.size)
+    if n > 1:
+        skipped = comm.sum(bad.astype(jnp.int32)) > 0
+        flag_bits, flag_messages = NONFINITE_FLAG_BITS, 1
+    else:
+        skipped, flag_bits, flag_messages = bad, 0, 0
+
+    def charge(s: CompressionState, first: bool) -> CompressionState:
+        if not first or not flag_messages or not s.wire_bits.shape[0]:
+            return s
+        extra = BitCount.stack([flag_bits] + [0] * (s.wire_bits.shape[0] - 1))
+        return s._replace(wire_bits=s.wire_bits + extra, messages=s.messages + flag_messages)
+
+    def run(_):
+        outputs, new_state = step(updates, state)
+        return outputs, _each_compression_state(charge, new_state)
+
+    def skip_step(_):
+        def skipped_state(s: CompressionState, first: bool) -> CompressionState:
+            quiet = s._replace(
+                wire_bits=BitCount.zeros(s.wire_bits.shape),
+                messages=jnp.zeros((), jnp.int32),
+                notfinite_count=s.notfinite_count + 1,
+            )
+            return charge(quiet, first)
+
+        zeros = jax.tree.map(lambda g: jnp.zeros(jnp.shape(g), jnp.result_type(g)), updates)
+        return zeros, _each_compression_state(skipped_state, state)
+
+    return typed_cond(skipped, skip_step, run)
 
 
 LOCAL = Local()

@@ -58,12 +58,37 @@ CASES = {
     "fp16_reduce_scatter": lambda **where: compressed_mean(
         jc.compressors.fp16(), memory=mem.residual(), strategy="reduce_scatter", **where
     ),
+    # a NaN in worker 1's gradient at step 1: the flag's all-reduce, then every process skips the step
+    "topk_skip_nonfinite": lambda **where: optax.chain(
+        nan_once(step=1, worker=1, **where),
+        compressed_mean(jc.compressors.topk(ratio=0.25), memory=mem.residual(), skip_nonfinite=True, **where),
+    ),
 }
 
 # Per-case tolerance of the MPI-vs-mesh comparison (default 1e-6: same float32
 # operations, only the reduction order of the allreduce may differ).
 # PowerSGD: Gram-Schmidt on the allreduced P amplifies the reduction-order difference a little.
 TOLERANCE: dict[str, float] = {"powersgd_allreduce": 1e-5, "powersgd_batched_warmup": 1e-5}
+
+
+def nan_once(step: int, worker: int, **where) -> optax.GradientTransformation:
+    """Puts a NaN in the first entry of ``worker``'s first gradient leaf at ``step`` (0-based)."""
+    comm = jc.comm.resolve(**where)
+
+    def init(params):
+        del params
+        return jnp.zeros((), jnp.int32)
+
+    def update(updates, count, params=None):
+        del params
+        leaves, treedef = jax.tree.flatten(updates)
+        hit = (count == step) & (comm.index() == worker)
+        first = jnp.ravel(leaves[0])
+        first = first.at[0].set(jnp.where(hit, jnp.nan, first[0]).astype(first.dtype))
+        leaves[0] = first.reshape(jnp.shape(leaves[0]))
+        return treedef.unflatten(leaves), count + 1
+
+    return optax.GradientTransformation(init, update)
 
 
 def data(n: int = N, seed: int = 0):
