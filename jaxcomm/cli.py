@@ -13,19 +13,32 @@ imported). Each run writes ``results.json`` and PNG plots into ``--out``
 (default ``runs/EXPERIMENT``) and prints a summary table.
 
 ``jaxcomm run EXPERIMENT --help`` lists every configuration key with its type,
-default and meaning. Overrides are checked before anything runs: an unknown
-key, an unparsable value, ``steps``/``batch_size``/``devices``/``eval_every``
-below 1, ``learning_rate`` <= 0, ``momentum`` outside [0, 1) or an unknown
-method is one ``error:`` line on stderr, exit status 2, and no output folder.
+default and meaning.
 
 A method (quickstart's ``--set methods=...``, comma-separated) is a label or a
 spec ``COMPRESSOR[(k=v, ...)][+MEMORY[(k=v, ...)]][@STRATEGY]``, e.g.
-``topk(ratio=0.01)+residual@allgather``; see ``jaxcomm.experiments._common.parse_method``.
+``topk(ratio=0.01)+residual@allgather``; the grammar is in the documentation's
+command-line page, section "Method specs" (``docs/api/cli.md``).
 
 ``launch`` runs ``mpirun -n N CMD ARGS...`` on an emulated network (a private
 network namespace whose loopback is throttled; :mod:`jaxcomm.netem`) and prints
 the bytes the kernel sent through it; it needs root. ``launch --check`` tries to
 make such a namespace and exits 0 if it can, else 1 with the reason.
+
+Errors. Every command checks all of its input before it starts any work: the
+options, every configuration key against its study's config (types; ranges such
+as ``steps`` >= 1, ``learning_rate`` > 0, ``momentum`` in [0, 1); floats finite,
+ints within 64 bits; no empty list where the study would run nothing; a global
+batch the workers can share), the method specs (grammar, names and argument names
+checked without importing JAX), and that ``--out`` or ``--report`` can be written.
+A bad input is one line on stderr, ``error: ...`` naming the option or key and,
+where there is one, the limit (``--devices`` at most 1024; ``launch -n`` at most
+256 processes, a rate at most 1tbit, ``--timeout`` at most 7 days); the exit
+status is 2, there is no traceback and nothing is created (no output folder).
+Such errors appear in well under a second, except for a method spec whose
+argument values need the compressor itself to be built (``topk(ratio=5)``),
+which imports JAX first. A failure during the run itself (after the checks) is a
+traceback and exit status 1.
 """
 
 from __future__ import annotations
@@ -49,12 +62,39 @@ def _plain(text: str) -> str:
     return re.sub(r":[a-z]+:`([^`]*)`", r"\1", text).strip()
 
 
+class _UsageError(Exception):
+    """A command line argparse cannot read (printed as one ``error:`` line by :func:`main`)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose errors are one ``error:`` line (via :func:`main`) instead of usage and a message."""
+
+    def error(self, message: str):  # raises instead of exiting
+        raise _UsageError(message)
+
+
+def _fail(message: object) -> int:
+    """Print ``error: message`` as one line on stderr; the exit status 2."""
+    print("error: " + " ".join(str(message).splitlines()), file=sys.stderr)
+    return 2
+
+
+def _check_devices(n: int | None) -> None:
+    """``ValueError`` unless ``n`` (``--devices``) is ``None`` or within the studies' device range."""
+    if n is not None:
+        from .experiments._registry import check_range
+
+        check_range("--devices", "devices", n)
+
+
 def _set_devices(n: int | None) -> None:
-    """Simulate ``n`` CPU devices: set ``XLA_FLAGS`` before jax initialises its backend."""
+    """Simulate ``n`` CPU devices: set ``XLA_FLAGS`` before jax initialises its backend.
+
+    Raises ``ValueError`` if jax was initialised with fewer devices before (the flag cannot apply).
+    """
     if n is None:
         return
-    if n < 1:
-        raise SystemExit(f"--devices must be >= 1; got {n}")
+    _check_devices(n)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     flags.append(f"--xla_force_host_platform_device_count={n}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
@@ -62,12 +102,13 @@ def _set_devices(n: int | None) -> None:
     import jax  # the backend reads XLA_FLAGS when first used, i.e. now
 
     if jax.device_count() < n:
-        raise SystemExit(
+        raise ValueError(
             f"--devices {n}: jax was initialised with {jax.device_count()} device(s) before the flag could apply"
         )
 
 
 def _parse_sets(items: list[str]) -> dict:
+    """``--set KEY=VALUE`` items as ``{KEY: VALUE}`` (strings; a key given twice: the last value)."""
     out = {}
     for item in items:
         if "=" not in item:
@@ -90,31 +131,37 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_run(args) -> int:
+    from ._paths import check_output_path
     from .experiments import get_experiment
 
     if args.experiment is None:
-        args.run_parser.print_help()
-        return 0 if args.help else 2
-    try:
+        if args.help:
+            args.run_parser.print_help()
+            return 0
+        return _fail("run: give an EXPERIMENT (jaxcomm list names them), or run --help")
+    variant = " --smoke" if args.smoke else " --full" if args.full else ""
+    try:  # every check, before anything is created (JAX is imported last, by _set_devices)
         exp = get_experiment(args.experiment)
         if args.help:
             _print_run_help(args.run_parser, exp)
             return 0
-        config = exp.config(smoke=args.smoke, overrides=_parse_sets(args.set or []), full=args.full)
+        _check_devices(args.devices)
+        overrides = _parse_sets(args.set or [])
+        if args.devices is not None and "devices" in exp.default:
+            overrides["devices"] = args.devices  # --devices is the study's worker count
+        config = exp.config(smoke=args.smoke, overrides=overrides, full=args.full)
+        out = Path(args.out or Path("runs") / (exp.name + variant.replace(" --", "-")))
+        check_output_path(out, "--out", folder=True)
+        # The study's own worker count (or --devices): simulate that many CPU devices.
+        _set_devices(int(config["devices"]) if "devices" in config else args.devices)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    _set_devices(args.devices)
+        return _fail(e)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return _fail(f"--out: cannot make the folder {str(out)!r}: {e.strerror}")
     from .experiments import write_results
 
-    if args.devices is not None and "devices" in config:
-        config["devices"] = args.devices
-    elif "devices" in config:
-        # The experiment's own worker count: simulate that many CPU devices.
-        _set_devices(int(config["devices"]))
-    variant = " --smoke" if args.smoke else " --full" if args.full else ""
-    out = Path(args.out or Path("runs") / (exp.name + variant.replace(" --", "-")))
-    out.mkdir(parents=True, exist_ok=True)
     print(f"jaxcomm run {exp.name}{variant} -> {out}")
     t0 = time.time()
     results = exp.run(config, out)
@@ -143,7 +190,10 @@ def _print_run_help(parser, exp) -> None:
 
 
 def _cmd_demo(args) -> int:
-    _set_devices(args.devices)
+    try:
+        _set_devices(args.devices)
+    except ValueError as e:
+        return _fail(e)
     from .demo import run_demo
 
     run_demo()
@@ -158,14 +208,12 @@ def _cmd_launch(args) -> int:
         print(why or "jaxcomm launch: network emulation is available here", file=sys.stderr)
         return 0 if why is None else 1
     if args.n is None:
-        print("error: launch: give the number of processes, -n N", file=sys.stderr)
-        return 2
+        return _fail("launch: give the number of processes, -n N")
     command = list(args.cmd)
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        print("error: launch: give the command after --, e.g. jaxcomm launch -n 2 -- python train.py", file=sys.stderr)
-        return 2
+        return _fail("launch: give the command after --, e.g. jaxcomm launch -n 2 -- python train.py")
     try:
         result = netem.launch(
             args.n,
@@ -178,8 +226,7 @@ def _cmd_launch(args) -> int:
             report=args.report,
         )
     except (netem.NetemError, netem.NetemUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(e)
     s = result.settings
     rate = "unlimited" if s["bandwidth_bps"] is None else f"{s['bandwidth_bps'] / 1e6:g} Mbit/s"
     print(
@@ -195,7 +242,7 @@ def _cmd_launch(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxcomm`` command (also ``python -m jaxcomm``)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="jaxcomm", description=_plain(__doc__ or ""), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -237,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     p_launch.set_defaults(func=_cmd_launch)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as e:
+        return _fail(e)
     return args.func(args)
 
 

@@ -60,6 +60,10 @@ __all__ = [
     "LaunchResult",
     "LinkCounters",
     "LinkSettings",
+    "MAX_BURST_BYTES",
+    "MAX_PROCESSES",
+    "MAX_RATE_BPS",
+    "MAX_TIMEOUT_S",
     "Measured",
     "NetemError",
     "NetemUnavailable",
@@ -91,6 +95,15 @@ HEADER_BYTES = 66
 
 LOOPBACK_MTU = 65536
 """The Linux loopback's default MTU in bytes (IPv4 packet size, Ethernet header excluded)."""
+
+MAX_PROCESSES = 256
+"""The most MPI processes :func:`launch` starts (``-n``): all of them share this machine."""
+MAX_RATE_BPS = 1e12
+"""The fastest link rate accepted, in bits per second (``1tbit``; faster: write ``unlimited``)."""
+MAX_BURST_BYTES = 2**30
+"""The largest token bucket accepted, in bytes (``1gb``)."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest ``timeout`` of a job accepted, in seconds (7 days)."""
 
 RING_COLLECTIVES = {
     "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
@@ -143,7 +156,8 @@ def parse_rate(text: str, option: str = "--bandwidth") -> float | None:
     them. ``"200mbit"`` -> ``2e8``; ``"1gbit"`` -> ``1e9``; ``"unlimited"`` -> ``None``.
 
     Raises:
-      NetemError: naming ``option``, for anything else or a rate that is not positive.
+      NetemError: naming ``option``, for anything else or a rate outside [8bit, 1tbit]
+        (:data:`MAX_RATE_BPS`).
     """
     s = str(text).strip().lower()
     if s in ("unlimited", "none", "inf"):
@@ -155,9 +169,17 @@ def parse_rate(text: str, option: str = "--bandwidth") -> float | None:
             f"({', '.join(_RATE_UNITS)}), e.g. 200mbit or 1gbit, or 'unlimited'"
         )
     rate = float(m.group(1)) * _RATE_UNITS[m.group(2)]
-    if rate < 8:  # tc's smallest rate is 1 byte/s
-        raise NetemError(f"{option}: the rate must be at least 8bit (1 byte per second); got {text!r}")
+    _check_rate(rate, option, text)
     return rate
+
+
+def _check_rate(rate: float, option: str, shown) -> None:
+    """``NetemError`` unless ``rate`` (bits per second) is in [8, :data:`MAX_RATE_BPS`]."""
+    if not 8 <= rate <= MAX_RATE_BPS:  # tc's smallest rate is 1 byte/s; NaN fails too
+        raise NetemError(
+            f"{option}: the rate must be from 8bit (1 byte per second) to 1tbit ({MAX_RATE_BPS:g} bits per "
+            f"second), or unlimited; got {shown!r}"
+        )
 
 
 def parse_time(text: str, option: str = "--latency") -> float:
@@ -186,13 +208,16 @@ def parse_size(text: str, option: str = "--burst") -> int:
     """A size in ``tc`` syntax, in **bytes**: ``"256kb"`` -> ``262144`` (``kb`` = 1024 bytes, ``mb`` = 1024²).
 
     Raises:
-      NetemError: naming ``option``, for anything that is not a non-negative size.
+      NetemError: naming ``option``, for anything that is not a size from 0 to 1gb (:data:`MAX_BURST_BYTES`).
     """
     s = str(text).strip().lower()
     m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", s)
     if not m or m.group(2) not in _SIZE_UNITS:
         raise NetemError(f"{option}: cannot read {text!r} as a size; write a number of bytes or kb/mb, e.g. 256kb")
-    return round(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    size = float(m.group(1)) * _SIZE_UNITS[m.group(2)]
+    if not size <= MAX_BURST_BYTES:
+        raise NetemError(f"{option}: at most 1gb ({MAX_BURST_BYTES} bytes); got {text!r}")
+    return round(size)
 
 
 @dataclass(frozen=True)
@@ -220,14 +245,16 @@ class LinkSettings:
         def real(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        if bw is not None and (not real(bw) or not bw >= 8):
-            raise NetemError(f"--bandwidth: must be at least 8 bits per second; got {bw!r}")
+        if bw is not None:
+            if not real(bw):
+                raise NetemError(f"--bandwidth: must be a number of bits per second; got {bw!r}")
+            _check_rate(bw, "--bandwidth", bw)
         if not real(lat) or not 0.0 <= lat <= 10.0:
             raise NetemError(f"--latency: must be in [0, 10] seconds; got {lat!r}")
         if isinstance(mtu, bool) or not isinstance(mtu, int) or not 68 <= mtu <= LOOPBACK_MTU:
             raise NetemError(f"--mtu: must be an integer from 68 to {LOOPBACK_MTU} bytes; got {mtu!r}")
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-            raise NetemError(f"--burst: must be a non-negative integer number of bytes; got {b!r}")
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BURST_BYTES:
+            raise NetemError(f"--burst: must be an integer number of bytes from 0 to {MAX_BURST_BYTES}; got {b!r}")
         if bw is not None and b < mtu + 14:
             raise NetemError(
                 f"--burst: the token bucket must hold one packet of mtu + 14 = {mtu + 14} bytes; got {b} bytes"
@@ -799,13 +826,14 @@ def launch(
     start-up (connection handshakes, the runtime's wire-up) included.
 
     Args:
-      n: number of MPI processes (>= 1).
+      n: number of MPI processes, 1 to :data:`MAX_PROCESSES`.
       command: the program and its arguments (e.g. ``[sys.executable, "train.py"]``).
       bandwidth, latency, burst, mtu: the link (:func:`link_settings`).
       env: environment of the job (default ``os.environ``), then :func:`mpirun_netem_env`.
       mpirun_args: extra ``mpirun`` options, before the program.
-      timeout: seconds; at the limit every process of the job is killed.
-      report: if given, write :meth:`LaunchResult.to_json` there.
+      timeout: seconds, in (0, :data:`MAX_TIMEOUT_S`]; at the limit every process of the job is killed.
+      report: if given, write :meth:`LaunchResult.to_json` there (a file in an existing folder,
+        checked before the job starts).
       capture_output: capture the job's stdout/stderr into the result's ``stdout``/``stderr``
         instead of passing them through.
       cwd: the job's working directory.
@@ -820,14 +848,23 @@ def launch(
       NetemUnavailable: missing privileges, tools or ``mpirun``, or the kernel refused
         the qdisc (e.g. no ``sch_netem`` for ``latency``); nothing of the job has run.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise NetemError(f"-n: the number of processes must be an integer >= 1; got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PROCESSES:
+        raise NetemError(f"-n: the number of processes must be an integer from 1 to {MAX_PROCESSES}; got {n!r}")
     command = [str(c) for c in command]
     if not command:
         raise NetemError("command: give the program to run (e.g. python script.py)")
-    if timeout is not None and not timeout > 0:
-        raise NetemError(f"--timeout: must be positive seconds; got {timeout!r}")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S
+    ):
+        raise NetemError(f"--timeout: must be in (0, {MAX_TIMEOUT_S:g}] seconds (7 days); got {timeout!r}")
     settings = link_settings(bandwidth, latency, burst, mtu)
+    if report is not None:
+        from ._paths import check_output_path
+
+        try:
+            report = check_output_path(report, "--report", folder=False)
+        except ValueError as e:
+            raise NetemError(str(e)) from None
     missing = (check_requirements or missing_requirements)()
     if missing:
         raise NetemUnavailable(

@@ -151,6 +151,195 @@ def test_public_module_has_api_page(name):
 
 
 # --------------------------------------------------------------------------- #
+# The module map of docs/design.md matches the tree
+# --------------------------------------------------------------------------- #
+# An entry of the map: a module "name.py" or a folder "name/", standing alone (not "a/b" inside a word).
+_MAP_ENTRY = re.compile(r"(?:^|(?<=[\s(,]))(\w+(?:\.py|/))(?=[\s,):]|$)")
+
+
+def module_map_entries(block: str) -> dict[str, int]:
+    """``path -> line`` for every module and folder a module-map block names (paths relative to the
+    repository root, folders ending in ``/``).
+
+    A line's entries belong to the folder opened by the nearest line above it that is less indented;
+    a line that starts with a folder opens it, for the entries after it on the same line and for the
+    more indented lines below (continuation lines included).
+    """
+    entries: dict[str, int] = {}
+    stack = [(-1, "")]
+    for number, line in enumerate(block.split("\n"), 1):
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        while stack[-1][0] >= indent:
+            stack.pop()
+        parent = stack[-1][1]
+        for i, match in enumerate(_MAP_ENTRY.finditer(line)):
+            path = parent + match.group(1)
+            entries.setdefault(path, number)
+            if i == 0 and match.start() == indent and path.endswith("/"):
+                stack.append((indent, path))
+                parent = path
+    return entries
+
+
+def test_module_map_parser():
+    block = (
+        "pkg/\n"
+        "  a.py            one (cond/switch/loop carries)\n"
+        "  sub/            b.py (x), c.py\n"
+        "                  d.py, continued\n"
+        "    e.py f.py\n"
+        "  g.py h.py\n"
+        "top/\n"
+        "  x/              y.py: z\n"
+    )
+    assert module_map_entries(block) == {
+        "pkg/": 1,
+        "pkg/a.py": 2,
+        "pkg/sub/": 3,
+        "pkg/sub/b.py": 3,
+        "pkg/sub/c.py": 3,
+        "pkg/sub/d.py": 4,
+        "pkg/sub/e.py": 5,
+        "pkg/sub/f.py": 5,
+        "pkg/g.py": 6,
+        "pkg/h.py": 6,
+        "top/": 7,
+        "top/x/": 8,
+        "top/x/y.py": 8,
+    }
+
+
+def design_module_map() -> dict[str, int]:
+    """``path -> line of docs/design.md`` for the ``text`` block of its "## Module map" section."""
+    text = (DOCS / "design.md").read_text()
+    section = re.search(r"^## Module map\n(.*?)(?=^## )", text, flags=re.M | re.S)
+    assert section, "docs/design.md has no '## Module map' section"
+    blocks = [(line, code) for line, info, code in code_blocks(section.group(1)) if info == "text"]
+    assert blocks, "the '## Module map' section of docs/design.md has no ```text block"
+    first, code = blocks[0]
+    offset = text[: section.start(1)].count("\n") + first - 1  # page line of the block's line 1, minus 1
+    return {path: offset + line for path, line in module_map_entries(code).items()}
+
+
+def tree_modules() -> list[str]:
+    """Every module of ``jaxcomm/`` and ``experiments/`` (a subpackage's ``__init__.py`` as its folder)."""
+    found = []
+    for top in ("jaxcomm", "experiments"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            if "__pycache__" in rel.parts:
+                continue
+            if rel.name == "__init__.py" and rel.parent != Path("jaxcomm"):
+                found.append(rel.parent.as_posix() + "/")
+            else:
+                found.append(rel.as_posix())
+    return found
+
+
+def test_module_map_lists_every_module():
+    modules = tree_modules()
+    assert "jaxcomm/compressors/_base.py" in modules and "jaxcomm/comm/" in modules  # the walk sees the tree
+    entries = design_module_map()
+    missing = []
+    for module in modules:
+        if module not in entries:
+            folder, name = module.rstrip("/").rpartition("/")[::2]
+            name += "/" if module.endswith("/") else ""
+            missing.append(
+                f"{module}: add `{name}` with a few words on what it holds to the module map of docs/design.md "
+                f"(the ```text block under '## Module map'), on a line indented under `{folder}/`"
+            )
+    assert not missing, "modules missing from the module map:\n" + "\n".join(missing)
+
+
+def test_module_map_names_only_existing_modules():
+    stale = [
+        f"docs/design.md:{line} (module map): {path} does not exist (remove it, or indent it under its folder)"
+        for path, line in design_module_map().items()
+        if not (ROOT / path).exists()
+    ]
+    assert not stale, "\n".join(stale)
+
+
+def test_cli_help_points_at_the_method_spec_page():
+    """The ``jaxcomm`` help names no private module; the page it points to documents the grammar,
+    and the page's example specs parse."""
+    import jaxcomm.cli as cli
+    from jaxcomm.experiments._common import parse_method
+    from jaxcomm.experiments._registry import _split_top
+
+    doc = cli.__doc__ or ""
+    assert re.findall(r"jaxcomm(?:\.\w+)*\._\w+", doc) == [], "the CLI help points at a private module"
+    pointers = re.findall(r'section "([^"]+)" \(``(docs/[\w/.-]+)``\)', doc)
+    assert pointers, 'the CLI help must name its docs page: section "TITLE" (``docs/PAGE.md``)'
+    for title, page in pointers:
+        text = (ROOT / page).read_text()
+        assert re.search(rf"^## {re.escape(title)}$", text, flags=re.M), f"{page} has no section '## {title}'"
+    page = (DOCS / "api" / "cli.md").read_text()
+    specs = [s for _, info, code in code_blocks(page) if info == "bash" for s in re.findall(r"methods=([^'\n]+)", code)]
+    assert specs, "docs/api/cli.md shows no example --set methods=..."
+    for spec in specs:
+        for method in _split_top(spec):  # as `--set methods=...` splits it
+            parse_method(method)  # raises ValueError, naming the part, if the documented example is wrong
+
+
+# --------------------------------------------------------------------------- #
+# No tracker words in what users read
+# --------------------------------------------------------------------------- #
+# Words that belong to an issue tracker or a work log, not to a user's documentation. Links (an
+# upstream project's GitHub issue) are allowed: URLs are removed before matching.
+TRACKER_WORDS = re.compile(
+    r"\bissues?\s*#?\d+|\bthis session\b|\bin the time available\b|\blab notebook\b",
+    flags=re.I,
+)
+
+
+def tracker_words(text: str) -> list[tuple[int, str]]:
+    """``(line number, matched words)`` for each tracker word in ``text``, URLs excepted."""
+    hits = []
+    for number, line in enumerate(text.split("\n"), 1):
+        for match in TRACKER_WORDS.finditer(re.sub(r"https?://\S+", "", line)):
+            hits.append((number, match.group(0)))
+    return hits
+
+
+def test_tracker_words_are_found():
+    text = "Target (issue 4): at most 1.05.\nsee [jax#1](https://github.com/jax-ml/jax/issues/123)\nIssues #12"
+    assert tracker_words(text) == [(1, "issue 4"), (3, "Issues #12")]
+
+
+def user_facing_texts() -> list[tuple[str, int, str]]:
+    """``(file, first line, text)``: README.md, CHANGELOG.md, the pages under docs/, and every
+    docstring of the package and of the benchmark and study scripts (their ``--help``)."""
+    import ast
+
+    texts = [(p.relative_to(ROOT).as_posix(), 1, p.read_text()) for p in [ROOT / "README.md", ROOT / "CHANGELOG.md"]]
+    texts += [(p.relative_to(ROOT).as_posix(), 1, p.read_text()) for p in sorted(DOCS.rglob("*.md"))]
+    for path in sorted([*(ROOT / "jaxcomm").rglob("*.py"), *(ROOT / "experiments").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc:
+                    line = node.body[0].lineno
+                    texts.append((path.relative_to(ROOT).as_posix(), line, doc))
+    return texts
+
+
+def test_no_tracker_words_in_user_facing_docs():
+    found = [
+        f"{name}:{first + number - 1}: {words!r}"
+        for name, first, text in user_facing_texts()
+        for number, words in tracker_words(text)
+    ]
+    assert not found, (
+        "tracker or work-log words in user-facing text (say what the library does and what was "
+        "measured, not which issue or run it came from):\n" + "\n".join(found)
+    )
+
+
+# --------------------------------------------------------------------------- #
 # The site builds, strictly
 # --------------------------------------------------------------------------- #
 @pytest.mark.docs
@@ -322,7 +511,7 @@ def test_docs_examples_run(page):
 def modules_with_doctests() -> list[str]:
     """Modules of the package with at least one ``>>>`` example that is not only a comment."""
     names = []
-    for path in sorted((ROOT / "jaxcomm").rglob("*.py")):
+    for path in sorted([*(ROOT / "jaxcomm").rglob("*.py"), *(ROOT / "experiments").rglob("*.py")]):
         rel = path.relative_to(ROOT).with_suffix("")
         if rel.name == "__main__" or not re.search(r"^\s*>>> *[^\s#]", path.read_text(), flags=re.M):
             continue

@@ -66,7 +66,7 @@ def test_parse_rate(text, bits_per_s):
     assert netem.parse_rate(text) == bits_per_s
 
 
-@pytest.mark.parametrize("text", ["200", "fast", "200mb", "-1mbit", "0bit", ""])
+@pytest.mark.parametrize("text", ["200", "fast", "200mb", "-1mbit", "0bit", "", "2tbit", "1" + "0" * 40 + "bit"])
 def test_bad_rate_names_the_option(text):
     with pytest.raises(netem.NetemError, match="--bandwidth"):
         netem.parse_rate(text)
@@ -84,6 +84,10 @@ def test_parse_time_and_size():
             netem.parse_time(bad)
     with pytest.raises(netem.NetemError, match="--burst"):
         netem.parse_size("big")
+    assert netem.parse_size("1gb") == netem.MAX_BURST_BYTES
+    for huge in ("1025mb", "9" * 400 + "kb"):  # over the limit, or a float overflow to inf
+        with pytest.raises(netem.NetemError, match=r"--burst: at most 1gb"):
+            netem.parse_size(huge)
 
 
 def test_link_settings_checks_each_option():
@@ -105,12 +109,17 @@ def test_link_settings_checks_each_option():
         ({"bandwidth_bps": "fast"}, "--bandwidth"),
         ({"burst_bytes": -5}, "--burst"),
         ({"bandwidth_bps": 1e9, "burst_bytes": 1000}, "--burst"),
+        ({"bandwidth_bps": 1e35}, r"--bandwidth: .* to 1tbit"),
+        ({"bandwidth_bps": float("inf")}, "--bandwidth"),
+        ({"bandwidth_bps": float("nan")}, "--bandwidth"),
+        ({"burst_bytes": 2**31}, "--burst"),
     ]:
         with pytest.raises(netem.NetemError, match=option):
             netem.LinkSettings(**kwargs)
     assert netem.LinkSettings(bandwidth_bps=1e9, mtu=1500) == netem.link_settings("1gbit", "0", "256kb", 1500)
     with pytest.raises(netem.NetemError, match="--bandwidth"):
         netem.launch(2, ["true"], bandwidth="lots")
+    assert netem.LinkSettings(bandwidth_bps=netem.MAX_RATE_BPS).bandwidth_bps == netem.parse_rate("1tbit")
 
 
 def test_qdisc_commands():
@@ -185,6 +194,28 @@ def test_missing_requirements_names_what_is_needed():
         "the 'tc' command of iproute2 on PATH (apt-get install iproute2)"
     ]
     assert "Linux" in netem.missing_requirements(platform="darwin")[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"n": 1000}, r"-n: .* from 1 to 256; got 1000"),
+        ({"n": 2.0}, r"-n: .* an integer"),
+        ({"timeout": float("inf")}, r"--timeout: must be in \(0, 604800\] seconds"),
+        ({"timeout": float("nan")}, r"--timeout"),
+        ({"timeout": "60"}, r"--timeout"),
+        ({"report": "{tmp}/missing/r.json"}, r"--report: the folder .*missing' does not exist"),
+        ({"report": "{tmp}"}, r"--report: .* is a folder"),
+    ],
+)
+def test_bad_launch_options_fail_before_the_job(tmp_path, kwargs, message):
+    """-n, the timeout and the report path are checked before the requirements and before anything runs."""
+    marker = tmp_path / "ran"
+    kwargs = {k: v.replace("{tmp}", str(tmp_path)) if isinstance(v, str) else v for k, v in kwargs.items()}
+    n = kwargs.pop("n", 2)
+    with pytest.raises(netem.NetemError, match=message):
+        netem.launch(n, [sys.executable, "-c", f"open({str(marker)!r}, 'w')"], **kwargs)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unprivileged_launch_fails_before_starting(tmp_path):

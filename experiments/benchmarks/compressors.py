@@ -28,10 +28,10 @@ Each is timed twice: ``cold``, from the initial state (the first step: ``Q``
 drawn from the key), and ``warm``, from the state one step left, returning the
 next state too (every later training step: the previous ``Q``, orthogonalised;
 PowerSGD's default ``warm_start``).
-Targets, as ratios to the reference: (issue 2) at 10 and 100 MB, elementwise
+Targets, as ratios to the reference: at 10 and 100 MB, elementwise
 quantizers (fp16, bf16, signsgd, onebit, efsignsgd, terngrad, qsgd, natural,
 eightbit) within 4x; top-k, dgc and qsparse within 10x; PowerSGD ranks 1, 2, 4
-within 10x on every matrix; (issue 16) PowerSGD rank 1 on 1280 x 2048 within 4x
+within 10x on every matrix; PowerSGD rank 1 on 1280 x 2048 within 4x
 (three passes over the matrix, ``M Q``, ``P^T M``, ``P Q^T``, plus small work).
 Every target is reported met or missed.
 
@@ -93,14 +93,14 @@ KWARGS = {
 }
 POWERSGD_SHAPES = ((1280, 2048), (1024, 2560))
 POWERSGD_RANKS = (1, 2, 4)
-# Issue 2 item 6: (compressors, largest ratio to the reference) at TARGET_SIZES.
+# The targets: (compressors, largest ratio to the reference) at TARGET_SIZES.
 TARGETS = {
     "elementwise": (("fp16", "bf16", "signsgd", "onebit", "efsignsgd", "terngrad", "qsgd", "natural", "eightbit"), 4.0),
     "sparsifier": (("topk", "dgc", "qsparse"), 10.0),
 }
 TARGET_SIZES = (2_621_440, 26_214_400)
-POWERSGD_TARGET = 10.0  # issue 2: every rank and matrix
-# Issue 16: tighter limits for (rows, cols, rank); rank 1 is three passes over the matrix.
+POWERSGD_TARGET = 10.0  # every rank and matrix
+# Tighter limits for (rows, cols, rank); rank 1 is three passes over the matrix.
 POWERSGD_TARGETS = {(1280, 2048, 1): 4.0}
 
 

@@ -48,7 +48,7 @@ Each time is the median over repeats of the slowest rank's time (a
 synchronous step goes at its slowest worker's pace). Reported per compressor:
 ``step / dense step`` (the end-to-end cost over MPI), ``compute / dense
 compute`` (the compressed step's compute against the dense step's gradient
-and optimizer passes; the issue's target: at most 1.3x on the VGG16-sized
+and optimizer passes; the target: at most 1.3x on the VGG16-sized
 tree) and ``(compressor + memory + decode) / dense compute`` (the work
 compression adds, against the same denominator).
 
@@ -445,7 +445,7 @@ def breakdown_worker(args, comm) -> None:
             "timing": "each program after an idle barrier, interleaved (order reversed every other repeat); "
             "per program the median over repeats of the slowest rank's time",
             "compute": "the same step over Loopback(n): the collectives move nothing",
-            "target": f"compute / dense compute <= {TARGET_RATIO} on vgg16 (issue 16, point 4)",
+            "target": f"compute / dense compute <= {TARGET_RATIO} on vgg16",
             "complete": False,
         },
         "trees": {},

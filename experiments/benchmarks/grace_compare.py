@@ -37,7 +37,7 @@ DGC 1 % (``DgcCompressor(0.01)`` -> ``dgc(ratio=0.01)``), RandomK 1 % twice
 the row the targets use), OneBit, EFSignSGD (``lr=0.1``, used only by its aggregate),
 FP16 and PowerSGD rank 1.
 
-Targets (issue 16), each framework's time taken as a ratio to its own memory
+Targets, each framework's time taken as a ratio to its own memory
 pass measured in the same run, the speedup being ``(GRACE / torch pass) /
 (jaxcomm / jax pass)``: geometric-mean speedup >= 5x at 10 MiB and at 100 MiB;
 no method slower than GRACE (speedup >= 1) at either size; jaxcomm's PowerSGD
@@ -357,7 +357,7 @@ def gmean(values) -> float:
 
 
 def evaluate_targets(rows: list[dict]) -> dict:
-    """Issue 16's targets from the rows: ``{name: {value, limit, met, ...}}``.
+    """The targets, evaluated from the rows: ``{name: {value, limit, met, ...}}``.
 
     ``met`` is ``None`` where a target's inputs were not all measured (no GRACE,
     not every method of ``METHODS``, a size or shape not run); a method that

@@ -43,7 +43,7 @@ TARGET = 1.2
 """Measured bytes at most this multiple of the accounting's prediction."""
 
 KWARGS = {
-    "threshold": dict(v=2.0),  # the issue's Threshold-v: about 4.55 % of standard normal entries
+    "threshold": dict(v=2.0),  # Threshold-v at v = 2: about 4.55 % of standard normal entries
     "topk": dict(ratio=0.01),
     "randomk": dict(ratio=0.01),
     "dgc": dict(ratio=0.01),

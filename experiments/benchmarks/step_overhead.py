@@ -46,7 +46,7 @@ relative to memory passes; the compute-free ratio is the figure to improve.
 ``compressed_mean`` packs the payloads of up to 1 MiB of all tensors into one
 all-gather by default (``fuse=True``); ``--no-fuse`` measures one all-gather per
 tensor and payload field.
-Target (issue 3, item 7): sign, 1-bit, QSGD and top-k at most 1.3x the
+Target: sign, 1-bit, QSGD and top-k at most 1.3x the
 uncompressed step on the VGG16-shaped tree.
 
 ``--compressors topk_floor`` (not a registered compressor, never in the

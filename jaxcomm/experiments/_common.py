@@ -9,8 +9,16 @@ import jax
 import numpy as np
 
 from ._registry import IMAGE_DATASETS, IMAGE_MODELS
+from ._spec import parse_method
 
-__all__ = ["load_image_task", "method_transform", "train_data_parallel", "estimated_comm_time", "plot_curves"]
+__all__ = [
+    "load_image_task",
+    "method_transform",
+    "parse_method",
+    "train_data_parallel",
+    "estimated_comm_time",
+    "plot_curves",
+]
 
 NETWORKS_GBPS = (1.0, 10.0, 25.0)
 
@@ -69,73 +77,6 @@ def for_error_feedback(c):
     if omega is not None and (callable(omega) or omega >= 1.0):
         return compressors.contractive(c)
     return c
-
-
-def _parse_call(text: str, what: str) -> tuple[str, dict]:
-    """``"name(k=v, ...)"`` or ``"name"`` as ``(name, {k: v})``; values are Python literals."""
-    import ast
-
-    text = text.strip()
-    try:
-        node = ast.parse(text, mode="eval").body
-    except SyntaxError:
-        raise ValueError(f"{what} {text!r}: expected NAME or NAME(key=value, ...), e.g. topk(ratio=0.01)") from None
-    if isinstance(node, ast.Name):
-        return node.id, {}
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
-        kwargs = {}
-        for kw in node.keywords:
-            try:
-                kwargs[kw.arg] = ast.literal_eval(kw.value)
-            except ValueError:
-                raise ValueError(f"{what} {text!r}: value of {kw.arg} must be a literal (number, string)") from None
-        return node.func.id, kwargs
-    raise ValueError(f"{what} {text!r}: expected NAME or NAME(key=value, ...) with keywords only")
-
-
-def parse_method(spec: str) -> tuple[tuple[str, dict], tuple[str, dict], str]:
-    """Parse a method spec ``COMPRESSOR[(k=v,...)][+MEMORY[(k=v,...)]][@STRATEGY]``.
-
-    Examples: ``topk(ratio=0.01)+residual``, ``qsgd(levels=16)@allgather``,
-    ``randomk(ratio=0.1)+residual(beta=0.9)@allgather``, ``none``. ``+EF`` is a
-    synonym of ``+residual``. Returns ``((compressor, kwargs), (memory, kwargs),
-    strategy)``; memory defaults to ``none``, strategy to ``auto``. Names are
-    checked against :func:`jaxcomm.compressors.names`, :func:`jaxcomm.memory.names`
-    and the pipeline's strategies; keyword arguments by building both objects.
-
-    Raises:
-      ValueError: naming the part of the spec that is wrong and the valid choices.
-    """
-    from .. import compressors, memory
-    from ..transforms._pipeline import STRATEGIES
-
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"method spec must be a non-empty string; got {spec!r}")
-    body, _, strategy = spec.partition("@")
-    strategy = strategy.strip() or "auto"
-    if strategy not in ("auto", *STRATEGIES):
-        raise ValueError(f"method {spec!r}: unknown strategy {strategy!r}; valid: auto, {', '.join(STRATEGIES)}")
-    depth, cut = 0, -1
-    for i, ch in enumerate(body):  # the top-level '+' (not one inside a call's parentheses)
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if ch == "+" and depth == 0:
-            cut = i
-            break
-    comp_text, mem_text = (body, "none") if cut < 0 else (body[:cut], body[cut + 1 :])
-    comp = _parse_call(comp_text, f"method {spec!r}: compressor")
-    mem = _parse_call(mem_text, f"method {spec!r}: memory")
-    if mem[0] == "EF":
-        mem = ("residual", mem[1])
-    if comp[0] not in compressors.names():
-        raise ValueError(f"method {spec!r}: unknown compressor {comp[0]!r}; valid: {', '.join(compressors.names())}")
-    if mem[0] not in memory.names():
-        raise ValueError(f"method {spec!r}: unknown memory {mem[0]!r}; valid: {', '.join(memory.names())}")
-    for make, (name, kwargs), what in ((compressors.make, comp, "compressor"), (memory.make, mem, "memory")):
-        try:
-            make(name, **kwargs)
-        except TypeError as e:
-            raise ValueError(f"method {spec!r}: bad arguments for {what} {name!r}: {e}") from None
-    return comp, mem, strategy
 
 
 def method_transform(methods: dict, label: str, learning_rate: float, momentum: float):

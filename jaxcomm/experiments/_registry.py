@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -33,6 +34,10 @@ __all__ = [
     "config_to_dict",
     "config_from_dict",
     "config_help",
+    "check_global_batch",
+    "check_range",
+    "MAX_DEVICES",
+    "MAX_SET_CHARS",
 ]
 
 
@@ -138,9 +143,15 @@ def _check_value(cls_name: str, key: str, value, hint):
             return value
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -(2**63) <= value < 2**63:
+                raise ValueError(f"{cls_name}.{key}: must be an integer within 64 bits; got {_digits(value)}")
             return value
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, int) and abs(value) >= 2**63:
+                raise ValueError(f"{cls_name}.{key}: must be a finite number; got {_digits(value)}")
+            if not math.isfinite(value):
+                raise ValueError(f"{cls_name}.{key}: must be a finite number; got {value!r}")
             return float(value)
     elif hint is str:
         if isinstance(value, str):
@@ -150,12 +161,20 @@ def _check_value(cls_name: str, key: str, value, hint):
     raise ValueError(f"{cls_name}.{key}: expected {hint.__name__}, got {value!r}")
 
 
+def _digits(value: int) -> str:
+    """A huge integer, described by its length rather than printed."""
+    return f"an integer of {len(str(abs(value)))} digits"
+
+
 def config_from_dict(config_type: type, values: dict):
     """A ``config_type`` instance from its flat dict form, checking keys and value types.
 
     Raises ``ValueError`` for a key that is not a field (listing the valid ones),
     a missing field, or a value that is not of the field's type (ints are
-    accepted for float fields, lists for tuple fields).
+    accepted for float fields, lists for tuple fields); a float that is not finite,
+    an int beyond 64 bits; a number outside its field's range (:data:`_RANGES`, for
+    scalars and for each item of a tuple); an empty tuple for a field whose default is
+    not empty (it would run nothing); a name outside its field's choices.
     """
     names = [f.name for f in dataclasses.fields(config_type)]
     unknown = sorted(set(values) - set(names))
@@ -167,21 +186,50 @@ def config_from_dict(config_type: type, values: dict):
     if missing:
         raise ValueError(f"{config_type.__name__}: missing config key(s) {missing}")
     hints = typing.get_type_hints(config_type)
-    checked = {n: _check_value(config_type.__name__, n, values[n], hints[n]) for n in names}
+    cls_name = config_type.__name__
+    checked = {n: _check_value(cls_name, n, values[n], hints[n]) for n in names}
+    defaults = {f.name: f.default for f in dataclasses.fields(config_type)}
     for n, v in checked.items():
-        _check_range(config_type.__name__, n, v)
-        _check_choice(config_type.__name__, n, v)
+        key = f"{cls_name}.{n}" if f"{cls_name}.{n}" in _RANGES else n
+        for i, item in enumerate(v) if isinstance(v, tuple) else [(None, v)]:
+            check_range(f"{cls_name}.{n}" + ("" if i is None else f"[{i}]"), key, item)
+        if v == () and isinstance(defaults[n], tuple) and defaults[n]:
+            raise ValueError(f"{cls_name}.{n}: give at least one item (an empty list runs nothing)")
+        _check_choice(cls_name, n, v)
     return config_type(**checked)
 
 
-# Ranges shared by every study's config, by field name: (low, high, low inclusive, high inclusive).
+MAX_DEVICES = 1024
+"""The most simulated CPU devices a study (or ``--devices``) may ask for."""
+
+_INF = float("inf")
+_COUNT = (1, _INF, True, True)  # a count of at least one
+_SIZE = (0, _INF, True, True)  # a count or a time that may be zero (0: all, or none)
+_POSITIVE = (0.0, _INF, False, True)  # a rate, a time or a tolerance
+_MOMENTUM = (0.0, 1.0, True, False)
+_FRACTION = (0.0, 1.0, False, True)  # a kept fraction
+# Ranges of the studies' numeric fields, by field name, or "ConfigClass.field" where one study
+# gives a name another meaning: (low, high, low inclusive, high inclusive). A tuple field's
+# range applies to each item. Every float must also be finite, every int within 64 bits.
 _RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    "steps": (1, float("inf"), True, True),
-    "devices": (1, float("inf"), True, True),
-    "batch_size": (1, float("inf"), True, True),
-    "eval_every": (1, float("inf"), True, True),
-    "learning_rate": (0.0, float("inf"), False, True),
-    "momentum": (0.0, 1.0, True, False),
+    **dict.fromkeys(
+        ("steps", "batch_size", "eval_every", "eval_windows", "seq_len", "embed", "hidden", "sync_every"), _COUNT
+    ),
+    **dict.fromkeys(("batch_per_worker", "resnet_batch_per_worker", "severe_batch_per_worker"), _COUNT),
+    **dict.fromkeys(("workers", "resnet_workers", "severe_workers", "history", "count", "features"), _COUNT),
+    **dict.fromkeys(("train_points", "val_points", "batch_total", "severe_downsample", "severe_epochs"), _COUNT),
+    "MicrobenchConfig.iterations": _COUNT,  # EventGradConfig.iterations <= 0 means "run epochs"
+    "num_procs": (1, 256, True, True),
+    "devices": (1, MAX_DEVICES, True, True),
+    **dict.fromkeys(("train_examples", "test_examples", "resnet_test_examples", "corpus_chars"), _SIZE),
+    **dict.fromkeys(("severe_train_examples", "severe_test_examples", "warmup", "warmup_steps"), _SIZE),
+    **dict.fromkeys(("forced_iterations", "trace_tensors", "severe_warmup_epochs", "noise_std", "horizon"), _SIZE),
+    **dict.fromkeys(("skew_unit_ms", "base_compute_ms", "delays_ms", "severe_min_ms", "severe_max_ms"), _SIZE),
+    **dict.fromkeys(("learning_rate", "lr", "resnet_lr", "severe_lr", "epochs"), _POSITIVE),
+    **dict.fromkeys(("timeout_s", "poll_s", "launch_timeout_s", "equal_loss_rtol"), _POSITIVE),
+    **dict.fromkeys(("momentum", "resnet_momentum", "severe_momentum"), _MOMENTUM),
+    **dict.fromkeys(("topk_ratio", "topk"), _FRACTION),
+    "drop_ratio": (0.0, 1.0, True, False),  # the dropped fraction: 1 would send nothing
     "seed": (0, 2**32, True, False),  # PRNGKey keeps 32 bits: a larger seed would alias a smaller one
 }
 
@@ -203,8 +251,8 @@ def _check_choice(cls_name: str, key: str, value) -> None:
         raise ValueError(f"{cls_name}.{key} must be one of {', '.join(_CHOICES[key])}; got {value!r}")
 
 
-def _check_range(cls_name: str, key: str, value) -> None:
-    """``ValueError`` if a field named in :data:`_RANGES` holds a number outside its range."""
+def check_range(label: str, key: str, value) -> None:
+    """``ValueError`` naming ``label`` if ``value`` is a number outside the range of ``key`` in :data:`_RANGES`."""
     if key not in _RANGES or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
     low, high, low_in, high_in = _RANGES[key]
@@ -214,7 +262,7 @@ def _check_range(cls_name: str, key: str, value) -> None:
             want = f"{'>=' if low_in else '>'} {_number(low)}"
         else:
             want = f"in {'[' if low_in else '('}{_number(low)}, {_number(high)}{']' if high_in else ')'}"
-        raise ValueError(f"{cls_name}.{key} must be {want}; got {value!r}")
+        raise ValueError(f"{label} must be {want}; got {value!r}")
 
 
 def config_help(config_type: type) -> list[tuple[str, str, str, str]]:
@@ -303,9 +351,15 @@ def _split_top(text: str) -> list[str]:
     return [*parts, text[start:]]
 
 
+MAX_SET_CHARS = 10_000
+"""The longest ``--set`` value accepted, in characters."""
+
+
 def _coerce(key: str, text: Any, like: Any):
     if not isinstance(text, str):
         return text
+    if len(text) > MAX_SET_CHARS:
+        raise ValueError(f"--set {key}: at most {MAX_SET_CHARS} characters; got {len(text)}")
     if isinstance(like, bool):
         if text.lower() in ("1", "true", "yes", "on"):
             return True
@@ -315,7 +369,11 @@ def _coerce(key: str, text: Any, like: Any):
     if isinstance(like, (int, float, list, dict)) or like is None:
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+        except RecursionError:
+            raise ValueError(f"--set {key}: brackets nested too deep in {text[:40]!r}...") from None
+        except ValueError as e:
+            if not isinstance(e, json.JSONDecodeError):  # e.g. an integer of more than 4300 digits
+                raise ValueError(f"--set {key}: could not parse a value of {len(text)} characters: {e}") from None
             if like is None:
                 return text
             if isinstance(like, list):  # a,b,c: each item parsed like the default's items (any literal if empty)
@@ -330,6 +388,20 @@ def _coerce(key: str, text: Any, like: Any):
             raise ValueError(f"--set {key}: expected {type(like).__name__}, got {text!r}")
         return value
     return text
+
+
+def check_global_batch(config) -> None:
+    """``ValueError`` unless ``config.batch_size`` (the global batch) is a multiple of ``config.devices``.
+
+    Each of the ``devices`` workers takes ``batch_size / devices`` examples per step
+    (:class:`jaxcomm.data.WorkerBatches`); the study's config calls this from ``__post_init__``.
+    """
+    name = type(config).__name__
+    if config.devices >= 1 and config.batch_size % config.devices:
+        raise ValueError(
+            f"{name}.batch_size must be a multiple of {name}.devices (each worker takes batch_size / devices "
+            f"examples); got batch_size={config.batch_size}, devices={config.devices}"
+        )
 
 
 def apply_overrides(config: dict, overrides: dict) -> dict:

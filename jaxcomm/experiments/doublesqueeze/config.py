@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .._registry import check_global_batch
+
 __all__ = ["METHODS", "DoubleSqueezeConfig"]
 
 METHODS = ("sgd", "doublesqueeze-1bit", "doublesqueeze-topk", "memsgd-1bit", "qsgd", "topk")
@@ -44,7 +46,9 @@ class DoubleSqueezeConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        """``ValueError`` for a method that is not a name of :data:`METHODS` (or no method at all)."""
+        """``ValueError`` for a global batch that the workers cannot share, or a method that is not a
+        name of :data:`METHODS` (or no method at all)."""
+        check_global_batch(self)
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
             raise ValueError(f"DoubleSqueezeConfig.methods must be names from {list(METHODS)}; unknown: {unknown}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .._registry import check_global_batch
+
 __all__ = ["GraceConfig"]
 
 
@@ -39,6 +41,10 @@ class GraceConfig:
     train_examples: int = 0
     test_examples: int = 2000
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """``ValueError`` for a global batch that the workers cannot share."""
+        check_global_batch(self)
 
     @classmethod
     def default(cls) -> GraceConfig:

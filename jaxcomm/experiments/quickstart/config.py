@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .._registry import check_global_batch
+
 __all__ = ["METHODS", "QuickstartConfig"]
 
 METHODS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -50,16 +52,17 @@ class QuickstartConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        """``ValueError`` for a method that is neither a label of :data:`METHODS` nor a valid spec."""
+        """``ValueError`` for a global batch that the workers cannot share, or a method that is
+        neither a label of :data:`METHODS` nor a valid spec."""
+        check_global_batch(self)
         specs = [m for m in self.methods if m not in METHODS]
-        if specs:  # parsing a spec builds the compressor, which imports JAX: only when one is given
-            from .._common import parse_method
+        if specs:  # every spec is parsed without JAX; then building them (checking values) imports it
+            from .._spec import check_methods
 
-            for spec in specs:
-                try:
-                    parse_method(spec)
-                except ValueError as e:
-                    raise ValueError(f"QuickstartConfig.methods: {e}; or a label of {list(METHODS)}") from None
+            try:
+                check_methods(specs)
+            except ValueError as e:
+                raise ValueError(f"QuickstartConfig.methods: {e}; or a label of {list(METHODS)}") from None
 
     @classmethod
     def default(cls) -> QuickstartConfig:
