@@ -172,6 +172,18 @@ def test_periodic_methods_predicted_per_period():
     assert math.isnan(row["speedup_vs_fp32"]) and math.isnan(row["speedup_vs_16bit"])
 
 
+def test_predicted_time_to_target_closed_form():
+    """A link not timed: steps x (compute + one period's ring all-reduce over H steps)."""
+    from jaxcomm.experiments.network.run import records_predicted
+
+    training = {**TRAINING, "runs": [_run("diloco-H20", 100, 0.05, bits=32e6 / 20, sync_every=20), _run("x", None, 1)]}
+    training["runs"][0]["messages_per_step"] = 4 / 20
+    (rec,) = records_predicted(training, 1e9, 1e-4)  # the run that did not reach the target has none
+    comm = (8 * 2 * 3 * 4e6 / 1e9 + 2 * 3 * 1 * 1e-4) / 20  # 4 MB per worker every 20 steps, 4 workers
+    assert rec["comm_predicted_s"] == pytest.approx(comm)
+    assert rec["time_predicted_s"] == pytest.approx(100 * (0.05 + comm)) and rec["steps_to_target"] == 100
+
+
 def test_end_to_end_records_and_agreement():
     from jaxcomm.experiments.network.run import agreement, records_decomposed, records_end_to_end, summarize
 

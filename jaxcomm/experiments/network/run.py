@@ -55,6 +55,7 @@ __all__ = [
     "provenance",
     "records_decomposed",
     "records_end_to_end",
+    "records_predicted",
     "run",
     "summarize",
     "sweep_records",
@@ -205,6 +206,36 @@ def records_decomposed(training: dict, timing_job: dict) -> list[dict]:
     for r in training["runs"]:
         t = decomposed_time(r["reached"]["step"], timings[r["method"]]) if r["reached"] else None
         out.append(_record(timing_job["bandwidth"], r, "decomposed", t))
+    return out
+
+
+def records_predicted(training: dict, rate_bps: float, latency_s: float) -> list[dict]:
+    """Time to target on a link the study did not time, from the cost model: one entry per run
+    of the ``training`` job that reached the target, with ``method``, ``seed``,
+    ``steps_to_target``, ``compute_s`` (the run's compute-only step, s), ``comm_predicted_s``
+    (:func:`jaxcomm.cost_model.step_time` on a shared link of ``rate_bps`` bit/s and latency
+    ``latency_s`` s for one communication period of the run's mean ``wire_bits`` and
+    ``messages``, over its steps) and ``time_predicted_s`` = steps x (compute + communication).
+
+    A run's mean bits per step include its warm-up's (DGC's denser stages), so the bytes term
+    is exact in total; the latency term counts each step's messages at the steady count."""
+    n = int(training["procs"])
+    out = []
+    for r in training["runs"]:
+        if not r["reached"]:
+            continue
+        steps = int(r["reached"]["step"])
+        comm = _predicted_comm_s(r, n, float(rate_bps), float(latency_s))
+        out.append(
+            {
+                "method": r["method"],
+                "seed": int(r["seed"]),
+                "steps_to_target": steps,
+                "compute_s": float(r["compute_s"]),
+                "comm_predicted_s": comm,
+                "time_predicted_s": steps * (float(r["compute_s"]) + comm),
+            }
+        )
     return out
 
 
