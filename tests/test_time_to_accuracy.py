@@ -325,3 +325,31 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
     assert job_file["complete"] and len(job_file["runs"]) == len(cfg["methods"])
     for name in ("accuracy_vs_time.png", "accuracy_vs_bytes.png", "step_time_model.png"):
         assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_the_network_page_quotes_the_cost_model_of_its_results():
+    """Every "comm predicted" of the end-to-end table in docs/network.md is the cost model's
+    prediction (per worker's messages) recomputed from the committed results it was measured
+    in, and so are the JSON summary's."""
+    import re
+    from pathlib import Path
+
+    from jaxcomm.experiments.network.run import _predicted_comm_s, _rate_bps
+
+    root = Path(__file__).resolve().parents[1]
+    results = json.loads((root / "experiments/benchmarks/results/time_to_accuracy.json").read_text())
+    predicted = {}
+    for job in results["jobs"]:
+        rate = _rate_bps(job["bandwidth"], job["link"])
+        for r in job["runs"]:
+            predicted[job["bandwidth"], r["method"]] = _predicted_comm_s(
+                r, job["procs"], rate, job["link"]["latency_s"]
+            )
+    rows = re.findall(
+        r"^\| (100mbit|1gbit|unlimited) \| `([^`]+)` \|(.*)\|$", (root / "docs/network.md").read_text(), re.M
+    )
+    assert len(rows) == len(predicted) == 18
+    for link, method, rest in rows:
+        assert float(rest.split("|")[7]) == pytest.approx(predicted[link, method], abs=5e-4), (link, method)
+    for row in results["summary"]:
+        assert row["comm_predicted_s"] == pytest.approx(predicted[row["bandwidth"], row["method"]])
