@@ -353,3 +353,12 @@ def test_the_network_page_quotes_the_cost_model_of_its_results():
         assert float(rest.split("|")[7]) == pytest.approx(predicted[link, method], abs=5e-4), (link, method)
     for row in results["summary"]:
         assert row["comm_predicted_s"] == pytest.approx(predicted[row["bandwidth"], row["method"]])
+
+
+def test_a_study_on_the_unshaped_link_alone_plots_its_training_job():
+    from jaxcomm.experiments.network.run import _panels
+
+    panels = _panels(TRAINING, [], [], ["unlimited"])
+    assert [title for title, _ in panels] == ["link unlimited (measured end to end)"]
+    assert len(panels[0][1]) == len(TRAINING["runs"])
+    assert _panels(TRAINING, [], [], ["10mbit"]) == []  # a shaped link alone: its timing job's panel only

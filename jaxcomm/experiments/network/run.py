@@ -436,9 +436,16 @@ def provenance() -> dict:
     }
 
 
-def _panels(training: dict | None, timing_jobs: list[dict], e2e_jobs: list[dict]) -> list[tuple[str, list]]:
-    """``(title, [(method, seed index, [time_s], [accuracy])])`` per link and route."""
+def _panels(
+    training: dict | None, timing_jobs: list[dict], e2e_jobs: list[dict], bandwidths: list[str]
+) -> list[tuple[str, list]]:
+    """``(title, [(method, seed index, [time_s], [accuracy])])`` per link and route: the timed
+    links (decomposed), then the end-to-end jobs, with the training job among them where an
+    unshaped link is one of ``bandwidths`` (it ran on that link)."""
     panels = []
+    unshaped = any(not _shaped(bw) for bw in bandwidths)
+    if training is not None and unshaped and not any(job is training for job in e2e_jobs):
+        e2e_jobs = [training, *e2e_jobs]
     for tj in timing_jobs:
         assert training is not None, "a decomposed timing job needs the training job it times"
         timings = {t["method"]: t for t in tj["timings"]}
@@ -657,5 +664,7 @@ def run(config: dict, out_dir: Path) -> dict:
     results["summary"] = rows
     if route == "compare":
         results["agreement"] = agreement(records)
-    _plot(_panels(training, timing_jobs, e2e_jobs), training or e2e_jobs[0], rows, config, out_dir)
+    _plot(
+        _panels(training, timing_jobs, e2e_jobs, config["bandwidths"]), training or e2e_jobs[0], rows, config, out_dir
+    )
     return results
