@@ -82,6 +82,7 @@ __all__ = [
     "parse_size",
     "parse_time",
     "qdisc_commands",
+    "reshape",
     "ring_allreduce_bytes",
     "tcp_retransmissions",
     "unavailable",
@@ -353,6 +354,29 @@ def qdisc_commands(settings: LinkSettings, dev: str = "lo") -> list[list[str]]:
             ]
         )
     return cmds
+
+
+def reshape(bandwidth: str | float | None, dev: str = "lo", *, burst: str | int = "256kb") -> LinkSettings:
+    """Give ``dev`` in this process's network namespace the launcher's qdisc for ``bandwidth``.
+
+    For a job inside :func:`launch` that measures several link rates in one run (one
+    compilation, several links): the root qdisc is deleted and made anew by
+    :func:`qdisc_commands` (the device's MTU kept; no added latency). A new qdisc counts from
+    zero, so read :func:`link_counters` before and after a window within one shape; the
+    launcher's own count around the job (``LaunchResult.bytes``) then covers only the last shape.
+
+    Raises:
+      NetemError: a bad ``bandwidth`` or ``burst`` (before anything changes).
+      NetemUnavailable: ``tc`` failed (e.g. without CAP_NET_ADMIN in the namespace).
+    """
+    mtu = int(Path(f"/sys/class/net/{dev}/mtu").read_text())
+    settings = link_settings(bandwidth, "0", burst, mtu)
+    subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True, check=False, timeout=60)
+    for cmd in qdisc_commands(settings, dev)[1:]:  # [0] sets the device up: it is up already
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
+        if proc.returncode != 0:
+            raise NetemUnavailable(f"{' '.join(cmd)}: {proc.stderr.strip()}")
+    return settings
 
 
 # --------------------------------------------------------------------------- #

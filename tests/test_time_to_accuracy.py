@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxcomm import cost_model
+from jaxcomm import cost_model, netem
 from jaxcomm.experiments import get_experiment
 
 pytestmark = pytest.mark.strict_promotion
@@ -172,6 +172,18 @@ def test_periodic_methods_predicted_per_period():
     assert math.isnan(row["speedup_vs_fp32"]) and math.isnan(row["speedup_vs_16bit"])
 
 
+def test_predicted_time_to_target_closed_form():
+    """A link not timed: steps x (compute + one period's ring all-reduce over H steps)."""
+    from jaxcomm.experiments.network.run import records_predicted
+
+    training = {**TRAINING, "runs": [_run("diloco-H20", 100, 0.05, bits=32e6 / 20, sync_every=20), _run("x", None, 1)]}
+    training["runs"][0]["messages_per_step"] = 4 / 20
+    (rec,) = records_predicted(training, 1e9, 1e-4)  # the run that did not reach the target has none
+    comm = (8 * 2 * 3 * 4e6 / 1e9 + 2 * 3 * 1 * 1e-4) / 20  # 4 MB per worker every 20 steps, 4 workers
+    assert rec["comm_predicted_s"] == pytest.approx(comm)
+    assert rec["time_predicted_s"] == pytest.approx(100 * (0.05 + comm)) and rec["steps_to_target"] == 100
+
+
 def test_end_to_end_records_and_agreement():
     from jaxcomm.experiments.network.run import agreement, records_decomposed, records_end_to_end, summarize
 
@@ -201,6 +213,28 @@ def test_sweep_records():
         (0.5, False, None),
     ]
     assert got[0]["final_accuracy"] == pytest.approx(0.1) and sweep_records({}) == []
+
+
+def test_the_sweep_chooses_the_rate_with_the_fewest_steps():
+    from jaxcomm.experiments.network.worker import choose_learning_rates
+
+    def run(method, lr, step, last_accuracy=0.1):
+        r = {**_run(method, step, 0.01), "learning_rate": lr}
+        r["curve"][-1]["accuracy"] = last_accuracy
+        return r
+
+    sweep = [
+        run("none", 0.01, 300),
+        run("none", 0.05, 120),
+        run("none", 0.1, 120),  # a tie in steps: the smaller rate
+        run("bf16", 0.01, None, 0.6),  # none reached: the highest last accuracy
+        run("bf16", 0.05, None, 0.7),
+        run("fp16", 0.01, 200),
+        run("fp16", 0.05, 100),
+    ]
+    assert choose_learning_rates(sweep, {"learning_rates": {}}) == {"none": 0.05, "bf16": 0.05, "fp16": 0.05}
+    # a rate given by the user is kept
+    assert choose_learning_rates(sweep, {"learning_rates": {"fp16": 0.2}})["fp16"] == 0.2
 
 
 @pytest.mark.mpi
@@ -243,18 +277,32 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         upper = predicted + 1024 * (wire_messages + 3 * n * (n - 1)) + 4096 / every
         assert 0.97 * predicted <= measured <= upper, (r["method"], measured, predicted)
         assert r["compute_s"] > 0 and r["step_s"] > 0 and r["sync_every"] == 1
-    (tj,) = res["timing_jobs"]
-    assert tj["bandwidth"] == "200mbit" and tj["mode"] == "time" and tj["launch"]["drops"] == 0
-    assert [t["method"] for t in tj["timings"]] == list(cfg["methods"])
-    for t in tj["timings"]:
-        assert len(t["step_times"]) == cfg["timing_steps"] and t["warmup_steps"] == 0
-        # A token bucket passes at most burst + rate · t / 8 bytes in t seconds (the window's wall clock,
-        # which also holds the closing barrier and the ranks' lag behind rank 0's step clock).
-        assert sum(t["step_times"]) <= t["window_s"]
-        assert t["link_bytes_per_step"] * len(t["step_times"]) <= 256 * 1024 + 200e6 * t["window_s"] / 8
+    # The sweep: every method at each rate for the first seed; the run at the chosen rate is reused.
+    assert [(s["method"], s["learning_rate"]) for s in res["sweep"]] == [
+        (m, lr) for lr in cfg["lr_sweep"] for m in cfg["methods"]
+    ]
+    for r in job["runs"]:
+        assert r["learning_rate"] == res["learning_rates"][r["method"]] in cfg["lr_sweep"]
+        assert r in job["sweep"]
+    # One job timed both links after training (its link reshaped between them), with the chosen rates.
+    links = [netem.parse_rate(bw) for bw in cfg["bandwidths"]]
+    assert [tj["bandwidth"] for tj in res["timing_jobs"]] == list(cfg["bandwidths"])
+    for tj, rate in zip(res["timing_jobs"], links):
+        assert tj["mode"] == "time" and tj["launch"]["drops"] == 0
+        assert [(t["method"], t["learning_rate"]) for t in tj["timings"]] == list(res["learning_rates"].items())
+        # the link was given this rate before its steps were timed (the unshaped link counts with pfifo)
+        assert tj["shape"]["bandwidth_bps"] == rate and {t["qdisc"] for t in tj["timings"]} == {"tbf"}
+        for t in tj["timings"]:
+            assert len(t["step_times"]) == cfg["timing_steps"] and t["warmup_steps"] == 0
+            # A token bucket passes at most burst + rate · t / 8 bytes in t seconds (the window's wall clock,
+            # which also holds the closing barrier and the ranks' lag behind rank 0's step clock).
+            assert sum(t["step_times"]) <= t["window_s"]
+            assert t["link_bytes_per_step"] * len(t["step_times"]) <= 256 * 1024 + rate * t["window_s"] / 8
     # The records: one per link, method and seed, with these keys and types.
     records = res["records"]
-    assert [(r["link"], r["method"], r["seed"]) for r in records] == [("200mbit", m, 0) for m in cfg["methods"]]
+    assert [(r["link"], r["method"], r["seed"]) for r in records] == [
+        (bw, m, 0) for bw in cfg["bandwidths"] for m in cfg["methods"]
+    ]
     for rec in records:
         assert tuple(rec) == RECORD_KEYS and rec["route"] == "decomposed" and isinstance(rec["reached"], bool)
         if rec["reached"]:
@@ -266,10 +314,10 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
     prov = res["provenance"]
     assert set(prov) == {"jax", "jaxlib", "jaxcomm", "git_commit", "hostname", "cpu_count", "date_utc"}
     assert prov["cpu_count"] >= 1 and prov["jax"]
-    rows = {row["method"]: row for row in res["summary"]}
-    assert len(rows) == len(cfg["methods"]) and all(row["link"] == "200mbit" for row in rows.values())
+    rows = [(row["link"], row["method"]) for row in res["summary"]]
+    assert rows == [(bw, m) for bw in cfg["bandwidths"] for m in cfg["methods"]]
     head = EXP.summary(res)
-    assert [h["method"] for h in head] == list(cfg["methods"])
+    assert [(h["link"], h["method"]) for h in head] == rows
     assert list(head[0]) == [
         "link", "route", "method", "reached", "time to target (s)", "×16-bit", "×fp32", "MB to target", "utilization"
     ]  # fmt: skip
@@ -277,3 +325,40 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
     assert job_file["complete"] and len(job_file["runs"]) == len(cfg["methods"])
     for name in ("accuracy_vs_time.png", "accuracy_vs_bytes.png", "step_time_model.png"):
         assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_the_network_page_quotes_the_cost_model_of_its_results():
+    """Every "comm predicted" of the end-to-end table in docs/network.md is the cost model's
+    prediction (per worker's messages) recomputed from the committed results it was measured
+    in, and so are the JSON summary's."""
+    import re
+    from pathlib import Path
+
+    from jaxcomm.experiments.network.run import _predicted_comm_s, _rate_bps
+
+    root = Path(__file__).resolve().parents[1]
+    results = json.loads((root / "experiments/benchmarks/results/time_to_accuracy.json").read_text())
+    predicted = {}
+    for job in results["jobs"]:
+        rate = _rate_bps(job["bandwidth"], job["link"])
+        for r in job["runs"]:
+            predicted[job["bandwidth"], r["method"]] = _predicted_comm_s(
+                r, job["procs"], rate, job["link"]["latency_s"]
+            )
+    rows = re.findall(
+        r"^\| (100mbit|1gbit|unlimited) \| `([^`]+)` \|(.*)\|$", (root / "docs/network.md").read_text(), re.M
+    )
+    assert len(rows) == len(predicted) == 18
+    for link, method, rest in rows:
+        assert float(rest.split("|")[7]) == pytest.approx(predicted[link, method], abs=5e-4), (link, method)
+    for row in results["summary"]:
+        assert row["comm_predicted_s"] == pytest.approx(predicted[row["bandwidth"], row["method"]])
+
+
+def test_a_study_on_the_unshaped_link_alone_plots_its_training_job():
+    from jaxcomm.experiments.network.run import _panels
+
+    panels = _panels(TRAINING, [], [], ["unlimited"])
+    assert [title for title, _ in panels] == ["link unlimited (measured end to end)"]
+    assert len(panels[0][1]) == len(TRAINING["runs"])
+    assert _panels(TRAINING, [], [], ["10mbit"]) == []  # a shaped link alone: its timing job's panel only

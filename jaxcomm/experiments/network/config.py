@@ -78,8 +78,8 @@ def _dgc(learning_rate: float, momentum: float, options: Mapping | None = None):
     return tx, MethodInfo("dgc", "allgather", sync_every=1, warmup_steps=4 * steps_per_stage)
 
 
-def _diloco(**kwargs) -> Builder:
-    """``diloco(sgd(lr, momentum), every=20, **kwargs)``; ``kwargs`` values that are callables
+def _diloco(every: int = 20, **kwargs) -> Builder:
+    """``diloco(sgd(lr, momentum), every=every, **kwargs)``; ``kwargs`` values that are callables
     ``() -> object`` are made when the builder is called (compressors, memories, outer optimizers)."""
 
     def build(learning_rate: float, momentum: float, options: Mapping | None = None):
@@ -91,7 +91,6 @@ def _diloco(**kwargs) -> Builder:
         if made.get("overlap") and (options or {}).get("one_worker"):
             made["overlap"] = False  # the compute-only step: one worker, no MPI thread (the same arithmetic)
         c = made.get("compressor") or jaxcomm.compressors.none()
-        every = 20
         fragments = int(made.get("fragments", 1))
         tx = jaxcomm.transforms.diloco(optax.sgd(learning_rate, momentum=momentum), every=every, **made)
         return tx, MethodInfo(c.name, _strategy(c), sync_every=every // fragments)
@@ -138,6 +137,10 @@ METHODS: dict[str, Builder] = {
     "diloco-H20-int8": _diloco(compressor=_eightbit),
     "sparseloco-H20": _diloco(compressor=_topk2, memory=_residual09, outer=_outer_sgd1),
     "streaming-diloco-H20": _diloco(fragments=4, delay=2, blend=0.5, compressor=_bf16, overlap=True),
+    # shorter periods, for the study of H against the steps to target
+    "diloco-H10-int8": _diloco(10, compressor=_eightbit),
+    "sparseloco-H10": _diloco(10, compressor=_topk2, memory=_residual09, outer=_outer_sgd1),
+    "sparseloco-H5": _diloco(5, compressor=_topk2, memory=_residual09, outer=_outer_sgd1),
 }
 """Method label -> builder ``(learning_rate, momentum, options) -> (tx, MethodInfo)``.
 
@@ -153,7 +156,8 @@ METHODS: dict[str, Builder] = {
   ``streaming-diloco-H20``: 4 fragments, one every 5 steps, sent in bfloat16 by an MPI
   communication thread that overlaps the next 2 inner steps, then applied and blended
   half-half (``overlap=True``; the compute-only step is timed without the thread, on one
-  worker)."""
+  worker);
+* ``diloco-H10-int8``, ``sparseloco-H10``, ``sparseloco-H5``: the same with ``every`` = 10 or 5."""
 
 ROUTES = ("decomposed", "end_to_end", "compare")
 """How the time to target is measured (see :class:`TimeToAccuracyConfig`)."""
@@ -189,7 +193,9 @@ class TimeToAccuracyConfig:
         before its sparsification, and then plain SGD).
       learning_rates: method label -> learning rate for that method (others: ``learning_rate``).
       lr_sweep: learning rates to try (empty: none); the unshaped training job first trains
-        every method at each for the first seed and records its steps to target (``sweep``).
+        every method at each for the first seed and records its steps to target (``sweep``), then
+        trains every seed at the rate that reached the target in the fewest steps (a rate given
+        in ``learning_rates`` is kept); the timing jobs use the same rates.
       dgc_steps_per_stage: steps of each of DGC's sparsity warm-up stages.
       target_accuracy: the test accuracy timed, in (0, 1].
       max_steps: a method that has not reached the target by then is recorded as not reaching it.
@@ -318,17 +324,19 @@ class TimeToAccuracyConfig:
 
     @classmethod
     def smoke(cls) -> TimeToAccuracyConfig:
-        """Two processes, an MLP on the digits set, dense vs top-k 1 % with EF, one seed: trained on
-        the unshaped link, timed on a 200 Mbit/s one (the decomposed route)."""
+        """Two processes, an MLP on the digits set, dense vs top-k 1 % with EF, one seed, the
+        learning rate chosen from two: trained on the unshaped link, timed on a 200 Mbit/s and a
+        1 Gbit/s one (the decomposed route)."""
         return dataclasses.replace(
             cls.default(),
             procs=2,
-            bandwidths=("200mbit",),
+            bandwidths=("200mbit", "1gbit"),
             methods=("none", "topk-1%+EF"),
             dataset="digits",
             model="mlp",
             batch_size=16,
             learning_rate=0.1,
+            lr_sweep=(0.05, 0.1),
             target_accuracy=0.5,
             max_steps=60,
             eval_every=10,

@@ -10,8 +10,10 @@ Routes (``route`` of :class:`~.config.TimeToAccuracyConfig`):
 
 * ``"decomposed"`` (the default): the arithmetic of a step does not depend on the link, so one
   job on the unshaped link trains every method and seed to the target (steps to target, the
-  kernel's byte count, the compute-only step); then one short job per shaped link times each
-  method's steps (its warm-up, then whole communication periods). Time to target on a link =
+  kernel's byte count, the compute-only step); then the same job gives its link each shaped
+  rate in turn (:func:`jaxcomm.netem.reshape`) and times each method's steps there (its
+  warm-up, then whole communication periods) with the steps it compiled for training. Time to
+  target on a link =
   the warm-up steps' measured times + the remaining steps to target x the mean measured step
   there. An ``"unlimited"`` link is the training job itself, timed end to end.
 * ``"end_to_end"``: one job per link trains every method and seed on it, timed by the wall clock.
@@ -25,7 +27,7 @@ step_latency_rounds(strategy, n, m) · α`` with the pipeline's own ``P`` (``wir
 ``"unlimited"``, the throughput measured at the start of the job) and ``α`` the measured latency.
 Predicted step = measured compute + predicted communication.
 
-Outputs in the run folder: ``train/``, ``time-*/``, ``link-*/`` (each job's configuration, launch
+Outputs in the run folder: ``train/``, ``link-*/`` (each job's configuration, launch
 report and ``results.json``; ``jaxcomm run`` adds the study's ``results.json`` with ``records``,
 ``summary`` and ``provenance``), ``accuracy_vs_time.png`` (one panel per link and route),
 ``accuracy_vs_bytes.png`` and ``step_time_model.png`` (measured against predicted step time).
@@ -53,6 +55,7 @@ __all__ = [
     "provenance",
     "records_decomposed",
     "records_end_to_end",
+    "records_predicted",
     "run",
     "summarize",
     "sweep_records",
@@ -203,6 +206,36 @@ def records_decomposed(training: dict, timing_job: dict) -> list[dict]:
     for r in training["runs"]:
         t = decomposed_time(r["reached"]["step"], timings[r["method"]]) if r["reached"] else None
         out.append(_record(timing_job["bandwidth"], r, "decomposed", t))
+    return out
+
+
+def records_predicted(training: dict, rate_bps: float, latency_s: float) -> list[dict]:
+    """Time to target on a link the study did not time, from the cost model: one entry per run
+    of the ``training`` job that reached the target, with ``method``, ``seed``,
+    ``steps_to_target``, ``compute_s`` (the run's compute-only step, s), ``comm_predicted_s``
+    (:func:`jaxcomm.cost_model.step_time` on a shared link of ``rate_bps`` bit/s and latency
+    ``latency_s`` s for one communication period of the run's mean ``wire_bits`` and
+    ``messages``, over its steps) and ``time_predicted_s`` = steps x (compute + communication).
+
+    A run's mean bits per step include its warm-up's (DGC's denser stages), so the bytes term
+    is exact in total; the latency term counts each step's messages at the steady count."""
+    n = int(training["procs"])
+    out = []
+    for r in training["runs"]:
+        if not r["reached"]:
+            continue
+        steps = int(r["reached"]["step"])
+        comm = _predicted_comm_s(r, n, float(rate_bps), float(latency_s))
+        out.append(
+            {
+                "method": r["method"],
+                "seed": int(r["seed"]),
+                "steps_to_target": steps,
+                "compute_s": float(r["compute_s"]),
+                "comm_predicted_s": comm,
+                "time_predicted_s": steps * (float(r["compute_s"]) + comm),
+            }
+        )
     return out
 
 
@@ -403,9 +436,16 @@ def provenance() -> dict:
     }
 
 
-def _panels(training: dict | None, timing_jobs: list[dict], e2e_jobs: list[dict]) -> list[tuple[str, list]]:
-    """``(title, [(method, seed index, [time_s], [accuracy])])`` per link and route."""
+def _panels(
+    training: dict | None, timing_jobs: list[dict], e2e_jobs: list[dict], bandwidths: list[str]
+) -> list[tuple[str, list]]:
+    """``(title, [(method, seed index, [time_s], [accuracy])])`` per link and route: the timed
+    links (decomposed), then the end-to-end jobs, with the training job among them where an
+    unshaped link is one of ``bandwidths`` (it ran on that link)."""
     panels = []
+    unshaped = any(not _shaped(bw) for bw in bandwidths)
+    if training is not None and unshaped and not any(job is training for job in e2e_jobs):
+        e2e_jobs = [training, *e2e_jobs]
     for tj in timing_jobs:
         assert training is not None, "a decomposed timing job needs the training job it times"
         timings = {t["method"]: t for t in tj["timings"]}
@@ -527,14 +567,14 @@ def _plot(panels: list, bytes_job: dict, rows: list[dict], config: dict, out_dir
     plt.close(fig)
 
 
-def _launch(config: dict, bandwidth: str, mode: str, job_dir: Path, env: dict, extra: dict | None = None) -> dict:
-    """One ``mpirun`` job of the worker in ``mode`` on a link of ``bandwidth``; its results."""
+def _launch(config: dict, bandwidth: str, job_dir: Path, env: dict, extra: dict | None = None) -> dict:
+    """One ``mpirun`` job of the worker on a link of ``bandwidth``; its results."""
     from ... import netem
 
     job_dir.mkdir(parents=True, exist_ok=True)
-    job_config = {**config, "bandwidth": bandwidth, "mode": mode, **(extra or {})}
+    job_config = {**config, "bandwidth": bandwidth, **(extra or {})}
     (job_dir / "config.json").write_text(json.dumps(job_config, indent=1))
-    print(f"time-to-accuracy: {mode} job on link {bandwidth} -> {job_dir}", flush=True)
+    print(f"time-to-accuracy: job on link {bandwidth} -> {job_dir}", flush=True)
     res = netem.launch(
         int(config["procs"]),
         [sys.executable, "-m", _WORKER, str(job_dir)],
@@ -546,7 +586,7 @@ def _launch(config: dict, bandwidth: str, mode: str, job_dir: Path, env: dict, e
     )
     if res.returncode != 0 or not (job_dir / "results.json").exists():
         why = "timed out" if res.timed_out else f"exit code {res.returncode}"
-        raise RuntimeError(f"the {mode} job on link {bandwidth} failed ({why}); see {job_dir}")
+        raise RuntimeError(f"the job on link {bandwidth} failed ({why}); see {job_dir}")
     job = json.loads((job_dir / "results.json").read_text())
     job["launch"] = {"bytes": res.bytes, "packets": res.packets, "drops": res.drops, "wall_s": res.wall_s}
     return job
@@ -583,21 +623,22 @@ def run(config: dict, out_dir: Path) -> dict:
     records: list[dict] = []
     training, timing_jobs, e2e_jobs = None, [], []
     if route in ("decomposed", "compare"):
-        training = _launch(config, "unlimited", "train", out_dir / "train", env)
+        # One job: it trains on the unshaped link, then times every method on each shaped link
+        # (the worker reshapes the namespace's link between timing windows).
+        shaped = [bw for bw in config["bandwidths"] if _shaped(bw)]
+        training = _launch(config, "unlimited", out_dir / "train", env, {"time_links": shaped})
         compute: dict[str, list[float]] = {}
         for r in training["runs"]:
             compute.setdefault(r["method"], []).append(r["compute_s"])
-        # A method's warm-up is timed no further than the training needed to reach the target.
-        needed: dict[str, int] = {}
-        for r in training["runs"]:
-            needed[r["method"]] = max(needed.get(r["method"], 0), r["reached"]["step"] if r["reached"] else r["steps"])
+        if shaped:  # the launcher counted the last link's qdisc only: the training's count is the worker's
+            training["launch"] = {**training["launch"], **training.pop("link_counters")}
+        timed = {tj["bandwidth"]: tj for tj in training.pop("timing_jobs", [])}
         for bandwidth in config["bandwidths"]:
             if not _shaped(bandwidth):  # the training job ran on this link: timed end to end
                 records += records_end_to_end(training)
                 continue
-            tj = _launch(
-                config, bandwidth, "time", out_dir / f"time-{_label(bandwidth)}", env, {"timing_warmup": needed}
-            )
+            tj = timed[bandwidth]
+            tj["launch"] = {"drops": sum(int(t["window_drops"]) for t in tj["timings"])}
             for t in tj["timings"]:
                 t["compute_s"] = float(np.mean(compute[t["method"]]))
             timing_jobs.append(tj)
@@ -606,11 +647,14 @@ def run(config: dict, out_dir: Path) -> dict:
         results["timing_jobs"] = timing_jobs
         if training.get("sweep"):
             results["sweep"] = sweep_records(training)
+            results["learning_rates"] = training["learning_rates"]
     if route in ("end_to_end", "compare"):
         for bandwidth in config["bandwidths"]:
             if route == "compare" and not _shaped(bandwidth):
                 continue  # the training job is this link's end-to-end measurement
-            job = _launch(config, bandwidth, "train", out_dir / f"link-{_label(bandwidth)}", env)
+            # route compare: the rates the training job's sweep chose, not a second sweep per link
+            rates = {"lr_sweep": [], "learning_rates": results["learning_rates"]} if "learning_rates" in results else {}
+            job = _launch(config, bandwidth, out_dir / f"link-{_label(bandwidth)}", env, rates)
             e2e_jobs.append(job)
             records += records_end_to_end(job)
         results["jobs"] = e2e_jobs
@@ -620,5 +664,7 @@ def run(config: dict, out_dir: Path) -> dict:
     results["summary"] = rows
     if route == "compare":
         results["agreement"] = agreement(records)
-    _plot(_panels(training, timing_jobs, e2e_jobs), training or e2e_jobs[0], rows, config, out_dir)
+    _plot(
+        _panels(training, timing_jobs, e2e_jobs, config["bandwidths"]), training or e2e_jobs[0], rows, config, out_dir
+    )
     return results

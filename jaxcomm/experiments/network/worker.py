@@ -2,9 +2,9 @@
 
 ``python -m jaxcomm.experiments.network.worker DIR`` (started by
 :func:`jaxcomm.experiments.network.run.run` through :func:`jaxcomm.netem.launch`) reads
-``DIR/config.json`` (the :class:`~.config.TimeToAccuracyConfig` fields, ``bandwidth`` and
-``mode``) and rank 0 writes ``DIR/results.json`` (again after every run, ``"complete"`` once all
-are done). Every job first measures its link:
+``DIR/config.json`` (the :class:`~.config.TimeToAccuracyConfig` fields, ``bandwidth`` and,
+on the decomposed route, ``time_links``) and rank 0 writes ``DIR/results.json`` (again after
+every run, ``"complete"`` once all are done). Every job first measures its link:
 
 * ``link``: the latency ``α`` (s) and throughput (bit/s) of the link as Open MPI sees it:
   ``α`` = the median time of an 8-byte ``MPI_Allreduce`` over its ``2 (n − 1)`` ring steps;
@@ -12,7 +12,7 @@ are done). Every job first measures its link:
   less its latency (``P`` = 4 MiB unshaped, else about half a second of the link's rate, at
   least 256 KiB).
 
-``mode = "train"`` (the decomposed route's unshaped job, and every job of the end-to-end route)
+Every job (the decomposed route's unshaped one, and every job of the end-to-end route)
 trains each method and seed until the test accuracy reaches ``target_accuracy`` or
 ``max_steps``; every rank makes the same decision (the accuracy is all-reduced). ``runs``: per
 method and seed,
@@ -33,10 +33,13 @@ method and seed,
   the method's ``compressor``, ``strategy``, ``sync_every`` and ``learning_rate``.
 
 With ``lr_sweep``, ``sweep`` first holds one such run per method and learning rate (first
-seed). ``mode = "time"`` (the decomposed route's shaped jobs) trains each method for its
-``warmup_steps`` (capped by ``timing_warmup``) and then at least ``timing_steps`` steps in whole
-communication periods, and records every step's time (``timings``). Rank 0 prints one line per
-evaluation and one per run.
+seed); ``learning_rates`` then holds each method's rate chosen from it
+(:func:`choose_learning_rates`), which every seed's run trains with (the first seed's run is the
+sweep's run at that rate, not trained twice). With ``time_links`` (the decomposed route), the
+job then gives its link each of those rates in turn and, on each, trains each method for its
+``warmup_steps`` (capped by the steps its training needed) and then at least ``timing_steps``
+steps in whole communication periods, recording every step's time (``timing_jobs``, see
+:func:`_time_links`). Rank 0 prints one line per evaluation and one per run.
 """
 
 from __future__ import annotations
@@ -132,6 +135,31 @@ def timed_steps(least: int, sync_every: int) -> int:
 
 def _learning_rate(cfg: dict, method: str) -> float:
     return float((cfg.get("learning_rates") or {}).get(method, cfg["learning_rate"]))
+
+
+def _last_accuracy(run: dict) -> float:
+    return float(run["curve"][-1]["accuracy"]) if run["curve"] else -1.0
+
+
+def choose_learning_rates(sweep: list[dict], cfg: dict) -> dict[str, float]:
+    """Method label -> the learning rate its runs train with, from the sweep's runs (first seed).
+
+    A rate given in ``cfg["learning_rates"]`` is kept as given. Otherwise the swept rate that
+    reached the target in the fewest steps (a tie: the smaller rate); where none reached it, the
+    one with the highest last test accuracy; a method the sweep did not train keeps
+    ``cfg["learning_rate"]``.
+    """
+    chosen: dict[str, float] = {}
+    for method in dict.fromkeys(r["method"] for r in sweep):
+        runs = [r for r in sweep if r["method"] == method]
+        reached = [r for r in runs if r["reached"] is not None]
+        if reached:
+            best = min(reached, key=lambda r: (int(r["reached"]["step"]), float(r["learning_rate"])))
+        else:
+            best = max(runs, key=lambda r: (_last_accuracy(r), -float(r["learning_rate"])))
+        chosen[method] = float(best["learning_rate"])
+    given = cfg.get("learning_rates") or {}
+    return {m: float(given.get(m, lr)) for m, lr in chosen.items()}
 
 
 def compute_step_time(
@@ -367,7 +395,7 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
     state, hist = trainer.fit(state, batches, warmup + steady, progress=False)
     world.Barrier()
     window_s = time.perf_counter() - t0
-    window_bytes = (link_counters() - before).bytes if before is not None else 0
+    window = link_counters() - before if before is not None else None
     times = [row["step_time"] for row in hist]
     out = {
         **_described(method, seed, lr, info),
@@ -377,7 +405,9 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
         "step_s": float(np.mean(times)),
         "wire_bits_per_step": float(np.mean([row["wire_bits"] for row in hist])),
         "messages_per_step": float(np.mean([row["messages"] for row in hist])),
-        "link_bytes_per_step": window_bytes / steady,
+        "link_bytes_per_step": (window.bytes if window else 0) / steady,
+        "window_drops": window.drops if window else 0,
+        "qdisc": window.kind if window else None,
         "window_s": window_s,
     }
     if rank == 0:
@@ -407,7 +437,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m jaxcomm.experiments.network.worker DIR")
     out = Path(argv[0])
     cfg = json.loads((out / "config.json").read_text())
-    mode = cfg.get("mode", "train")
     from mpi4py import MPI
 
     from .._common import load_image_task
@@ -417,29 +446,101 @@ def main(argv: list[str] | None = None) -> None:
     train, test = load_image_task(cfg["dataset"], int(cfg["train_examples"]), 0)
     per = int(cfg["eval_examples"]) // n
     test_shard = test.take(np.arange(rank * per, (rank + 1) * per))
+    start = None
+    if rank == 0 and cfg.get("time_links"):
+        from jaxcomm.netem import link_counters
+
+        start = link_counters()
     link = measure_link(world, payload_bytes=_link_payload(cfg["bandwidth"], n))
     t0 = time.perf_counter()
-    result: dict = {"bandwidth": cfg["bandwidth"], "procs": n, "mode": mode, "link": link}
+    result: dict = {"bandwidth": cfg["bandwidth"], "procs": n, "mode": "train", "link": link}
     seeds, methods = [int(s) for s in cfg["seeds"]], list(cfg["methods"])
-    if mode == "time":
-        plan = [("timings", m, seeds[0], _learning_rate(cfg, m)) for m in methods]
-    else:
-        plan = [("sweep", m, seeds[0], float(lr)) for lr in cfg.get("lr_sweep") or () for m in methods]
-        plan += [("runs", m, s, _learning_rate(cfg, m)) for s in seeds for m in methods]
-    for key in dict.fromkeys(k for k, *_ in plan):
-        result[key] = []
+    sweep = [float(lr) for lr in cfg.get("lr_sweep") or ()]
+    # (stage, [(method, seed, swept rate or None: the method's chosen or configured rate)])
+    stages: list[tuple[str, list[tuple[str, int, float | None]]]] = []
+    if sweep:
+        stages.append(("sweep", [(m, seeds[0], lr) for lr in sweep for m in methods]))
+    stages.append(("runs", [(m, s, None) for s in seeds for m in methods]))
+    total = sum(len(plan) for _, plan in stages)
+    done = 0
     compute_cache: dict = {}
-    for i, (key, method, seed, lr) in enumerate(plan):
-        if key == "timings":
-            result[key].append(_time(method, seed, lr, cfg, train, world, rank))
-        else:
-            result[key].append(_train(method, seed, lr, cfg, train, test_shard, world, rank, compute_cache))
-        if rank == 0:  # after every run, so that an interrupted job keeps what it measured
-            result["job_s"] = time.perf_counter() - t0
-            result["complete"] = i + 1 == len(plan)
-            partial = out / "results.json.partial"
-            partial.write_text(json.dumps(result, indent=1))
-            partial.replace(out / "results.json")
+    for key, plan in stages:
+        result[key] = []
+        if key == "runs" and sweep:
+            # rank 0's choice, so that every rank trains with the same rates
+            result["learning_rates"] = world.bcast(choose_learning_rates(result["sweep"], cfg) if rank == 0 else None)
+        rates = result.get("learning_rates") or {}
+        for method, seed, swept in plan:
+            lr = swept if swept is not None else float(rates.get(method, _learning_rate(cfg, method)))
+            same = (method, seed, lr)
+            reuse = [r for r in result.get("sweep", []) if (r["method"], r["seed"], r["learning_rate"]) == same]
+            if key == "runs" and reuse:  # the sweep trained this very run (same method, seed and rate)
+                result[key].append(reuse[0])
+            else:
+                result[key].append(_train(method, seed, lr, cfg, train, test_shard, world, rank, compute_cache))
+            done += 1
+            if rank == 0:  # after every run, so that an interrupted job keeps what it measured
+                _write(result, out, t0, complete=done == total and not cfg.get("time_links"))
+    if cfg.get("time_links"):
+        _time_links(cfg, result, train, world, rank, out, t0, start)
+
+
+def _write(result: dict, out: Path, t0: float, complete: bool) -> None:
+    result["job_s"] = time.perf_counter() - t0
+    result["complete"] = complete
+    partial = out / "results.json.partial"
+    partial.write_text(json.dumps(result, indent=1))
+    partial.replace(out / "results.json")
+
+
+def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0: float, start) -> None:
+    """After training: time every method on each link of ``cfg["time_links"]`` in this job.
+
+    Rank 0 gives the namespace's link each rate in turn (:func:`jaxcomm.netem.reshape`), so the
+    steps compiled for training are timed on every link without compiling them again (an MPI
+    step's program holds its communicator, so a new job compiles anew). Each method is timed as
+    in :func:`_time`, its warm-up capped at the steps its slowest seed trained. Adds
+    ``link_counters`` (the training's bytes, packets and drops on the unshaped link, from
+    ``start``, rank 0's :class:`~jaxcomm.netem.LinkCounters` at the job's start) and
+    ``timing_jobs``: per link ``bandwidth``, ``procs``, ``mode`` (``"time"``), ``shape`` (the
+    qdisc's settings, :meth:`~jaxcomm.netem.LinkSettings.describe`), ``link`` (the measured rate)
+    and ``timings`` (each with ``qdisc``, the kind of qdisc that counted its window).
+    """
+    from jaxcomm.netem import link_counters, reshape
+
+    n = world.Get_size()
+    runs = result["runs"]
+    needed = {
+        m: max(int(r["reached"]["step"]) if r["reached"] else int(r["steps"]) for r in runs if r["method"] == m)
+        for m in dict.fromkeys(r["method"] for r in runs)
+    }
+    rates = result.get("learning_rates") or {}
+    seed = int(cfg["seeds"][0])
+    world.Barrier()
+    if rank == 0:
+        counters = link_counters() - start
+        result["link_counters"] = {"bytes": counters.bytes, "packets": counters.packets, "drops": counters.drops}
+    result["timing_jobs"] = []
+    for bandwidth in cfg["time_links"]:
+        shape = reshape(bandwidth).describe() if rank == 0 else None
+        world.Barrier()
+        job_cfg = {**cfg, "bandwidth": bandwidth, "timing_warmup": needed}
+        tj = {
+            "bandwidth": bandwidth,
+            "procs": n,
+            "mode": "time",
+            "shape": shape,
+            "link": measure_link(world, payload_bytes=_link_payload(bandwidth, n)),
+            "timings": [],
+        }
+        result["timing_jobs"].append(tj)
+        for method in needed:
+            lr = float(rates.get(method, _learning_rate(cfg, method)))
+            tj["timings"].append(_time(method, seed, lr, job_cfg, train, world, rank))
+            if rank == 0:
+                _write(result, out, t0, complete=False)
+    if rank == 0:
+        _write(result, out, t0, complete=True)
 
 
 if __name__ == "__main__":
