@@ -161,12 +161,15 @@ def _cmd_run(args) -> int:
     except OSError as e:
         return _fail(f"--out: cannot make the folder {str(out)!r}: {e.strerror}")
     from .experiments import write_results
+    from .experiments._registry import provenance
 
     print(f"jaxcomm run {exp.name}{variant} -> {out}")
     t0 = time.time()
     results = exp.run(config, out)
     results.setdefault("config", config)
     results.setdefault("experiment", exp.name)
+    results["variant"] = "smoke" if args.smoke else "full" if args.full else "default"
+    results["provenance"] = {**provenance(), "command": ["jaxcomm", *args.argv]}
     results["wall_time_s"] = time.time() - t0
     path = write_results(out, results)
     print(format_table(exp.summary(results)))
@@ -288,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except _UsageError as e:
         return _fail(e)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with the results
     return args.func(args)
 
 

@@ -103,6 +103,54 @@ def test_quickstart_smoke_via_cli(tmp_path, capsys):
     by = {r["method"]: r for r in results["summary"]}
     assert by["topk-1%+EF"]["Mbit_per_worker"] < by["none"]["Mbit_per_worker"] / 10
     assert "test_accuracy" in capsys.readouterr().out
+    # Where it came from: the variant, the whole configuration (seeds included) and the provenance.
+    assert results["variant"] == "smoke" and results["config"]["steps"] == 4 and "seed" in results["config"]
+    prov = results["provenance"]
+    assert {"jax", "jaxlib", "jaxcomm", "git_commit", "hostname", "cpu_count", "date_utc"} <= set(prov)
+    assert prov["command"][:4] == ["jaxcomm", "run", "quickstart", "--smoke"] and prov["command"][-1] == "eval_every=4"
+    assert prov["git_commit"] == "not a git checkout" or len(prov["git_commit"]) == 40
+
+
+def test_results_keep_integer_counts_integers(tmp_path):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxcomm.experiments import write_results
+
+    path = write_results(
+        tmp_path, {"bits": np.int64(879360), "m": jnp.int32(3), "x": np.float32(0.5), "a": np.arange(2)}
+    )
+    assert path.read_text().split() == [
+        "{",
+        '"a":',
+        "[",
+        "0,",
+        "1",
+        "],",
+        '"bits":',
+        "879360,",
+        '"m":',
+        "3,",
+        '"x":',
+        "0.5",
+        "}",
+    ]
+
+
+def test_progress_in_a_log_file_is_one_line_per_update():
+    import io
+
+    from jaxcomm._progress import progress_bar
+
+    log = io.StringIO()  # not a terminal
+    bar = progress_bar(total=3, desc="fit", stream=log, log_interval_s=0.0, leave=True)
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    text = log.getvalue()
+    assert "\r" not in text and text.endswith("\n")
+    lines = text.splitlines()
+    assert len(lines) >= 2 and all(line.startswith("fit:") for line in lines) and "3/3" in lines[-1]
 
 
 def test_grace_records_a_failing_run_and_goes_on(monkeypatch, tmp_path):

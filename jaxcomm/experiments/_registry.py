@@ -15,9 +15,13 @@ between a dataclass instance and that form; tuple fields become lists.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib
 import json
 import math
+import os
+import socket
+import subprocess
 import types
 import typing
 from collections.abc import Callable
@@ -418,12 +422,59 @@ def apply_overrides(config: dict, overrides: dict) -> dict:
     return out
 
 
+def provenance() -> dict:
+    """Where and with what a result was measured: versions of jax, jaxlib and jaxcomm, the git
+    commit of the package's checkout (``"not a git checkout"`` otherwise), the host's name,
+    ``os.cpu_count()`` and the date (UTC, ISO 8601)."""
+    from importlib import metadata
+
+    import jaxcomm
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    commit = "not a git checkout"
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if proc.returncode == 0 and proc.stdout.strip():
+            commit = proc.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "jax": version("jax"),
+        "jaxlib": version("jaxlib"),
+        "jaxcomm": getattr(jaxcomm, "__version__", None),
+        "git_commit": commit,
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _json_value(value: Any) -> Any:
+    """NumPy and JAX scalars and arrays as JSON numbers and lists, keeping integers integers."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return float(value)
+
+
 def write_results(out_dir: Path, results: dict) -> Path:
-    """Write ``results`` as ``out_dir/results.json`` (creating the folder)."""
+    """Write ``results`` as ``out_dir/results.json`` (creating the folder); integer counts
+    (NumPy or JAX integers included) stay integers."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.json"
-    path.write_text(json.dumps(results, indent=2, sort_keys=True, default=float))
+    path.write_text(json.dumps(results, indent=2, sort_keys=True, default=_json_value))
     return path
 
 

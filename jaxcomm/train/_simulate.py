@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._progress import progress_bar
+
 __all__ = ["SimulationResult", "simulate"]
 
 
@@ -119,8 +121,6 @@ def simulate(
             raise TypeError(f"{name} must be callable{'' if name == 'step' else ' or None'}; got {type(fn).__name__}")
     if inputs is not None and per_call > 1:
         raise ValueError("inputs are fed once per call: use rounds_per_call=1 with inputs")
-    from tqdm.auto import tqdm
-
     if per_call == 1:
         call = jax.jit(step)
     else:
@@ -132,7 +132,7 @@ def simulate(
     num_calls = num_rounds // per_call
     history, chunks = [], []
     wall, first_call_s = 0.0, 0.0
-    bar = tqdm(range(num_calls), desc=desc, unit=unit, disable=not progress, leave=False)
+    bar = progress_bar(range(num_calls), desc=desc, unit=unit, disable=not progress)
     for c in bar:
         t0 = time.perf_counter()
         t = jnp.asarray(c * per_call, jnp.int32)

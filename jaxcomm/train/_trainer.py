@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .._progress import progress_bar
 from ._checkpoint import Checkpointer, check_accept_changes, check_metadata
 from ._describe import describe
 from ._mesh import make_mesh
@@ -275,8 +276,6 @@ class Trainer:
         with contextlib.ExitStack() as stack:
             if ckpt is not None:
                 stack.enter_context(ckpt)  # close() waits for the last save
-            from tqdm.auto import tqdm
-
             history: list[dict] = []
             step = self._agreed_step(ckpt.latest_step()) if ckpt is not None and resume else None
             if ckpt is not None and step is not None:
@@ -289,7 +288,7 @@ class Trainer:
             step_fn = self.step_fn
             if watchdog_s is not None:  # after the restore; closed (step counts checked) before the checkpointer
                 step_fn = stack.enter_context(self.comm.watchdog(watchdog_s)).watch(step_fn)
-            bar = tqdm(total=num_steps, initial=start, desc=desc, disable=not progress, leave=False)
+            bar = progress_bar(total=num_steps, initial=start, desc=desc, disable=not progress)
             for step in range(start, num_steps):
                 batch = self.worker_batch(next(batches))
                 t0 = time.perf_counter()

@@ -35,16 +35,15 @@ report and ``results.json``; ``jaxcomm run`` adds the study's ``results.json`` w
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from .._registry import provenance  # the study's results carry it (jaxcomm run adds it to every study's)
 
 __all__ = [
     "RECORD_KEYS",
@@ -403,37 +402,6 @@ def headline(results: dict) -> list[dict]:
             }
         )
     return rows
-
-
-def provenance() -> dict:
-    """Versions of jax, jaxlib and jaxcomm, the git commit of the package's folder (``None``
-    outside a git checkout), the host's name, ``os.cpu_count()`` and the date (UTC, ISO 8601)."""
-    from importlib import metadata
-
-    import jaxcomm
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    try:
-        proc = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=_PACKAGE_PARENT, capture_output=True, text=True, timeout=30, check=False
-        )
-        commit = proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {
-        "jax": version("jax"),
-        "jaxlib": version("jaxlib"),
-        "jaxcomm": getattr(jaxcomm, "__version__", None),
-        "git_commit": commit,
-        "hostname": socket.gethostname(),
-        "cpu_count": os.cpu_count(),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def _panels(
