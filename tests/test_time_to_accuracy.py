@@ -232,9 +232,7 @@ def test_the_sweep_chooses_the_rate_with_the_fewest_steps():
         run("fp16", 0.01, 200),
         run("fp16", 0.05, 100),
     ]
-    assert choose_learning_rates(sweep, {"learning_rates": {}}) == {"none": 0.05, "bf16": 0.05, "fp16": 0.05}
-    # a rate given by the user is kept
-    assert choose_learning_rates(sweep, {"learning_rates": {"fp16": 0.2}})["fp16"] == 0.2
+    assert choose_learning_rates(sweep) == {"none": 0.05, "bf16": 0.05, "fp16": 0.05}
 
 
 @pytest.mark.mpi

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..quickstart.config import METHODS as _QUICKSTART_METHODS
 
-__all__ = ["METHODS", "ROUTES", "MethodInfo", "TimeToAccuracyConfig", "build_method"]
+__all__ = ["METHODS", "ROUTES", "SWEPT_LEARNING_RATES", "MethodInfo", "TimeToAccuracyConfig", "build_method"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +159,25 @@ METHODS: dict[str, Builder] = {
   worker);
 * ``diloco-H10-int8``, ``sparseloco-H10``, ``sparseloco-H5``: the same with ``every`` = 10 or 5."""
 
+SWEPT_LEARNING_RATES: dict[str, float] = {
+    "none": 0.05,
+    "fp16": 0.05,
+    "bf16": 0.05,
+    "topk-1%+EF": 0.01,
+    "efsignsgd+EF": 0.01,
+    "qsgd-16": 0.05,
+    "powersgd-r2+EF": 0.01,
+    "dgc-0.1%": 0.01,
+    "diloco-H20": 0.01,
+    "diloco-H20-int8": 0.02,
+    "sparseloco-H20": 0.01,
+    "streaming-diloco-H20": 0.01,
+}
+"""The main job's learning rate per method, chosen by its sweep on the unshaped link (seed 0,
+rates 0.01, 0.02 and 0.05: the fewest steps to 75 %, a tie to the smaller rate), measured with
+``jaxcomm run time-to-accuracy --set lr_sweep=0.01,0.02,0.05 --set seeds=0 --set
+bandwidths=unlimited`` (``experiments/benchmarks/results/time_to_accuracy_main_lr_sweep.json``)."""
+
 ROUTES = ("decomposed", "end_to_end", "compare")
 """How the time to target is measured (see :class:`TimeToAccuracyConfig`)."""
 
@@ -191,11 +210,12 @@ class TimeToAccuracyConfig:
       batch_size: examples per worker and step.
       learning_rate, momentum: of the methods' ``optax.sgd`` (DGC applies the momentum itself,
         before its sparsification, and then plain SGD).
-      learning_rates: method label -> learning rate for that method (others: ``learning_rate``).
+      learning_rates: method label -> learning rate for that method (others: ``learning_rate``);
+        by default :data:`SWEPT_LEARNING_RATES`, the main job's sweep.
       lr_sweep: learning rates to try (empty: none); the unshaped training job first trains
         every method at each for the first seed and records its steps to target (``sweep``), then
-        trains every seed at the rate that reached the target in the fewest steps (a rate given
-        in ``learning_rates`` is kept); the timing jobs use the same rates.
+        trains every seed at the rate that reached the target in the fewest steps (replacing
+        the method's rate in ``learning_rates``); the timing jobs use the same rates.
       dgc_steps_per_stage: steps of each of DGC's sparsity warm-up stages.
       target_accuracy: the test accuracy timed, in (0, 1].
       max_steps: a method that has not reached the target by then is recorded as not reaching it.
@@ -233,7 +253,7 @@ class TimeToAccuracyConfig:
     batch_size: int = 8
     learning_rate: float = 0.02
     momentum: float = 0.9
-    learning_rates: dict[str, float] = dataclasses.field(default_factory=dict)
+    learning_rates: dict[str, float] = dataclasses.field(default_factory=lambda: dict(SWEPT_LEARNING_RATES))
     lr_sweep: tuple[float, ...] = ()
     dgc_steps_per_stage: int = 50
     target_accuracy: float = 0.75
@@ -303,7 +323,8 @@ class TimeToAccuracyConfig:
     @classmethod
     def default(cls) -> TimeToAccuracyConfig:
         """The main study: an MLP on Fashion-MNIST, 4 processes, 10 Mbit/s, 100 Mbit/s and
-        1 Gbit/s, every method, three seeds, the decomposed route."""
+        1 Gbit/s, every method at its swept learning rate (:data:`SWEPT_LEARNING_RATES`), three
+        seeds, the decomposed route."""
         return cls()
 
     @classmethod
@@ -317,6 +338,7 @@ class TimeToAccuracyConfig:
         return dataclasses.replace(
             cls.default(),
             model="resnet20",
+            learning_rates={},  # every method at learning_rate (0.02): the rates were not swept for ResNet-20
             max_steps=1000,
             methods=("none", "bf16", "dgc-0.1%", "diloco-H20-int8", "sparseloco-H20", "streaming-diloco-H20"),
             timeout_s=3 * 3600.0,
@@ -336,6 +358,7 @@ class TimeToAccuracyConfig:
             model="mlp",
             batch_size=16,
             learning_rate=0.1,
+            learning_rates={},
             lr_sweep=(0.05, 0.1),
             target_accuracy=0.5,
             max_steps=60,

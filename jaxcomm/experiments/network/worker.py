@@ -141,14 +141,11 @@ def _last_accuracy(run: dict) -> float:
     return float(run["curve"][-1]["accuracy"]) if run["curve"] else -1.0
 
 
-def choose_learning_rates(sweep: list[dict], cfg: dict) -> dict[str, float]:
-    """Method label -> the learning rate its runs train with, from the sweep's runs (first seed).
-
-    A rate given in ``cfg["learning_rates"]`` is kept as given. Otherwise the swept rate that
-    reached the target in the fewest steps (a tie: the smaller rate); where none reached it, the
-    one with the highest last test accuracy; a method the sweep did not train keeps
-    ``cfg["learning_rate"]``.
-    """
+def choose_learning_rates(sweep: list[dict]) -> dict[str, float]:
+    """Method label -> the learning rate its runs train with, from the sweep's runs (first seed):
+    the swept rate that reached the target in the fewest steps (a tie: the smaller rate); where
+    none reached it, the one with the highest last test accuracy. It replaces the method's rate
+    in ``learning_rates``."""
     chosen: dict[str, float] = {}
     for method in dict.fromkeys(r["method"] for r in sweep):
         runs = [r for r in sweep if r["method"] == method]
@@ -158,8 +155,7 @@ def choose_learning_rates(sweep: list[dict], cfg: dict) -> dict[str, float]:
         else:
             best = max(runs, key=lambda r: (_last_accuracy(r), -float(r["learning_rate"])))
         chosen[method] = float(best["learning_rate"])
-    given = cfg.get("learning_rates") or {}
-    return {m: float(given.get(m, lr)) for m, lr in chosen.items()}
+    return chosen
 
 
 def compute_step_time(
@@ -468,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
         result[key] = []
         if key == "runs" and sweep:
             # rank 0's choice, so that every rank trains with the same rates
-            result["learning_rates"] = world.bcast(choose_learning_rates(result["sweep"], cfg) if rank == 0 else None)
+            result["learning_rates"] = world.bcast(choose_learning_rates(result["sweep"]) if rank == 0 else None)
         rates = result.get("learning_rates") or {}
         for method, seed, swept in plan:
             lr = swept if swept is not None else float(rates.get(method, _learning_rate(cfg, method)))
