@@ -3,14 +3,18 @@
 For a compressor ``Q`` acting on ``x`` of ``d`` entries (``E`` over its randomness):
 
 * unbiased, variance factor ω:   ``E‖Q(x) − x‖² ≤ ω ‖x‖²``;
-* biased, contraction δ ∈ (0, 1]: ``E‖Q(x) − x‖² ≤ (1 − δ) ‖x‖²``.
+* biased, contraction δ ∈ [0, 1]: ``E‖Q(x) − x‖² ≤ (1 − δ) ‖x‖²`` (``δ = 0``:
+  non-expansive, no uniform contraction);
+* data-dependent, ``δ(x)``:       ``E‖Q(x) − x‖² ≤ (1 − δ(x)) ‖x‖²`` for that ``x``
+  (``δ(x) < 0`` where ``Q`` may expand ``x``);
+* no contraction: no bound ``c ‖x‖²`` holds (sign without a scale), with the reason.
 
 :func:`declare` attaches them to a compressor built by a registered factory
-(``Compressor.variance_factor``, ``.contraction``, ``.bound``), from the factory's
-``params``. A compressor with neither is not a contraction for every input (or
-has no useful uniform bound); its ``bound`` text says why. ``jaxcomm.testing``
-checks every declared bound by Monte Carlo; error feedback refuses an unbiased
-compressor whose ω ≥ 1.
+(``Compressor.variance_factor``, ``.contraction``, ``.local_contraction``,
+``.no_contraction``, ``.bound``), from the factory's ``params``. Every built-in
+declares one. ``jaxcomm.testing`` checks every declared bound by Monte Carlo;
+error feedback refuses an unbiased compressor whose ω ≥ 1 and one that declares
+no contraction, under a memory that needs a contraction.
 """
 
 from __future__ import annotations
@@ -19,14 +23,41 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from ._base import Compressor
 
-__all__ = ["declare", "BOUNDS"]
+__all__ = ["declare", "BOUNDS", "Declared"]
 
-Declared = tuple[Callable[[int], float] | float | None, Callable[[int], float] | float | None, str]
+
+class Declared(NamedTuple):
+    """One compressor's declared bound (fields as the :class:`~jaxcomm.compressors.Compressor` fields)."""
+
+    variance_factor: Callable[[int], float] | float | None = None
+    contraction: Callable[[int], float] | float | None = None
+    bound: str = ""
+    local_contraction: Callable | None = None
+    no_contraction: str = ""
+
+
+def _ratio_of(x, kept2):
+    """``kept2 / ‖x‖²`` in float32 (1 for ``x = 0``, where every bound holds)."""
+    norm2 = jnp.sum(jnp.square(jnp.ravel(x).astype(jnp.float32)))
+    return jnp.where(norm2 > 0, kept2 / jnp.where(norm2 > 0, norm2, 1.0), 1.0)
+
+
+def _absolute(b: float):
+    """``x -> δ(x) = 1 − Σ_i min(x_i², b²) / ‖x‖²``: the bound of an operator that changes every entry
+    by at most ``min(|x_i|, b)``."""
+
+    def delta(x):
+        xf = jnp.ravel(x).astype(jnp.float32)
+        return 1.0 - _ratio_of(x, jnp.sum(jnp.minimum(jnp.square(xf), b * b)))
+
+    return delta
 
 
 def _num_selected(ratio: float, d: int) -> int:
@@ -115,12 +146,13 @@ def _efsignsgd(p) -> Declared:
 def _onebit(p) -> Declared:
     tau = p.get("threshold", 0.0)
     if isinstance(tau, jax.core.Tracer) or tau != 0.0:  # a traced τ (inject_hyperparams) may be non-zero
-        return (
+        return Declared(
             None,
-            None,
+            0.0,
             (
-                "1-bit SGD with a threshold τ ≠ 0 decodes to the means of the two groups split at τ, "
-                "which is not a contraction for every x (both groups can share a sign); no bound declared"
+                "1-bit SGD with a threshold τ ≠ 0 decodes to the means of the two groups split at τ: the orthogonal "
+                "projection onto the two group indicators, non-expansive (δ = 0) but with no uniform δ > 0 (both "
+                "groups can share a sign)"
             ),
         )
     return (
@@ -226,40 +258,100 @@ def _adaptive(p) -> Declared:
 def _qsparse(p) -> Declared:
     ratio, s = p["ratio"], p["levels"]
 
-    def delta(d):
+    def omega_k(d):
         k = _num_selected(ratio, d)
-        omega_k = min(k / s**2, math.sqrt(k) / s)
-        return (1.0 - omega_k) * k / d if omega_k < 1.0 else float("nan")
+        return min(k / s**2, math.sqrt(k) / s)
 
-    return (
+    def delta(d):
+        return (1.0 - omega_k(d)) * _num_selected(ratio, d) / d if omega_k(d) < 1.0 else float("nan")
+
+    def local(x):
+        d = x.size
+        top = jnp.sort(jnp.square(jnp.ravel(x).astype(jnp.float32)))[d - _num_selected(ratio, d) :]
+        return (1.0 - omega_k(d)) * _ratio_of(x, jnp.sum(top))
+
+    return Declared(
         None,
         delta,
         (
             "QSGD_s on top_k (Basu et al. 2019): E‖Q(x) − x‖² ≤ ‖x‖² − (1 − ω_k) ‖top_k(x)‖² with "
-            "ω_k = min(k/s², √k/s) (Alistarh et al. 2017, Lemma 3.1) and ‖top_k(x)‖² ≥ (k/d) ‖x‖², so "
-            "δ = (1 − ω_k) k/d where ω_k < 1; otherwise no bound"
+            "ω_k = min(k/s², √k/s) (Alistarh et al. 2017, Lemma 3.1), so δ(x) = (1 − ω_k) ‖top_k(x)‖²/‖x‖² "
+            "(negative where ω_k > 1: QSGD's variance may then expand x); with ‖top_k(x)‖² ≥ (k/d) ‖x‖², "
+            "δ = (1 − ω_k) k/d where ω_k < 1"
         ),
+        local,
     )
 
 
-_NO_BOUND = {
-    "dgc": "sends entries at or above a sampled threshold, the first k of them in index order when between k "
-    "and upper_bound·k qualify, so the largest entry can be missed (non-expansive, no uniform δ > 0)",
-    "inceptionn": "absolute error bound |x_i − Q(x)_i| < error_bound with |Q(x)_i| ≤ |x_i| (non-expansive), "
-    "no relative δ: entries below the bound are dropped",
-    "powersgd": "an orthogonal projection of the (summed) matrix onto rank r (non-expansive), with no uniform "
-    "δ > 0 (Vogels et al. 2019 pair it with error feedback)",
-    "scaled_sign": "(‖x‖₂/√d) sign(x) has ‖Q(x) − x‖² = (2 − 2‖x‖₁/(√d‖x‖₂)) ‖x‖², up to (2 − 2/√d) ‖x‖² "
-    "for a sparse x: not a contraction for every x (DoubleSqueeze assumes a bounded error instead)",
-    "signsgd": "sign(x) has no scale: ‖Q(x) − x‖ is not bounded by ‖x‖",
-    "signum": "the sign of the momentum has no scale: ‖Q(x) − x‖ is not bounded by ‖x‖",
-    "sketchml": "bucket means are a least-squares projection (non-expansive) with no uniform δ > 0",
-    "threshold": "absolute bound: entries with |x_i| ≤ v are dropped (|x_i − Q(x)_i| ≤ v), no relative δ",
+def _scaled_sign(p) -> Declared:
+    def local(x):
+        xf = jnp.ravel(x).astype(jnp.float32)
+        norm = jnp.sqrt(jnp.sum(jnp.square(xf)))
+        r = jnp.sum(jnp.abs(xf)) / jnp.where(norm > 0, math.sqrt(xf.size) * norm, 1.0)
+        return jnp.where(norm > 0, 2.0 * r - 1.0, 1.0)
+
+    return Declared(
+        bound=(
+            "(‖x‖₂/√d) sign(x) has ‖Q(x) − x‖² = (2 − 2‖x‖₁/(√d‖x‖₂)) ‖x‖² exactly, δ(x) = 2‖x‖₁/(√d‖x‖₂) − 1: "
+            "a contraction where ‖x‖₁ > √d‖x‖₂/2, expanding a sparse x up to (2 − 2/√d) ‖x‖² (DoubleSqueeze "
+            "assumes a bounded error instead)"
+        ),
+        local_contraction=local,
+    )
+
+
+def _threshold(p) -> Declared:
+    v, max_ratio = p["v"], p["max_ratio"]
+    why = "entries with |x_i| ≥ v are sent exactly, the others dropped: non-expansive, δ = 0"
+    if isinstance(v, jax.core.Tracer) or max_ratio < 1.0:
+        return Declared(None, 0.0, why + " (no absolute bound: a traced v, or a buffer that can drop entries ≥ v)")
+    return Declared(
+        None,
+        0.0,
+        why + "; with every qualifying entry sent (max_ratio = 1), |x_i − Q(x)_i| ≤ min(|x_i|, v), so "
+        "δ(x) = 1 − Σ min(x_i², v²)/‖x‖²",
+        _absolute(float(v)),
+    )
+
+
+def _inceptionn(p) -> Declared:
+    quantum = 2.0 ** math.floor(math.log2(p["error_bound"]))
+    return Declared(
+        None,
+        0.0,
+        (
+            "fixed-point truncation toward zero with step Δ = 2^floor(log2 error_bound) (entries below Δ dropped, "
+            "large ones sent raw): |x_i − Q(x)_i| ≤ min(|x_i|, Δ), so non-expansive (δ = 0) and "
+            "δ(x) = 1 − Σ min(x_i², Δ²)/‖x‖²"
+        ),
+        _absolute(quantum),
+    )
+
+
+_NON_EXPANSIVE = {
+    "dgc": "sends entries x_i exactly at or above a sampled threshold (a mask: non-expansive, δ = 0), the first "
+    "k of them in index order when between k and upper_bound·k qualify, so the largest entry can be missed "
+    "(no uniform δ > 0)",
+    "powersgd": "an orthogonal projection of the (summed) matrix onto rank r (non-expansive, δ = 0), with no "
+    "uniform δ > 0 (Vogels et al. 2019 pair it with error feedback)",
+    "sketchml": "bucket means are a least-squares projection onto the bucket indicators (non-expansive, δ = 0) "
+    "with no uniform δ > 0",
+}
+
+_NO_CONTRACTION = {
+    "signsgd": "sign(x) has no scale, so ‖Q(x) − x‖ is not bounded by any multiple of ‖x‖ (a small x is sent as "
+    "±1); jaxcomm.compressors.efsignsgd() sends (‖x‖₁/d) sign(x), a contraction with δ ≥ 1/d",
+    "signum": "the sign of the momentum has no scale, so ‖Q(x) − x‖ is not bounded by any multiple of ‖x‖; "
+    "jaxcomm.compressors.efsignsgd() sends (‖x‖₁/d) sign(x), a contraction with δ ≥ 1/d",
 }
 
 
-def _no_bound(why: str, p) -> Declared:
-    return None, None, f"no bound declared: {why}"
+def _non_expansive(why: str, p) -> Declared:
+    return Declared(None, 0.0, why)
+
+
+def _no_contraction(why: str, p) -> Declared:
+    return Declared(bound=f"no contraction: {why}", no_contraction=why)
 
 
 BOUNDS: dict[str, Callable[[dict], Declared]] = {
@@ -279,14 +371,18 @@ BOUNDS: dict[str, Callable[[dict], Declared]] = {
     "eightbit": _eightbit,
     "qsparse": _qsparse,
     "adaptive": _adaptive,
-    **{name: functools.partial(_no_bound, why) for name, why in _NO_BOUND.items()},
+    "scaled_sign": _scaled_sign,
+    "threshold": _threshold,
+    "inceptionn": _inceptionn,
+    **{name: functools.partial(_non_expansive, why) for name, why in _NON_EXPANSIVE.items()},
+    **{name: functools.partial(_no_contraction, why) for name, why in _NO_CONTRACTION.items()},
 }
-"""Registry name -> ``params -> (variance_factor, contraction, bound)``."""
+"""Registry name -> ``params -> Declared``."""
 
 
 def declare(c: Compressor) -> Compressor:
     """``c`` with the declared bound of its registry name (unchanged if it has one or the name has none)."""
-    if c.variance_factor is not None or c.contraction is not None or c.bound or c.name not in BOUNDS:
+    declared = (c.variance_factor, c.contraction, c.local_contraction)
+    if any(b is not None for b in declared) or c.no_contraction or c.bound or c.name not in BOUNDS:
         return c
-    omega, delta, why = BOUNDS[c.name](c.params)
-    return dataclasses.replace(c, variance_factor=omega, contraction=delta, bound=why)
+    return dataclasses.replace(c, **Declared(*BOUNDS[c.name](c.params))._asdict())
