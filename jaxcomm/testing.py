@@ -185,11 +185,16 @@ def check_wire_bits(c: Compressor) -> str:
     ``inferred`` (a count a receiver recovers from a mask or tags). A format that
     counts less than its arrays hold (indices left out) or more fails here.
     """
-    count_fn = jax.jit(lambda x, k: wire_bits(c.compress(x, k)[0]))
+
+    def payload_and_bits(x, key):
+        payload = c.compress(x, key)[0]
+        return payload, wire_bits(payload)
+
+    run = jax.jit(payload_and_bits)
     shapes = ((1,), (7,), (33, 17), (3, 5, 7))
     for shape in shapes:
         x = _sample(shape)
-        payload, _ = c.compress(x, jax.random.PRNGKey(0))
+        payload, jit_bits = run(x, jax.random.PRNGKey(0))
         bits = wire_bits(payload)
         if isinstance(bits, BitCount):
             assert bits.shape == (), f"{c.name}: wire_bits has shape {bits.shape}, not a scalar count"
@@ -206,7 +211,7 @@ def check_wire_bits(c: Compressor) -> str:
             f"inferred fields {list(type(payload).inferred)} left out); count every array the format sends, "
             "or declare the fields a receiver recovers from the rest in the payload type's `inferred`"
         )
-        assert int(count_fn(x, jax.random.PRNGKey(0))) == bits, f"{c.name}: wire_bits differs under jit"
+        assert int(jit_bits) == bits, f"{c.name}: wire_bits differs under jit"
     kind = type(payload).__name__
     return f"wire_bits == bits of the payload's arrays ({kind}) on {len(shapes)} shapes, and under jit"
 

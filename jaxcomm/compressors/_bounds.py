@@ -66,11 +66,11 @@ def _num_selected(ratio: float, d: int) -> int:
     return num_selected(ratio, d)
 
 
-def _none(p) -> Declared:
+def _none(p) -> tuple:
     return 0.0, None, "exact: Q(x) = x"
 
 
-def _fp16(p) -> Declared:
+def _fp16(p) -> tuple:
     return (
         None,
         1.0 - 2.0**-22,
@@ -81,7 +81,7 @@ def _fp16(p) -> Declared:
     )
 
 
-def _bf16(p) -> Declared:
+def _bf16(p) -> tuple:
     return (
         None,
         1.0 - 2.0**-16,
@@ -89,7 +89,7 @@ def _bf16(p) -> Declared:
     )
 
 
-def _topk(p) -> Declared:
+def _topk(p) -> tuple:
     ratio, dense_below = p["ratio"], p.get("dense_below", 0)
     return (
         None,
@@ -98,7 +98,7 @@ def _topk(p) -> Declared:
     )
 
 
-def _randomk(p) -> Declared:
+def _randomk(p) -> tuple:
     ratio = p["ratio"]
     if p.get("replacement"):
         from ._randomk import inclusion_probability
@@ -132,7 +132,7 @@ def _randomk(p) -> Declared:
     )
 
 
-def _efsignsgd(p) -> Declared:
+def _efsignsgd(p) -> tuple:
     return (
         None,
         lambda d: 1.0 / d,
@@ -143,7 +143,7 @@ def _efsignsgd(p) -> Declared:
     )
 
 
-def _onebit(p) -> Declared:
+def _onebit(p) -> tuple:
     tau = p.get("threshold", 0.0)
     if isinstance(tau, jax.core.Tracer) or tau != 0.0:  # a traced τ (inject_hyperparams) may be non-zero
         return Declared(
@@ -165,11 +165,11 @@ def _onebit(p) -> Declared:
     )
 
 
-def _natural(p) -> Declared:
+def _natural(p) -> tuple:
     return 1.0 / 8.0, None, "Horváth et al. 2019 (natural compression), Theorem 1: ω = 1/8"
 
 
-def _qsgd(p) -> Declared:
+def _qsgd(p) -> tuple:
     s = p["levels"]
     return (
         lambda d: min(d / s**2, math.sqrt(d) / s),
@@ -178,7 +178,7 @@ def _qsgd(p) -> Declared:
     )
 
 
-def _terngrad(p) -> Declared:
+def _terngrad(p) -> tuple:
     return (
         lambda d: math.sqrt(d) - 1.0,
         None,
@@ -186,7 +186,7 @@ def _terngrad(p) -> Declared:
     )
 
 
-def _stochastic_rounding(p) -> Declared:
+def _stochastic_rounding(p) -> tuple:
     levels = (1 << p["bits"]) - 1
     return (
         lambda d: d / levels**2,
@@ -198,7 +198,7 @@ def _stochastic_rounding(p) -> Declared:
     )
 
 
-def _random_sparsification(p) -> Declared:
+def _random_sparsification(p) -> tuple:
     t = int(min(2**32 - 1, max(1, round(p["p"] * 2.0**32))))
     keep = t / 2.0**32
     return (
@@ -211,7 +211,7 @@ def _random_sparsification(p) -> Declared:
     )
 
 
-def _clipping(p) -> Declared:
+def _clipping(p) -> tuple:
     bits = p["bits"]
     return (
         None,
@@ -224,7 +224,7 @@ def _clipping(p) -> Declared:
     )
 
 
-def _eightbit(p) -> Declared:
+def _eightbit(p) -> tuple:
     # Nearest of 256 codes times max|x|: |x_i − Q(x)_i| ≤ min(|x_i|, g/2 · max|x|), g/2 ≤ 0.9/128.
     # Relative form: exponent group e (y = |x_i|/max|x| in [0.1, 1]·10^-e) has 2^(6-e) cells, half gap
     # 0.9·10^-e/2^(7-e), at most 0.5625 y for e <= 3 (y >= 1e-4); below 1e-4 the error is <= 1.125e-5 max|x|.
@@ -241,7 +241,7 @@ def _eightbit(p) -> Declared:
     )
 
 
-def _adaptive(p) -> Declared:
+def _adaptive(p) -> tuple:
     ratio = p["ratio"]
     return (
         None,
@@ -255,7 +255,7 @@ def _adaptive(p) -> Declared:
     )
 
 
-def _qsparse(p) -> Declared:
+def _qsparse(p) -> tuple:
     ratio, s = p["ratio"], p["levels"]
 
     def omega_k(d):
@@ -283,7 +283,7 @@ def _qsparse(p) -> Declared:
     )
 
 
-def _scaled_sign(p) -> Declared:
+def _scaled_sign(p) -> tuple:
     def local(x):
         xf = jnp.ravel(x).astype(jnp.float32)
         norm = jnp.sqrt(jnp.sum(jnp.square(xf)))
@@ -300,7 +300,7 @@ def _scaled_sign(p) -> Declared:
     )
 
 
-def _threshold(p) -> Declared:
+def _threshold(p) -> tuple:
     v, max_ratio = p["v"], p["max_ratio"]
     why = "entries with |x_i| ≥ v are sent exactly, the others dropped: non-expansive, δ = 0"
     if isinstance(v, jax.core.Tracer) or max_ratio < 1.0:
@@ -314,7 +314,7 @@ def _threshold(p) -> Declared:
     )
 
 
-def _inceptionn(p) -> Declared:
+def _inceptionn(p) -> tuple:
     quantum = 2.0 ** math.floor(math.log2(p["error_bound"]))
     return Declared(
         None,
@@ -346,15 +346,15 @@ _NO_CONTRACTION = {
 }
 
 
-def _non_expansive(why: str, p) -> Declared:
+def _non_expansive(why: str, p) -> tuple:
     return Declared(None, 0.0, why)
 
 
-def _no_contraction(why: str, p) -> Declared:
+def _no_contraction(why: str, p) -> tuple:
     return Declared(bound=f"no contraction: {why}", no_contraction=why)
 
 
-BOUNDS: dict[str, Callable[[dict], Declared]] = {
+BOUNDS: dict[str, Callable[[dict], tuple]] = {
     "none": _none,
     "fp16": _fp16,
     "bf16": _bf16,
@@ -377,7 +377,7 @@ BOUNDS: dict[str, Callable[[dict], Declared]] = {
     **{name: functools.partial(_non_expansive, why) for name, why in _NON_EXPANSIVE.items()},
     **{name: functools.partial(_no_contraction, why) for name, why in _NO_CONTRACTION.items()},
 }
-"""Registry name -> ``params -> Declared``."""
+"""Registry name -> ``params -> Declared`` (or its first three fields as a plain tuple)."""
 
 
 def declare(c: Compressor) -> Compressor:
