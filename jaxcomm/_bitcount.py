@@ -44,7 +44,7 @@ class BitCount:
     """Non-negative integer counts below ``2**64``, as ``hi · 2**32 + lo`` (``uint32`` arrays, one shape).
 
     Build with :meth:`of` (a Python int or an integer array), :meth:`product`
-    (``count · weight`` for a dynamic count and a static weight) and ``+``; combine
+    (``count · weight`` for a dynamic count and a static weight), ``+`` and ``−``; combine
     with :meth:`sum`, :meth:`stack`, :meth:`concatenate`, indexing and ``reshape``.
 
     Attributes:
@@ -132,6 +132,13 @@ class BitCount:
         return BitCount(_u32(self.hi) + _u32(b.hi) + carry, lo)
 
     __radd__ = __add__
+
+    def __sub__(self, other) -> BitCount:
+        """``self − other`` with a borrow, modulo ``2**64`` like ``+``: exact where ``other ≤ self``."""
+        b = BitCount.of(other)
+        lo = _u32(self.lo) - _u32(b.lo)
+        borrow = (_u32(self.lo) < _u32(b.lo)).astype(jnp.uint32)
+        return BitCount(_u32(self.hi) - _u32(b.hi) - borrow, lo)
 
     # Comparisons are element-wise and exact (boolean arrays, as for jax arrays).
     def _words(self, other) -> tuple:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -42,6 +42,15 @@ def test_add_carries_exactly_modulo_2_64(a, b):
     assert int(BitCount.of(a) + BitCount.of(b)) == (a + b) % 2**64
     assert int(jax.jit(lambda x, y: x + y)(BitCount.of(a), BitCount.of(b))) == (a + b) % 2**64
     assert int(BitCount.of(a) + b) == int(b + BitCount.of(a)) == (a + b) % 2**64
+
+
+@settings(max_examples=10)
+@example(a=2**32, b=1)  # a borrow from the high word
+@given(a=U64, b=U64)
+def test_subtract_borrows_exactly(a, b):
+    big, small = max(a, b), min(a, b)
+    assert int(BitCount.of(big) - BitCount.of(small)) == int(BitCount.of(big) - small) == big - small
+    assert int(jax.jit(lambda x, y: x - y)(BitCount.of(big), BitCount.of(small))) == big - small
 
 
 @given(a=U64, b=U64)
