@@ -178,6 +178,10 @@ def half(compressor: Compressor, dtype: str = "float16") -> Compressor:
 
     Float16 entries below ``6.1e-5`` (subnormal) or above ``65504`` (overflow, to ±Inf)
     are outside the bound, as for :func:`jaxcomm.compressors.fp16`; bfloat16 has float32's range.
+    So is a decoded entry that sums products of rounded floats: PowerSGD's single-round
+    ``P Qᵀ`` at rank ``r > 1`` has ``ε`` up to ``(1 + √r) u``; its rounds, which round only the
+    messages ``M Q`` and ``Mᵀ P`` around a float32 orthogonalisation, stay within ``ε`` on one
+    worker (the 16-bit sum over workers rounds once more, as any 16-bit all-reduce does).
 
     Args:
       compressor: any :class:`Compressor`.
