@@ -87,7 +87,7 @@ class BitCount:
     """Non-negative integer counts up to ``2**64 − 2``, as ``hi · 2**32 + lo`` (``uint32`` arrays, one shape).
 
     Build with :meth:`of` (a Python int or an integer array), :meth:`product`
-    (``count · weight`` for a dynamic count and a static weight) and ``+``; combine
+    (``count · weight`` for a dynamic count and a static weight), ``+`` and ``−``; combine
     with :meth:`sum`, :meth:`stack`, :meth:`concatenate`, indexing and ``reshape``.
     A result that is not an exact count raises on concrete values and saturates at
     :data:`SATURATED` when traced (module docstring). ``==`` and ``!=`` with a value
@@ -241,6 +241,21 @@ class BitCount:
         return _settle(hi, lo, bad, OverflowError, lambda: "BitCount: a sum reached 2**64 - 1 bits or more")
 
     __radd__ = __add__
+
+    def __sub__(self, other) -> BitCount:
+        """The exact difference where ``other ≤ self``; a difference below zero (or from a
+        saturated count) raises ``OverflowError`` (concrete) or is :data:`SATURATED` (traced)."""
+        if not _is_count_like(other):
+            return NotImplemented
+        b = BitCount.of(other)
+        ah, al, bh, bl = _u32(self.hi), _u32(self.lo), _u32(b.hi), _u32(b.lo)
+        lo = al - bl
+        borrow = (al < bl).astype(jnp.uint32)
+        hi = ah - bh - borrow
+        bad = (ah < bh) | ((ah == bh) & (borrow == 1)) | self.is_saturated() | b.is_saturated()
+        return _settle(
+            hi, lo, bad, OverflowError, lambda: "BitCount: a difference below zero (or from a saturated count)"
+        )
 
     # Comparisons are element-wise and exact (boolean arrays, as for jax arrays). With a value that
     # is not a count they return NotImplemented: Python then gives False for == and True for !=,

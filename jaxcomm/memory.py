@@ -77,6 +77,13 @@ class Memory(NamedTuple):
         from the compressor's ``compression_error`` hook when it has one (a
         sparse compressor zeroes the sent entries of ``phi`` in place instead
         of building a dense ``g_hat``). ``None``: only ``update`` is used.
+      needs_contraction: whether the memory stays bounded only for a compressor
+        that is a contraction (every memory that feeds the error back: the
+        error ``e' = v − Q(v)`` of an expanding ``Q`` grows the memory by a factor
+        per step). The transforms then refuse an unbiased compressor with
+        ``ω ≥ 1`` and one that declares ``no_contraction``. ``False`` for
+        :func:`none`, and for ``residual(needs_contraction=False)``, which
+        accepts any compressor (to measure what error feedback does to one).
     """
 
     name: str
@@ -86,6 +93,7 @@ class Memory(NamedTuple):
     output_scale: float
     params: dict
     from_error: Callable[[Any, Array], Any] | None = None
+    needs_contraction: bool = True
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
@@ -139,13 +147,13 @@ def none() -> Memory:
         del g, phi, g_hat
         return state
 
-    return Memory("none", init, compensate, update, 1.0, {})
+    return Memory("none", init, compensate, update, 1.0, {}, needs_contraction=False)
 
 
 # --------------------------------------------------------------------------- #
 # residual (GRACE Eq. 4)
 # --------------------------------------------------------------------------- #
-def residual(beta: float = 1.0, gamma: float = 1.0) -> Memory:
+def residual(beta: float = 1.0, gamma: float = 1.0, *, needs_contraction: bool = True) -> Memory:
     """Residual error feedback, GRACE Eq. 4.
 
     ``φ(m, g) = β m + γ g`` and ``ψ(m, g, g̃) = φ − Q⁻¹(g̃)``: the part of the
@@ -157,14 +165,24 @@ def residual(beta: float = 1.0, gamma: float = 1.0) -> Memory:
     Args:
       beta: memory decay ``β > 0`` (GRACE uses 1).
       gamma: weight ``γ > 0`` of the new gradient (GRACE uses 1).
+      needs_contraction: ``True`` (the default): the transforms refuse a
+        compressor that is not a contraction (:attr:`Memory.needs_contraction`).
+        ``False`` accepts any compressor, e.g. to reproduce GRACE's measurement
+        that error feedback harms signSGD, whose memory then has no bound.
     Returns:
       A :class:`Memory` whose per-array state is an array of zeros shaped and
       typed like the parameter.
     Raises:
       ValueError: ``beta`` or ``gamma`` not a finite number > 0.
+      TypeError: ``needs_contraction`` not a bool.
     """
     beta = check_finite_scalar(beta, "beta", positive=True)
     gamma = check_finite_scalar(gamma, "gamma", positive=True)
+    if not isinstance(needs_contraction, bool):
+        raise TypeError(f"needs_contraction must be True or False; got {needs_contraction!r}")
+    params: dict = {"beta": beta, "gamma": gamma}
+    if not needs_contraction:
+        params["needs_contraction"] = False
 
     def init(x):
         return jnp.zeros(jnp.shape(x), jnp.result_type(x))
@@ -178,7 +196,7 @@ def residual(beta: float = 1.0, gamma: float = 1.0) -> Memory:
         del g
         return (phi - g_hat.astype(phi.dtype)).astype(m.dtype)
 
-    return Memory("residual", init, compensate, update, 1.0, {"beta": beta, "gamma": gamma}, _error_state)
+    return Memory("residual", init, compensate, update, 1.0, params, _error_state, needs_contraction)
 
 
 # --------------------------------------------------------------------------- #

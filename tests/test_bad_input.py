@@ -136,6 +136,8 @@ CASES = [
     ("inceptionn-error-bound-inf", lambda: compressors.inceptionn(error_bound=INF), ValueError, r"error_bound"),
     ("make-unknown", lambda: compressors.make("nope"), ValueError, r"unknown compressor 'nope'; valid names"),
     ("contractive-str", lambda: compressors.contractive("topk"), TypeError, r"compressor must be"),
+    ("half-str", lambda: compressors.half("topk"), TypeError, r"compressor must be a jaxcomm\.compressors"),
+    ("half-dtype", lambda: compressors.half(_TK, "float32"), ValueError, r"dtype must be 'float16' or 'bfloat16'"),
     # memories
     ("residual-beta-nan", lambda: memory.residual(beta=NAN), ValueError, r"beta must be finite"),
     ("residual-gamma-negative", lambda: memory.residual(gamma=-1.0), ValueError, r"gamma must be > 0"),

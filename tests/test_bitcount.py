@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -54,6 +54,15 @@ def test_add_is_exact_or_refused_or_saturated(a, b):
         with pytest.raises(OverflowError, match=r"2\*\*64 - 1"):
             BitCount.of(a) + b
         assert bool(traced.is_saturated())
+
+
+@settings(max_examples=10)
+@example(a=2**32, b=1)  # a borrow from the high word
+@given(a=U64, b=U64)
+def test_subtract_borrows_exactly(a, b):
+    big, small = max(a, b), min(a, b)
+    assert int(BitCount.of(big) - BitCount.of(small)) == int(BitCount.of(big) - small) == big - small
+    assert int(jax.jit(lambda x, y: x - y)(BitCount.of(big), BitCount.of(small))) == big - small
 
 
 @given(a=U64, b=U64)

@@ -1,6 +1,7 @@
 """The contract battery (jaxcomm.testing) over every registered compressor."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +17,21 @@ from jaxcomm import testing
 TOPK = jc.compressors.topk(ratio=0.3)
 
 
+@functools.cache
 def build(name):
+    # One compressor per name, so the checks of test_contract share its compiled round trip
+    # (jaxcomm.testing caches it per compressor).
     return jc.compressors.make(name, **EXAMPLE_KWARGS.get(name, {}))
 
 
 @pytest.mark.parametrize("check", sorted(testing.contract_checks()))
 @pytest.mark.parametrize("name", jc.compressors.names())
 def test_contract(name, check):
-    testing.contract_checks()[check](build(name))
+    # Every check reports what it ran, or that it skipped and why: none passes silently.
+    outcome = testing.contract_checks()[check](build(name))
+    assert isinstance(outcome, str) and outcome.strip(), f"{check} on {name} reported nothing"
+    if outcome.startswith(testing.SKIPPED):
+        assert len(outcome) > len(testing.SKIPPED) + 10, f"{check} on {name} skipped without a reason: {outcome!r}"
 
 
 def test_registry_rejects_unknown_name():
@@ -163,14 +171,197 @@ def test_battery_names_the_check_and_compressor_of_any_exception():
 
 @pytest.mark.parametrize("name", jc.compressors.names())
 def test_every_builtin_declares_its_bound_or_why_not(name):
+    # ω for the unbiased, δ (uniform or data-dependent) for the biased, or no contraction with its
+    # reason; and where a bound is declared, check_error_bound checks it (test_contract runs it).
     c = build(name)
     assert c.bound, f"{name} declares no bound text"
     if c.unbiased:
         assert c.variance_factor is not None and c.contraction is None
     else:
         assert c.variance_factor is None
-        if c.contraction is None:
-            assert c.bound.startswith("no bound declared")
+        declared = c.contraction is not None or c.local_contraction is not None
+        assert declared != bool(c.no_contraction), f"{name}: declare a bound or why there is none, not both"
+        if c.no_contraction:
+            assert c.bound == f"no contraction: {c.no_contraction}"
+
+
+SCALED_SIGN = build("scaled_sign")
+_SCALED_SIGN_DELTA_AND_ERROR = jax.jit(
+    lambda x: (SCALED_SIGN.local_contraction(x), jnp.sum((SCALED_SIGN.roundtrip(x)[0] - x) ** 2))
+)
+
+
+@settings(max_examples=15, deadline=None)
+@given(sparse=st.integers(1, 200), seed=st.integers(0, 2**16))
+def test_scaled_sign_declares_its_exact_error(sparse, seed):
+    # (‖x‖₂/√d) sign(x): ‖Q(x) − x‖² = (2 − 2‖x‖₁/(√d‖x‖₂)) ‖x‖², i.e. δ(x) = 2‖x‖₁/(√d‖x‖₂) − 1 (NumPy),
+    # negative for a sparse x, so scaled sign is not a contraction for every x.
+    d = 200
+    x = np.random.default_rng(seed).normal(size=d).astype(np.float32)
+    x[sparse:] *= 1e-3
+    want = 2 * np.abs(x).sum() / (np.sqrt(d) * np.linalg.norm(x)) - 1
+    delta, err = _SCALED_SIGN_DELTA_AND_ERROR(jnp.asarray(x))
+    assert float(delta) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert float(err) == pytest.approx((1 - want) * float(np.sum(x.astype(np.float64) ** 2)), rel=1e-4)
+
+
+def test_a_sparse_vector_is_expanded_by_scaled_sign():
+    delta, err = _SCALED_SIGN_DELTA_AND_ERROR(jnp.zeros(200).at[0].set(1.0))
+    assert float(delta) == pytest.approx(2 / np.sqrt(200) - 1) and float(err) > 1.0
+
+
+def test_battery_catches_a_false_data_dependent_bound():
+    # Scaled sign's δ(x) is exact, so claiming δ(x) + 0.01 is false on every input (deterministic: few draws).
+    bad = dataclasses.replace(SCALED_SIGN, local_contraction=lambda x: SCALED_SIGN.local_contraction(x) + 0.01)
+    with pytest.raises(AssertionError, match="violated on the 'gaussian' input"):
+        testing.check_error_bound(bad, num_samples=8)
+
+
+def test_declarations_are_exclusive_and_typed():
+    base = jc.compressors.none()
+    kwargs = dict(name="x", compress=base.compress_fn, decompress=base.decompress, unbiased=False, strategy="allreduce")
+    with pytest.raises(ValueError, match="declare one or the other"):
+        jc.compressors.Compressor.create(**kwargs, contraction=0.5, no_contraction="why")
+    with pytest.raises(TypeError, match="no_contraction must be a string"):
+        jc.compressors.Compressor.create(**kwargs, no_contraction=True)
+    with pytest.raises(TypeError, match="local_contraction must be callable"):
+        jc.compressors.Compressor.create(**kwargs, local_contraction=0.5)
+
+
+# --------------------------------------------------------------------------- #
+# Wire bits against the payload's own arrays
+# --------------------------------------------------------------------------- #
+@jc.compressors.payloads.payload_dataclass
+class _ValuesOnlyBits(jc.compressors.payloads.Payload):
+    """Top-k's arrays, with a format count that leaves out the indices."""
+
+    values: jax.Array
+    indices: jax.Array
+    shape: tuple = jc.compressors.payloads.static_field()
+    dtype: object = jc.compressors.payloads.static_field()
+
+    def wire_bits(self):
+        return int(self.values.size) * 32
+
+
+@pytest.mark.parametrize("name", ["random_sparsification", "inceptionn"])
+def test_inferred_fields_are_implied_by_the_rest(name):
+    # The declared exception: the fields a format leaves out must be recoverable from what it sends.
+    c = build(name)
+    compress = jax.jit(lambda x, k: c.compress(x, k)[0])
+    for seed in range(3):
+        x = jax.random.normal(jax.random.PRNGKey(seed), (300,)) * 0.02
+        p = compress(x, jax.random.PRNGKey(seed + 10))
+        if name == "random_sparsification":
+            assert type(p).inferred == ("count",)
+            bits = np.unpackbits(np.asarray(p.mask), bitorder="little")[:300]
+            assert int(p.count) == min(int(bits.sum()), p.values.shape[0])
+        else:
+            assert type(p).inferred == ("n8", "n16", "n32")
+            tags = np.asarray(jc.compressors.unpack(p.tags, 2, 300))
+            assert [int(p.n8), int(p.n16), int(p.n32)] == [int(np.sum(tags == k)) for k in (1, 2, 3)]
+        assert jc.compressors.payloads.array_bits(p) == int(jc.wire_bits(p))
+
+
+def test_array_bits_counts_valid_rows_and_whole_arrays():
+    # threshold at v = 1 on a known vector: 3 valid rows of (float32 value, uint8 index) + the int32 count.
+    x = jnp.array([0.5, 2.0, -3.0, 0.1, 1.5, 0.0, 0.2], jnp.float32)
+    p, _ = jc.compressors.threshold(v=1.0).compress(x)
+    assert jc.compressors.payloads.array_bits(p) == 3 * (32 + 8) + 32 == int(jc.wire_bits(p))
+    q, _ = TOPK.compress(x)
+    assert jc.compressors.payloads.array_bits(q) == 2 * (32 + 8)
+
+
+# --------------------------------------------------------------------------- #
+# Planted bugs: the whole battery (check_compressor) catches each, naming the check
+# --------------------------------------------------------------------------- #
+def _planted():
+    base = jc.compressors.none()
+
+    def topk_like(**fields):
+        kwargs = dict(compress=TOPK.compress_fn, decompress=TOPK.decompress, contraction=TOPK.contraction)
+        return jc.compressors.Compressor.create(
+            name="bad", unbiased=False, strategy="allgather", stochastic=False, **{**kwargs, **fields}
+        )
+
+    def values_only(x, key, state):
+        p, state = TOPK.compress_fn(x, key, state)
+        return _ValuesOnlyBits(values=p.values, indices=p.indices, shape=p.shape, dtype=p.dtype), state
+
+    def unpack(p):
+        return TOPK.decompress(jc.compressors.payloads.SparsePayload(p.values, p.indices, p.shape, p.dtype))
+
+    def keyed(x, key, state):  # "deterministic", but the selection breaks ties with the key
+        noise = 1e-3 * jax.random.normal(key, jnp.shape(x))
+        idx = TOPK.compress_fn(x + noise.astype(x.dtype), key, state)[0].indices
+        flat = jnp.ravel(x)[idx.astype(jnp.int32)]
+        return jc.compressors.payloads.SparsePayload(flat, idx, tuple(np.shape(x)), x.dtype), state
+
+    return {
+        "wire_bits": topk_like(compress=values_only, decompress=unpack),
+        "unbiased": jc.compressors.Compressor.create(
+            name="bad",
+            compress=lambda x, k, s: base.compress_fn(0.98 * x, k, s),
+            decompress=base.decompress,
+            unbiased=True,
+            strategy="allreduce",
+            stochastic=False,
+            variance_factor=0.01,
+        ),
+        "key_use": topk_like(compress=keyed),
+        "jit_shapes_dtypes": topk_like(decompress=lambda p: TOPK.decompress(p).astype(jnp.float32)),
+        "error_bound": topk_like(contraction=lambda d: 2 * TOPK.delta(d)),
+    }
+
+
+# Each planted bug runs only the check it is planted for, at the smallest size that shows it.
+_SMALLEST = {
+    "wire_bits": lambda c: testing.check_wire_bits(c, shape=(7,)),
+    "unbiased": lambda c: testing.check_unbiased(c, num_samples=4000),  # one chunk: the bug has no variance
+    "key_use": testing.check_key_use,  # stops at its first input, where the key changes the payload
+    "jit_shapes_dtypes": lambda c: testing.check_jit_shapes_dtypes(c, shapes=((7,),), bfloat16_shapes=((7,),)),
+    "error_bound": lambda c: testing.check_error_bound(c, num_samples=8),  # deterministic: few draws
+}
+
+
+@pytest.mark.parametrize("check", list(_SMALLEST))
+def test_the_battery_catches_a_planted_bug(check):
+    # Five kinds of bug, one per compressor: wire bits without the indices (32 k bits reported, 40 k
+    # held), a biased "unbiased" estimator (E Q(x) = 0.98 x), a "deterministic" compressor whose
+    # payload depends on its key, a decompress that returns float32 for a bfloat16 input, and a
+    # contraction δ = 2k/d that top-k violates on a flat vector. The check named catches each.
+    match = {
+        "wire_bits": r"reports \d+ bits .* but the payload's arrays hold \d+",
+        "unbiased": r"biased: E\[Q\(x\)\] ≈ \(1 -0.02",
+        "key_use": "declared stochastic=False but two keys give different payloads",
+        "jit_shapes_dtypes": "dtype bfloat16 -> float32",
+        "error_bound": "violated on the 'flat' input",
+    }[check]
+    with pytest.raises(AssertionError, match=match):
+        _SMALLEST[check](_planted()[check])
+
+
+def test_check_compressor_names_the_failing_check():
+    # The whole battery stops at the first failure and names it (the key check comes after 2 checks it passes).
+    with pytest.raises(AssertionError, match=r"^\[key_use\] bad: AssertionError: bad: declared stochastic=False"):
+        testing.check_compressor(_planted()["key_use"])
+
+
+def test_a_compressor_that_declares_no_bound_fails_the_battery():
+    bad = jc.compressors.Compressor.create(
+        name="bad", compress=TOPK.compress_fn, decompress=TOPK.decompress, unbiased=False, strategy="allgather"
+    )
+    with pytest.raises(AssertionError, match="declares no error bound"):
+        testing.check_error_bound(bad)
+
+
+def test_the_report_lists_every_check():
+    report = testing.check_compressor(build("signsgd"))
+    assert list(report) == list(testing.contract_checks())
+    assert report["unbiased"].startswith(testing.SKIPPED + "declared biased")
+    assert report["error_bound"].startswith(testing.SKIPPED + "declares no contraction: sign(x) has no scale")
+    assert report["error_feedback"].startswith("error_feedback(c) refused (no contraction)")
+    assert report["wire_bits"].startswith("wire_bits == bits of the payload's arrays (SignPayload: ")
 
 
 @settings(max_examples=30, deadline=None)

@@ -74,3 +74,38 @@ def test_contractive_random_sparsification_keeps_the_memory_bounded(p):
     assert worst <= bound * gmax, (worst, bound * gmax)
     # and nothing is lost: Σ out + e = Σ g
     np.testing.assert_allclose(total_out + np.asarray(state.memory), total_g, atol=1e-3 * np.abs(total_g).max())
+
+
+NO_CONTRACTION = ["signsgd", "signum"]
+
+
+@pytest.mark.parametrize("transform", list(_transforms()))
+@pytest.mark.parametrize("name", NO_CONTRACTION)
+def test_error_feedback_refuses_a_compressor_with_no_contraction(name, transform):
+    c = jc.compressors.make(name)
+    assert c.no_contraction and c.delta(100) is None
+    with pytest.raises(ValueError, match=r"declares none: .*efsignsgd\(\).*needs_contraction=False") as e:
+        _transforms()[transform](c).init({"w": jnp.zeros((100,))})
+    assert name in str(e.value)
+
+
+@pytest.mark.parametrize("name", NO_CONTRACTION)
+def test_a_memory_that_does_not_need_a_contraction_accepts_it(name):
+    # GRACE's study measures error feedback on sign methods: residual(needs_contraction=False) runs it,
+    # and no memory never needed a contraction.
+    c = jc.compressors.make(name)
+    mem = jc.memory.residual(needs_contraction=False)
+    assert not mem.needs_contraction and "needs_contraction=False" in repr(mem)
+    jc.error_feedback(c, mem).init(jnp.zeros((100,)))
+    jc.compressed_mean(c, memory=jc.memory.none(), axis_name="w").init(jnp.zeros((100,)))
+    with pytest.raises(TypeError, match="needs_contraction must be True or False"):
+        jc.memory.residual(needs_contraction=1)
+
+
+@pytest.mark.parametrize("name, kwargs", [("scaled_sign", {}), ("dgc", dict(ratio=0.3)), ("powersgd", {})])
+def test_non_expansive_and_data_dependent_bounds_are_accepted(name, kwargs):
+    # DoubleSqueeze's scaled sign (δ(x), negative for a sparse x), DGC and PowerSGD (δ = 0) are used
+    # with error feedback by their papers: declared bounds, not "no contraction", so no refusal.
+    c = jc.compressors.make(name, **kwargs)
+    assert not c.no_contraction
+    jc.error_feedback(c).init({"w": jnp.zeros((10, 10))})

@@ -286,13 +286,16 @@ def make_compressor(name: str):
 def memory_for(name: str, memory: str = "residual"):
     """The memory a compressor runs with: ``none()`` for the baseline, for unbiased
     compressors (error feedback refuses those whose variance factor is ω ≥ 1) and,
-    under ``memory="grace"``, for :data:`GRACE_NO_MEMORY`; else ``residual()``."""
+    under ``memory="grace"``, for :data:`GRACE_NO_MEMORY`; else ``residual()`` (accepting the
+    compressors that declare no contraction, signsgd and signum: this times the step, whatever the
+    memory does to training)."""
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {MEMORIES}; got {memory!r}")
     name = compressor_of(name)  # a floor row runs with its compressor's memory
-    if name == "none" or (memory == "grace" and name in GRACE_NO_MEMORY) or make_compressor(name).unbiased:
+    c = make_compressor(name)
+    if name == "none" or (memory == "grace" and name in GRACE_NO_MEMORY) or c.unbiased:
         return mem.none()
-    return mem.residual()
+    return mem.residual(needs_contraction=not c.no_contraction)
 
 
 def build_step(

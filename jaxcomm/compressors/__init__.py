@@ -18,6 +18,7 @@ from ._basic import bf16, fp16, none
 from ._clipping import clipping
 from ._contractive import contractive
 from ._eightbit import eightbit
+from ._half import half
 from ._hybrid import adaptive, qsparse
 from ._inceptionn import inceptionn
 from ._lowrank import powersgd
@@ -68,6 +69,7 @@ __all__ = [
     "sketchml",
     "clipping",
     "contractive",
+    "half",
     "stochastic_rounding",
     "randomk",
     "topk",

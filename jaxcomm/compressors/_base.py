@@ -40,6 +40,7 @@ __all__ = [
     "Payload",
     "DensePayload",
     "wire_bits",
+    "array_bits",
     "register",
     "make",
     "names",
@@ -80,14 +81,20 @@ class Payload:
     and the counts in a small all-gather of their own.
 
     :meth:`wire_bits` is the format's own bit count, the one the compressor
-    tables and papers quote: what a receiver needs, counts it can infer from
-    the rest (tags, a mask) left out. What a step really sends -- counts,
-    padding, unused capacity where a buffer crosses whole -- is counted by the
-    pipeline (``CompressionState.wire_bits``).
+    tables and papers quote: what a receiver needs. It equals the bits of the
+    payload's own arrays (:func:`array_bits`): every array whole, only the
+    valid rows of a ``counted`` field, and nothing for the fields named in
+    ``inferred`` -- arrays a receiver recovers from the rest (a count implied
+    by a mask or by class tags), which the payload holds for the pipeline but
+    the format leaves out. :func:`jaxcomm.testing.check_wire_bits` checks the
+    equality. What a step really sends -- counts, padding, unused capacity
+    where a buffer crosses whole -- is counted by the pipeline
+    (``CompressionState.wire_bits``).
     """
 
     summable: ClassVar[tuple[str, ...]] = ()
     counted: ClassVar[tuple[tuple[str, str], ...]] = ()
+    inferred: ClassVar[tuple[str, ...]] = ()
 
     def wire_bits(self):
         """Exact bits of the format; default: every array leaf at its dtype width."""
@@ -101,6 +108,31 @@ def _leaf_bits(tree) -> int:
             total += leaf.wire_bits()
         else:
             total += int(np.prod(np.shape(leaf), dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize * 8
+    return total
+
+
+def array_bits(payload: Payload) -> int:
+    """Bits of a payload's own arrays as its format sends them, read on the host.
+
+    ``Σ`` over the payload's array fields of: the whole field (every leaf at its
+    dtype width); for a ``counted`` field ``(field, count_field)``, only its
+    first ``sum(count_field)`` rows (axis 0); for a field named in ``inferred``,
+    nothing. For a correct payload this is :meth:`Payload.wire_bits`. Needs
+    concrete arrays (it reads the counts), so it is not for use under ``jit``.
+    """
+    counted = dict(type(payload).counted)
+    total = 0
+    for f in dataclasses.fields(payload):  # type: ignore[arg-type]
+        if f.metadata.get("static", False) or f.name in type(payload).inferred:
+            continue
+        value = getattr(payload, f.name)
+        if f.name not in counted:
+            total += _leaf_bits(value)
+            continue
+        a = np.asarray(value)
+        rows = int(np.sum(np.asarray(getattr(payload, counted[f.name]), np.int64)))
+        row_bits = (a.nbytes // a.shape[0]) * 8 if a.shape[0] else 0
+        total += rows * row_bits
     return total
 
 
@@ -446,9 +478,18 @@ class Compressor:
       variance_factor: for an unbiased compressor, ``d -> ω``: the declared bound
         ``E‖Q(x) − x‖² ≤ ω ‖x‖²`` for every ``x`` of ``d`` entries (a float is a
         constant ``ω``). ``None``: not declared.
-      contraction: for a biased compressor, ``d -> δ`` in ``(0, 1]``: the declared
+      contraction: for a biased compressor, ``d -> δ`` in ``[0, 1]``: the declared
         bound ``E‖Q(x) − x‖² ≤ (1 − δ) ‖x‖²`` for every ``x`` of ``d`` entries (a
-        float is a constant ``δ``). ``None``: not a contraction, or not declared.
+        float is a constant ``δ``; ``δ = 0`` declares a non-expansive operator,
+        ``‖Q(x) − x‖ ≤ ‖x‖``, with no uniform contraction). ``None``: not declared.
+      local_contraction: optional data-dependent bound, ``x -> δ(x)`` (a float32
+        scalar, traceable) with ``E‖Q(x) − x‖² ≤ (1 − δ(x)) ‖x‖²`` for that ``x``;
+        ``δ(x) < 0`` where ``Q`` may expand ``x`` (scaled sign: ``δ(x) =
+        2‖x‖₁/(√d ‖x‖₂) − 1``).
+      no_contraction: why ``Q`` has no bound ``E‖Q(x) − x‖² ≤ c ‖x‖²`` to declare
+        (sign without a scale); empty when one is declared. Error feedback refuses
+        such a compressor under a memory that needs a contraction
+        (:attr:`jaxcomm.memory.Memory.needs_contraction`).
       bound: where the declared bound comes from (paper, lemma, derivation), or
         why there is none.
       stochastic: whether ``compress`` draws from its key. ``True`` or ``None``
@@ -483,6 +524,8 @@ class Compressor:
     bound: str = ""
     stochastic: bool | None = None
     dense_warmup: int = 0
+    local_contraction: Callable | None = None
+    no_contraction: str = ""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -492,7 +535,7 @@ class Compressor:
         for field in ("compress_fn", "decompress_fn", "init_state"):
             if not callable(getattr(self, field)):
                 raise TypeError(f"{field} must be callable; got {type(getattr(self, field)).__name__}")
-        for field in ("rounds", "decompress_sum", "compression_error"):
+        for field in ("rounds", "decompress_sum", "compression_error", "local_contraction"):
             _check_hook(getattr(self, field), field)
         object.__setattr__(self, "dense_warmup", check_positive_int(self.dense_warmup, "dense_warmup", minimum=0))
         if self.stochastic is not None and not isinstance(self.stochastic, bool):
@@ -509,6 +552,16 @@ class Compressor:
         if not isinstance(self.bound, str):
             raise TypeError(
                 f"bound must be a string (the source of the declared bound); got {type(self.bound).__name__}"
+            )
+        if not isinstance(self.no_contraction, str):
+            raise TypeError(
+                f"no_contraction must be a string (why no bound holds); got {type(self.no_contraction).__name__}"
+            )
+        declared = [f for f in ("variance_factor", "contraction", "local_contraction") if getattr(self, f) is not None]
+        if self.no_contraction and declared:
+            raise ValueError(
+                f"no_contraction ({self.no_contraction!r}) says no error bound holds, but {', '.join(declared)} "
+                "is declared too; declare one or the other"
             )
 
     def omega(self, d: int) -> float | None:
@@ -550,6 +603,8 @@ class Compressor:
         bound: str = "",
         stochastic: bool | None = None,
         dense_warmup: int = 0,
+        local_contraction: Callable | None = None,
+        no_contraction: str = "",
     ) -> Compressor:
         """Build a compressor from its per-array primitives (fields as in the class docstring)."""
         return cls(
@@ -569,6 +624,8 @@ class Compressor:
             bound=bound,
             stochastic=stochastic,
             dense_warmup=dense_warmup,
+            local_contraction=local_contraction,
+            no_contraction=no_contraction,
         )
 
     # -- per-array primitives ---------------------------------------------- #

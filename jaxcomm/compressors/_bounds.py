@@ -3,14 +3,18 @@
 For a compressor ``Q`` acting on ``x`` of ``d`` entries (``E`` over its randomness):
 
 * unbiased, variance factor ω:   ``E‖Q(x) − x‖² ≤ ω ‖x‖²``;
-* biased, contraction δ ∈ (0, 1]: ``E‖Q(x) − x‖² ≤ (1 − δ) ‖x‖²``.
+* biased, contraction δ ∈ [0, 1]: ``E‖Q(x) − x‖² ≤ (1 − δ) ‖x‖²`` (``δ = 0``:
+  non-expansive, no uniform contraction);
+* data-dependent, ``δ(x)``:       ``E‖Q(x) − x‖² ≤ (1 − δ(x)) ‖x‖²`` for that ``x``
+  (``δ(x) < 0`` where ``Q`` may expand ``x``);
+* no contraction: no bound ``c ‖x‖²`` holds (sign without a scale), with the reason.
 
 :func:`declare` attaches them to a compressor built by a registered factory
-(``Compressor.variance_factor``, ``.contraction``, ``.bound``), from the factory's
-``params``. A compressor with neither is not a contraction for every input (or
-has no useful uniform bound); its ``bound`` text says why. ``jaxcomm.testing``
-checks every declared bound by Monte Carlo; error feedback refuses an unbiased
-compressor whose ω ≥ 1.
+(``Compressor.variance_factor``, ``.contraction``, ``.local_contraction``,
+``.no_contraction``, ``.bound``), from the factory's ``params``. Every built-in
+declares one. ``jaxcomm.testing`` checks every declared bound by Monte Carlo;
+error feedback refuses an unbiased compressor whose ω ≥ 1 and one that declares
+no contraction, under a memory that needs a contraction.
 """
 
 from __future__ import annotations
@@ -19,14 +23,41 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from ._base import Compressor
 
-__all__ = ["declare", "BOUNDS"]
+__all__ = ["declare", "BOUNDS", "Declared"]
 
-Declared = tuple[Callable[[int], float] | float | None, Callable[[int], float] | float | None, str]
+
+class Declared(NamedTuple):
+    """One compressor's declared bound (fields as the :class:`~jaxcomm.compressors.Compressor` fields)."""
+
+    variance_factor: Callable[[int], float] | float | None = None
+    contraction: Callable[[int], float] | float | None = None
+    bound: str = ""
+    local_contraction: Callable | None = None
+    no_contraction: str = ""
+
+
+def _ratio_of(x, kept2):
+    """``kept2 / ‖x‖²`` in float32 (1 for ``x = 0``, where every bound holds)."""
+    norm2 = jnp.sum(jnp.square(jnp.ravel(x).astype(jnp.float32)))
+    return jnp.where(norm2 > 0, kept2 / jnp.where(norm2 > 0, norm2, 1.0), 1.0)
+
+
+def _absolute(b: float):
+    """``x -> δ(x) = 1 − Σ_i min(x_i², b²) / ‖x‖²``: the bound of an operator that changes every entry
+    by at most ``min(|x_i|, b)``."""
+
+    def delta(x):
+        xf = jnp.ravel(x).astype(jnp.float32)
+        return 1.0 - _ratio_of(x, jnp.sum(jnp.minimum(jnp.square(xf), b * b)))
+
+    return delta
 
 
 def _num_selected(ratio: float, d: int) -> int:
@@ -35,11 +66,11 @@ def _num_selected(ratio: float, d: int) -> int:
     return num_selected(ratio, d)
 
 
-def _none(p) -> Declared:
+def _none(p) -> tuple:
     return 0.0, None, "exact: Q(x) = x"
 
 
-def _fp16(p) -> Declared:
+def _fp16(p) -> tuple:
     return (
         None,
         1.0 - 2.0**-22,
@@ -50,7 +81,7 @@ def _fp16(p) -> Declared:
     )
 
 
-def _bf16(p) -> Declared:
+def _bf16(p) -> tuple:
     return (
         None,
         1.0 - 2.0**-16,
@@ -58,7 +89,7 @@ def _bf16(p) -> Declared:
     )
 
 
-def _topk(p) -> Declared:
+def _topk(p) -> tuple:
     ratio, dense_below = p["ratio"], p.get("dense_below", 0)
     return (
         None,
@@ -67,7 +98,7 @@ def _topk(p) -> Declared:
     )
 
 
-def _randomk(p) -> Declared:
+def _randomk(p) -> tuple:
     ratio = p["ratio"]
     if p.get("replacement"):
         from ._randomk import inclusion_probability
@@ -101,7 +132,7 @@ def _randomk(p) -> Declared:
     )
 
 
-def _efsignsgd(p) -> Declared:
+def _efsignsgd(p) -> tuple:
     return (
         None,
         lambda d: 1.0 / d,
@@ -112,15 +143,16 @@ def _efsignsgd(p) -> Declared:
     )
 
 
-def _onebit(p) -> Declared:
+def _onebit(p) -> tuple:
     tau = p.get("threshold", 0.0)
     if isinstance(tau, jax.core.Tracer) or tau != 0.0:  # a traced τ (inject_hyperparams) may be non-zero
-        return (
+        return Declared(
             None,
-            None,
+            0.0,
             (
-                "1-bit SGD with a threshold τ ≠ 0 decodes to the means of the two groups split at τ, "
-                "which is not a contraction for every x (both groups can share a sign); no bound declared"
+                "1-bit SGD with a threshold τ ≠ 0 decodes to the means of the two groups split at τ: the orthogonal "
+                "projection onto the two group indicators, non-expansive (δ = 0) but with no uniform δ > 0 (both "
+                "groups can share a sign)"
             ),
         )
     return (
@@ -133,11 +165,11 @@ def _onebit(p) -> Declared:
     )
 
 
-def _natural(p) -> Declared:
+def _natural(p) -> tuple:
     return 1.0 / 8.0, None, "Horváth et al. 2019 (natural compression), Theorem 1: ω = 1/8"
 
 
-def _qsgd(p) -> Declared:
+def _qsgd(p) -> tuple:
     s = p["levels"]
     return (
         lambda d: min(d / s**2, math.sqrt(d) / s),
@@ -146,7 +178,7 @@ def _qsgd(p) -> Declared:
     )
 
 
-def _terngrad(p) -> Declared:
+def _terngrad(p) -> tuple:
     return (
         lambda d: math.sqrt(d) - 1.0,
         None,
@@ -154,7 +186,7 @@ def _terngrad(p) -> Declared:
     )
 
 
-def _stochastic_rounding(p) -> Declared:
+def _stochastic_rounding(p) -> tuple:
     levels = (1 << p["bits"]) - 1
     return (
         lambda d: d / levels**2,
@@ -166,7 +198,7 @@ def _stochastic_rounding(p) -> Declared:
     )
 
 
-def _random_sparsification(p) -> Declared:
+def _random_sparsification(p) -> tuple:
     t = int(min(2**32 - 1, max(1, round(p["p"] * 2.0**32))))
     keep = t / 2.0**32
     return (
@@ -179,7 +211,7 @@ def _random_sparsification(p) -> Declared:
     )
 
 
-def _clipping(p) -> Declared:
+def _clipping(p) -> tuple:
     bits = p["bits"]
     return (
         None,
@@ -192,7 +224,7 @@ def _clipping(p) -> Declared:
     )
 
 
-def _eightbit(p) -> Declared:
+def _eightbit(p) -> tuple:
     # Nearest of 256 codes times max|x|: |x_i − Q(x)_i| ≤ min(|x_i|, g/2 · max|x|), g/2 ≤ 0.9/128.
     # Relative form: exponent group e (y = |x_i|/max|x| in [0.1, 1]·10^-e) has 2^(6-e) cells, half gap
     # 0.9·10^-e/2^(7-e), at most 0.5625 y for e <= 3 (y >= 1e-4); below 1e-4 the error is <= 1.125e-5 max|x|.
@@ -209,7 +241,7 @@ def _eightbit(p) -> Declared:
     )
 
 
-def _adaptive(p) -> Declared:
+def _adaptive(p) -> tuple:
     ratio = p["ratio"]
     return (
         None,
@@ -223,46 +255,106 @@ def _adaptive(p) -> Declared:
     )
 
 
-def _qsparse(p) -> Declared:
+def _qsparse(p) -> tuple:
     ratio, s = p["ratio"], p["levels"]
 
-    def delta(d):
+    def omega_k(d):
         k = _num_selected(ratio, d)
-        omega_k = min(k / s**2, math.sqrt(k) / s)
-        return (1.0 - omega_k) * k / d if omega_k < 1.0 else float("nan")
+        return min(k / s**2, math.sqrt(k) / s)
 
-    return (
+    def delta(d):
+        return (1.0 - omega_k(d)) * _num_selected(ratio, d) / d if omega_k(d) < 1.0 else float("nan")
+
+    def local(x):
+        d = x.size
+        top = jnp.sort(jnp.square(jnp.ravel(x).astype(jnp.float32)))[d - _num_selected(ratio, d) :]
+        return (1.0 - omega_k(d)) * _ratio_of(x, jnp.sum(top))
+
+    return Declared(
         None,
         delta,
         (
             "QSGD_s on top_k (Basu et al. 2019): E‖Q(x) − x‖² ≤ ‖x‖² − (1 − ω_k) ‖top_k(x)‖² with "
-            "ω_k = min(k/s², √k/s) (Alistarh et al. 2017, Lemma 3.1) and ‖top_k(x)‖² ≥ (k/d) ‖x‖², so "
-            "δ = (1 − ω_k) k/d where ω_k < 1; otherwise no bound"
+            "ω_k = min(k/s², √k/s) (Alistarh et al. 2017, Lemma 3.1), so δ(x) = (1 − ω_k) ‖top_k(x)‖²/‖x‖² "
+            "(negative where ω_k > 1: QSGD's variance may then expand x); with ‖top_k(x)‖² ≥ (k/d) ‖x‖², "
+            "δ = (1 − ω_k) k/d where ω_k < 1"
         ),
+        local,
     )
 
 
-_NO_BOUND = {
-    "dgc": "sends entries at or above a sampled threshold, the first k of them in index order when between k "
-    "and upper_bound·k qualify, so the largest entry can be missed (non-expansive, no uniform δ > 0)",
-    "inceptionn": "absolute error bound |x_i − Q(x)_i| < error_bound with |Q(x)_i| ≤ |x_i| (non-expansive), "
-    "no relative δ: entries below the bound are dropped",
-    "powersgd": "an orthogonal projection of the (summed) matrix onto rank r (non-expansive), with no uniform "
-    "δ > 0 (Vogels et al. 2019 pair it with error feedback)",
-    "scaled_sign": "(‖x‖₂/√d) sign(x) has ‖Q(x) − x‖² = (2 − 2‖x‖₁/(√d‖x‖₂)) ‖x‖², up to (2 − 2/√d) ‖x‖² "
-    "for a sparse x: not a contraction for every x (DoubleSqueeze assumes a bounded error instead)",
-    "signsgd": "sign(x) has no scale: ‖Q(x) − x‖ is not bounded by ‖x‖",
-    "signum": "the sign of the momentum has no scale: ‖Q(x) − x‖ is not bounded by ‖x‖",
-    "sketchml": "bucket means are a least-squares projection (non-expansive) with no uniform δ > 0",
-    "threshold": "absolute bound: entries with |x_i| ≤ v are dropped (|x_i − Q(x)_i| ≤ v), no relative δ",
+def _scaled_sign(p) -> tuple:
+    def local(x):
+        xf = jnp.ravel(x).astype(jnp.float32)
+        norm = jnp.sqrt(jnp.sum(jnp.square(xf)))
+        r = jnp.sum(jnp.abs(xf)) / jnp.where(norm > 0, math.sqrt(xf.size) * norm, 1.0)
+        return jnp.where(norm > 0, 2.0 * r - 1.0, 1.0)
+
+    return Declared(
+        bound=(
+            "(‖x‖₂/√d) sign(x) has ‖Q(x) − x‖² = (2 − 2‖x‖₁/(√d‖x‖₂)) ‖x‖² exactly, δ(x) = 2‖x‖₁/(√d‖x‖₂) − 1: "
+            "a contraction where ‖x‖₁ > √d‖x‖₂/2, expanding a sparse x up to (2 − 2/√d) ‖x‖² (DoubleSqueeze "
+            "assumes a bounded error instead)"
+        ),
+        local_contraction=local,
+    )
+
+
+def _threshold(p) -> tuple:
+    v, max_ratio = p["v"], p["max_ratio"]
+    why = "entries with |x_i| ≥ v are sent exactly, the others dropped: non-expansive, δ = 0"
+    if isinstance(v, jax.core.Tracer) or max_ratio < 1.0:
+        return Declared(None, 0.0, why + " (no absolute bound: a traced v, or a buffer that can drop entries ≥ v)")
+    return Declared(
+        None,
+        0.0,
+        why + "; with every qualifying entry sent (max_ratio = 1), |x_i − Q(x)_i| ≤ min(|x_i|, v), so "
+        "δ(x) = 1 − Σ min(x_i², v²)/‖x‖²",
+        _absolute(float(v)),
+    )
+
+
+def _inceptionn(p) -> tuple:
+    quantum = 2.0 ** math.floor(math.log2(p["error_bound"]))
+    return Declared(
+        None,
+        0.0,
+        (
+            "fixed-point truncation toward zero with step Δ = 2^floor(log2 error_bound) (entries below Δ dropped, "
+            "large ones sent raw): |x_i − Q(x)_i| ≤ min(|x_i|, Δ), so non-expansive (δ = 0) and "
+            "δ(x) = 1 − Σ min(x_i², Δ²)/‖x‖²"
+        ),
+        _absolute(quantum),
+    )
+
+
+_NON_EXPANSIVE = {
+    "dgc": "sends entries x_i exactly at or above a sampled threshold (a mask: non-expansive, δ = 0), the first "
+    "k of them in index order when between k and upper_bound·k qualify, so the largest entry can be missed "
+    "(no uniform δ > 0)",
+    "powersgd": "an orthogonal projection of the (summed) matrix onto rank r (non-expansive, δ = 0), with no "
+    "uniform δ > 0 (Vogels et al. 2019 pair it with error feedback)",
+    "sketchml": "bucket means are a least-squares projection onto the bucket indicators (non-expansive, δ = 0) "
+    "with no uniform δ > 0",
+}
+
+_NO_CONTRACTION = {
+    "signsgd": "sign(x) has no scale, so ‖Q(x) − x‖ is not bounded by any multiple of ‖x‖ (a small x is sent as "
+    "±1); jaxcomm.compressors.efsignsgd() sends (‖x‖₁/d) sign(x), a contraction with δ ≥ 1/d",
+    "signum": "the sign of the momentum has no scale, so ‖Q(x) − x‖ is not bounded by any multiple of ‖x‖; "
+    "jaxcomm.compressors.efsignsgd() sends (‖x‖₁/d) sign(x), a contraction with δ ≥ 1/d",
 }
 
 
-def _no_bound(why: str, p) -> Declared:
-    return None, None, f"no bound declared: {why}"
+def _non_expansive(why: str, p) -> tuple:
+    return Declared(None, 0.0, why)
 
 
-BOUNDS: dict[str, Callable[[dict], Declared]] = {
+def _no_contraction(why: str, p) -> tuple:
+    return Declared(bound=f"no contraction: {why}", no_contraction=why)
+
+
+BOUNDS: dict[str, Callable[[dict], tuple]] = {
     "none": _none,
     "fp16": _fp16,
     "bf16": _bf16,
@@ -279,14 +371,18 @@ BOUNDS: dict[str, Callable[[dict], Declared]] = {
     "eightbit": _eightbit,
     "qsparse": _qsparse,
     "adaptive": _adaptive,
-    **{name: functools.partial(_no_bound, why) for name, why in _NO_BOUND.items()},
+    "scaled_sign": _scaled_sign,
+    "threshold": _threshold,
+    "inceptionn": _inceptionn,
+    **{name: functools.partial(_non_expansive, why) for name, why in _NON_EXPANSIVE.items()},
+    **{name: functools.partial(_no_contraction, why) for name, why in _NO_CONTRACTION.items()},
 }
-"""Registry name -> ``params -> (variance_factor, contraction, bound)``."""
+"""Registry name -> ``params -> Declared`` (or its first three fields as a plain tuple)."""
 
 
 def declare(c: Compressor) -> Compressor:
     """``c`` with the declared bound of its registry name (unchanged if it has one or the name has none)."""
-    if c.variance_factor is not None or c.contraction is not None or c.bound or c.name not in BOUNDS:
+    declared = (c.variance_factor, c.contraction, c.local_contraction)
+    if any(b is not None for b in declared) or c.no_contraction or c.bound or c.name not in BOUNDS:
         return c
-    omega, delta, why = BOUNDS[c.name](c.params)
-    return dataclasses.replace(c, variance_factor=omega, contraction=delta, bound=why)
+    return dataclasses.replace(c, **Declared(*BOUNDS[c.name](c.params))._asdict())

@@ -51,6 +51,7 @@ class InceptionnPayload(Payload):
     shape: tuple = static_field()
     dtype: Any = static_field()
     counted: ClassVar[tuple[tuple[str, str], ...]] = (("q8", "n8"), ("q16", "n16"), ("raw", "n32"))
+    inferred: ClassVar[tuple[str, ...]] = ("n8", "n16", "n32")  # the number of tags of each class
 
     def class_counts(self) -> Array:
         """``(n8, n16, n32)`` as int32 ``(3,)``."""

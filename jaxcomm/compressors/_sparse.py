@@ -129,6 +129,7 @@ class MaskSparsePayload(Payload):
     dtype: Any = static_field()
     scale: float = static_field(default=1.0)
     counted: ClassVar[tuple[tuple[str, str], ...]] = (("values", "count"),)
+    inferred: ClassVar[tuple[str, ...]] = ("count",)  # min(popcount(mask), cap): implied by the mask
 
     def wire_bits(self):
         return BitCount.product(self.count, bits_of(self.values.dtype)) + self.mask.shape[0] * 8

@@ -15,6 +15,10 @@ with :func:`payload_dataclass` and :func:`static_field` on a subclass of
 >>> jc.compressors.wire_bits(Halves(values=jnp.zeros(4, jnp.float16), shape=(4,)))
 64
 
+:func:`array_bits` counts a payload's own arrays the way the format sends them
+(counted fields: their valid rows; ``inferred`` fields: nothing);
+``jaxcomm.testing.check_wire_bits`` requires ``wire_bits`` to equal it.
+
 Built-in payloads, by compressor: ``DensePayload`` (none, fp16, bf16),
 ``ScaledSignPayload`` (scaled_sign), ``SignPayload`` (signsgd, signum),
 ``MeanAbsSignPayload`` (efsignsgd), ``OneBitPayload`` (onebit),
@@ -28,7 +32,7 @@ Built-in payloads, by compressor: ``DensePayload`` (none, fp16, bf16),
 ``SignumState``, ``PowerSGDState``.
 """
 
-from ._base import DensePayload, Payload, payload_dataclass, static_field
+from ._base import DensePayload, Payload, array_bits, payload_dataclass, static_field
 from ._clipping import ClippedPayload
 from ._eightbit import EightBitPayload
 from ._hybrid import AdaptivePayload, QSparsePayload
@@ -46,6 +50,7 @@ __all__ = [
     "DensePayload",
     "payload_dataclass",
     "static_field",
+    "array_bits",
     "ScaledSignPayload",
     "SignPayload",
     "MeanAbsSignPayload",

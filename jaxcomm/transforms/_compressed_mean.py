@@ -164,9 +164,10 @@ def compressed_mean(
       ``GradientTransformationExtraArgs`` with per-worker state
       :class:`~jaxcomm.transforms.CompressionState`.
     Raises:
-      ValueError: at ``init``, a memory that feeds back (any but ``none``) around an
-        unbiased compressor whose variance factor is ``ω ≥ 1`` at a tensor's size (it would
-        diverge; :func:`jaxcomm.compressors.contractive` scales it into a contraction).
+      ValueError: at ``init``, a memory that needs a contraction (``Memory.needs_contraction``)
+        around an unbiased compressor whose variance factor is ``ω ≥ 1`` at a tensor's size (it
+        would diverge; :func:`jaxcomm.compressors.contractive` scales it into a contraction),
+        or around one that declares ``no_contraction`` (signsgd, signum).
       ValueError: unknown ``strategy``; ``"allreduce"`` for a compressor whose
         payloads cannot be summed; a communicator that cannot serve the
         strategy; both ``axis_name`` and ``comm``; (at trace time) the axis is

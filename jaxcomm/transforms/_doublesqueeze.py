@@ -150,11 +150,10 @@ def doublesqueeze(
 
     Raises:
 
-      ValueError: at ``init``, a memory that feeds back (any but ``none``) around an
-
-        unbiased compressor whose variance factor is ``ω ≥ 1`` at a tensor's size (it would
-
-        diverge; :func:`jaxcomm.compressors.contractive` scales it into a contraction).
+      ValueError: at ``init``, a memory that needs a contraction (``Memory.needs_contraction``)
+        around an unbiased compressor whose variance factor is ``ω ≥ 1`` at a tensor's size (it
+        would diverge; :func:`jaxcomm.compressors.contractive` scales it into a contraction),
+        or around one that declares ``no_contraction`` (signsgd, signum).
       TypeError: ``compressor``/``server_compressor`` not a Compressor, a
         memory not a Memory, ``comm`` not a Communicator, ``skip_nonfinite`` not a bool.
       ValueError: a compressor strategy the communicator cannot serve, a

@@ -65,9 +65,10 @@ def error_feedback(
       the exact size of leaf ``i``'s payload at the last step (what a worker
       would send).
     Raises:
-      ValueError: at ``init``, a memory that feeds back (any but ``none``) around an
-        unbiased compressor whose variance factor is ``ω ≥ 1`` at a tensor's size (it would
-        diverge; :func:`jaxcomm.compressors.contractive` scales it into a contraction).
+      ValueError: at ``init``, a memory that needs a contraction (``Memory.needs_contraction``)
+        around an unbiased compressor whose variance factor is ``ω ≥ 1`` at a tensor's size (it
+        would diverge; :func:`jaxcomm.compressors.contractive` scales it into a contraction),
+        or around one that declares ``no_contraction`` (signsgd, signum).
       TypeError: ``compressor`` or ``memory`` of the wrong type, ``skip_nonfinite`` not a bool;
         non-float leaves.
       ValueError: ``update`` sees a different tree than ``init``.

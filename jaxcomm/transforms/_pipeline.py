@@ -165,18 +165,31 @@ def check_compressor(compressor, name: str = "compressor", *, dense_warmup: bool
 
 
 def check_feedback(compressor: Compressor, memory: memory_lib.Memory, sizes) -> None:
-    """Refuse error feedback around an unbiased compressor whose variance factor is ``ω ≥ 1``.
+    """Refuse error feedback around a compressor that is not a contraction: an unbiased one whose
+    variance factor is ``ω ≥ 1``, or one that declares ``no_contraction``.
 
-    With a memory that feeds the error back (every memory but ``none``), the
-    error ``e' = v − Q(v)`` of such a compressor has ``E‖e'‖² = ω ‖v‖²`` (random
-    sparsification: exactly), so once the memory dominates ``v = g + e`` it grows
-    by a factor ``ω`` per step. ``sizes`` are the entries of each compressed tensor.
+    With a memory that needs a contraction (``memory.needs_contraction``: every memory that
+    feeds the error back, unless built to accept any compressor), the error ``e' = v − Q(v)``
+    of an unbiased compressor has ``E‖e'‖² = ω ‖v‖²`` (random sparsification: exactly), so
+    once the memory dominates ``v = g + e`` it grows by a factor ``ω`` per step; a compressor
+    with no contraction has no such factor at all. ``sizes`` are the entries of each compressed
+    tensor.
 
     Raises:
-      ValueError: naming the compressor, ``ω``, the tensor size and the fix
-        (:func:`jaxcomm.compressors.contractive`).
+      ValueError: naming the compressor, why it is not a contraction (``ω`` and the tensor
+        size, or its ``no_contraction`` reason) and the fix
+        (:func:`jaxcomm.compressors.contractive`, a scaled variant, or no memory).
     """
-    if memory.name == "none" or compressor.variance_factor is None:
+    if not memory.needs_contraction:
+        return
+    if compressor.no_contraction:
+        raise ValueError(
+            f"error feedback ({memory!r}) needs a contraction, E‖Q(x) − x‖² ≤ (1 − δ)‖x‖², but {compressor!r} "
+            f"declares none: {compressor.no_contraction}. Use a compressor that scales its output into a "
+            "contraction, or no memory (memory=jaxcomm.memory.none()); to measure error feedback on it anyway, "
+            "jaxcomm.memory.residual(needs_contraction=False)"
+        )
+    if compressor.variance_factor is None:
         return
     for d in sizes:
         omega = compressor.omega(d)

@@ -42,8 +42,11 @@ def run(config: dict, out_dir: Path) -> dict:
                 continue
             c = compressors.make(name, **DEMO_KWARGS.get(name, {}))
             c = for_error_feedback(c) if ef else c  # error feedback refuses unscaled ω >= 1
+            # GRACE measures error feedback on every compressor, those with no contraction
+            # (signsgd, signum) included, which a contraction-checking memory would refuse.
+            mem = memory.residual(needs_contraction=not c.no_contraction) if ef else memory.none()
             tx = optax.chain(
-                compressed_mean(c, memory=memory.residual() if ef else memory.none()),
+                compressed_mean(c, memory=mem),
                 optax.sgd(config["learning_rate"], momentum=config["momentum"]),
             )
             label = f"{name}{'+EF' if ef else ''}"
