@@ -358,7 +358,8 @@ def test_every_compressor_matches_per_worker_roundtrips(name):
     c = for_feedback(c, int(np.prod(shape)))
     # 16-bit payloads: the all-reduce route is pinned (under "auto" error feedback takes the float32
     # reduce-scatter route, whose owners also feed their rounding back: test_reduce_scatter.py).
-    tx = compressed_mean(c, "i", memory=mem.residual(), strategy="allreduce" if sums_in_16_bits(c) else "auto")
+    memory = mem.residual(needs_contraction=not c.no_contraction)  # sign methods: error feedback by choice
+    tx = compressed_mean(c, "i", memory=memory, strategy="allreduce" if sums_in_16_bits(c) else "auto")
     g = jax.random.normal(jax.random.PRNGKey(3), (n, *shape))
     g = g.at[:, 0, 0].set(0.0)  # an exact zero (sign conventions, sparsifier ties)
     u, state = jax.jit(jax.vmap(tx.update, axis_name="i"))({"w": g}, stacked(tx.init({"w": g[0]}), n))
@@ -400,7 +401,7 @@ def test_every_compressor_traces_inside_shard_map(name):
     c = jc.compressors.make(name, **MEAN_KWARGS.get(name, {}))
     n, mesh = 4, mesh_of(4)
     c = for_feedback(c, 9216)  # the largest leaf; ω grows with the size
-    tx = compressed_mean(c, "data", memory=mem.residual())
+    tx = compressed_mean(c, "data", memory=mem.residual(needs_contraction=not c.no_contraction))
     x0 = {"b": jnp.zeros(16), "w": jnp.zeros((3, 3, 32, 32))}
 
     def worker(a, x, state):

@@ -165,7 +165,9 @@ def test_error_feedback_around_an_injected_compressor():
     # The transforms take a compressor; a factory that builds both injects the compressor's
     # hyper-parameters. Reference: EF-SGD with residual memory around SIGNUM.
     def ef_signum(momentum):
-        return jc.error_feedback(jc.compressors.signum(momentum=momentum))
+        # signum declares no contraction: error feedback around it is asked for explicitly
+        memory = jc.memory.residual(needs_contraction=False)
+        return jc.error_feedback(jc.compressors.signum(momentum=momentum), memory=memory)
 
     rng = np.random.default_rng(1)
     grads = list(rng.normal(size=(3, 32)).astype(np.float32))
