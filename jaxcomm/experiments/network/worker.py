@@ -518,8 +518,15 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
         result["link_counters"] = {"bytes": counters.bytes, "packets": counters.packets, "drops": counters.drops}
     result["timing_jobs"] = []
     for bandwidth in cfg["time_links"]:
-        shape = reshape(bandwidth).describe() if rank == 0 else None
-        world.Barrier()
+        shape, error = None, None
+        if rank == 0:
+            try:
+                shape = reshape(bandwidth).describe()
+            except (OSError, ValueError, RuntimeError) as e:  # NetemError, NetemUnavailable, a missing tc
+                error = f"{type(e).__name__}: {e}"
+        error = world.bcast(error)  # every rank ends with the reason, none waits for rank 0 forever
+        if error is not None:
+            raise RuntimeError(f"could not give the link the rate {bandwidth}: {error}")
         job_cfg = {**cfg, "bandwidth": bandwidth, "timing_warmup": needed}
         tj = {
             "bandwidth": bandwidth,
