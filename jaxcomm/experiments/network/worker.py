@@ -281,8 +281,7 @@ def _compute_s(method: str, seed: int, lr: float, cfg: dict, train, world, cache
 
 
 def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, world, rank: int, cache: dict) -> dict:
-    from tqdm.auto import tqdm
-
+    from jaxcomm._progress import progress_bar
     from jaxcomm.netem import link_counters
 
     n = world.Get_size()
@@ -297,7 +296,7 @@ def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, worl
     # Under mpirun the output is a pipe, which holds a bar's carriage-return updates back:
     # then one line per evaluation instead.
     lines = rank == 0 and not sys.stderr.isatty()
-    bar = tqdm(total=max_steps, desc=desc, disable=rank != 0 or lines, leave=True)
+    bar = progress_bar(total=max_steps, desc=desc, disable=rank != 0 or lines, leave=True)
     reached = None
     while step < max_steps:
         world.Barrier()
@@ -469,9 +468,9 @@ def main(argv: list[str] | None = None) -> None:
         for method, seed, swept in plan:
             lr = swept if swept is not None else float(rates.get(method, _learning_rate(cfg, method)))
             same = (method, seed, lr)
-            reuse = [r for r in result.get("sweep", []) if (r["method"], r["seed"], r["learning_rate"]) == same]
-            if key == "runs" and reuse:  # the sweep trained this very run (same method, seed and rate)
-                result[key].append(reuse[0])
+            swept_run = [r for r in result.get("sweep", []) if (r["method"], r["seed"], r["learning_rate"]) == same]
+            if key == "runs" and swept_run:  # the sweep trained this very run (same method, seed and rate)
+                result[key].append(swept_run[0])
             else:
                 result[key].append(_train(method, seed, lr, cfg, train, test_shard, world, rank, compute_cache))
             done += 1
