@@ -468,8 +468,9 @@ def main(argv: list[str] | None = None) -> None:
         for method, seed, swept in plan:
             lr = swept if swept is not None else float(rates.get(method, _learning_rate(cfg, method)))
             same = (method, seed, lr)
-            swept_run = [r for r in result.get("sweep", []) if (r["method"], r["seed"], r["learning_rate"]) == same]
-            if key == "runs" and swept_run:  # the sweep trained this very run (same method, seed and rate)
+            sweep_runs = result.get("sweep", []) if key == "runs" else []
+            swept_run = [r for r in sweep_runs if (r["method"], r["seed"], r["learning_rate"]) == same]
+            if swept_run:  # the sweep trained this very run (same method, seed and rate)
                 result[key].append(swept_run[0])
             else:
                 result[key].append(_train(method, seed, lr, cfg, train, test_shard, world, rank, compute_cache))
