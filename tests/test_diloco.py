@@ -181,7 +181,8 @@ def test_fragments_are_contiguous_nonempty_and_cover_every_leaf(sizes, fragments
         ({"every": 4, "fragments": 2, "delay": 2}, "delay"),
         ({"every": 4, "delay": -1}, "delay"),
         ({"every": 4, "blend": 1.0}, "blend"),
-        ({"every": 4, "overlap": True, "compressor": jc.compressors.topk(ratio=0.1)}, "overlap"),
+        ({"every": 4, "overlap": True, "compressor": jc.compressors.powersgd()}, "overlap"),
+        ({"every": 4, "overlap": True, "compressor": jc.compressors.fp16(), "memory": jc.memory.residual()}, "overlap"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(kwargs, match):
@@ -207,7 +208,9 @@ def test_overlap_needs_an_mpi_communicator_and_update_needs_params():
 def test_mpi_in_step_and_overlapped_match_the_reference_with_a_late_rank(tmp_path):
     """``mpirun -n 3`` (tests/mpi_scripts/diloco_mpi.py): Streaming DiLoCo over MPIComm, with the
     exchanges inside the step and overlapped by a communication thread while the last rank is
-    late, both equal the NumPy reference (and so the mesh runs above)."""
+    late, both equal the NumPy reference (and so the mesh runs above). With top-k 50 % and
+    residual memory (SparseLoCo's outer gradient), the overlapped gather route equals the
+    in-step pipeline, and every rank ends with the same anchor."""
     pytest.importorskip("mpi4jax", reason="the MPI backend needs mpi4jax (pip install 'jaxcomm[mpi]')")
     from mpirun import run_mpi
 
@@ -217,6 +220,10 @@ def test_mpi_in_step_and_overlapped_match_the_reference_with_a_late_rank(tmp_pat
     with np.load(out) as z:
         for case in ("in_step", "overlap"):
             _close({k: z[f"{case}/{k}"] for k in KEYS}, ref)
+        for k in KEYS:
+            sparse = z[f"overlap_sparse/{k}"]
+            np.testing.assert_allclose(sparse, z[f"in_step_sparse/{k}"], rtol=1e-6, atol=1e-7)
+            assert np.abs(sparse - ref[k]).max() > 1e-4  # top-k 50 % really dropped entries
 
 
 def test_initial_states_hold_no_buffer_twice():

@@ -1,10 +1,13 @@
-"""An exchange that overlaps computation: a mean over MPI processes run by a communication thread.
+"""An exchange that overlaps computation: a mean or a gather over MPI processes, run by a communication thread.
 
 Inside a jitted step, :meth:`AsyncMean.start` hands arrays to the host (``jax.experimental.io_callback``,
 ordered), where a background thread runs the MPI collectives on a private duplicate of the
 communicator while the process goes on computing; a later step's :meth:`AsyncMean.finish` waits
-for that thread and returns the mean. Streaming DiLoCo uses it to overlap a fragment's outer
-exchange with the next inner steps (:func:`jaxcomm.transforms.diloco` with ``overlap=True``).
+for that thread and returns the mean. :meth:`AsyncMean.start_gather` and
+:meth:`AsyncMean.finish_gather` do the same for an all-gather (every process's arrays, stacked),
+the route of a compressed payload that is decompressed and summed after it arrives. The DiLoCo
+family uses them to overlap a fragment's outer exchange with the next inner steps
+(:func:`jaxcomm.transforms.diloco` with ``overlap=True``).
 
 Arithmetic, per array of ``d`` entries over ``n`` processes:
 
@@ -13,7 +16,9 @@ Arithmetic, per array of ``d`` entries over ``n`` processes:
   zero-pad to ``n c`` (``c = ⌈d / n⌉``), ``MPI_Alltoall`` of the 16-bit words, a float32 sum of
   the ``n`` chunks at each owner rounded once to 16 bits, ``MPI_Allgather`` of the rounded
   chunks; the mean is that sum in float32 divided by ``n`` (each process sends
-  ``2 (n − 1) c`` 16-bit words).
+  ``2 (n − 1) c`` 16-bit words);
+* gather (any dtype, shape ``s``): ``MPI_Allgather`` of the array's bytes; the result is
+  ``(n, *s)``, row ``r`` process ``r``'s array, bit for bit.
 """
 
 from __future__ import annotations
@@ -66,12 +71,12 @@ class AsyncMean:
         return f"AsyncMean(size={self.size}, in_flight={sorted(self._jobs)})"
 
     # -- host side --------------------------------------------------------- #
-    def _submit(self, tag: int, arrays) -> None:
+    def _submit(self, tag: int, arrays, run=None) -> None:
         copies = [np.array(a, copy=True) for a in arrays]  # the device buffers may be reused
         with self._lock:
             # A tag started again while in flight (training restarted from a fresh state): every process
             # does the same, the old exchange completes in the thread first, and its result is dropped.
-            self._jobs[tag] = self._pool.submit(self._mean, copies)
+            self._jobs[tag] = self._pool.submit(run or self._mean, copies)
 
     def _collect(self, tag: int) -> list[np.ndarray]:
         with self._lock:
@@ -102,6 +107,15 @@ class AsyncMean:
         total = gathered.view(x.dtype)[:d].astype(np.float32).reshape(x.shape)
         return total / np.float32(n)
 
+    def _gather(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        out = []
+        for x in arrays:
+            flat = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+            received = np.empty(self.size * flat.shape[0], np.uint8)
+            self.comm.Allgather(flat, received)
+            out.append(received.view(x.dtype).reshape(self.size, *x.shape))
+        return out
+
     # -- traced side ------------------------------------------------------- #
     def start(self, tag: int, leaves) -> jax.Array:
         """Begin the mean of ``leaves`` (arrays) under ``tag`` (a Python int); returns an int32 token.
@@ -124,6 +138,33 @@ class AsyncMean:
         float32 (float64 for float64 leaves), shaped like it. Traceable."""
         tag = int(tag)
         shapes = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.promote_types(x.dtype, jnp.float32)) for x in like)
+
+        def host():
+            return tuple(self._collect(tag))
+
+        from jax.experimental import io_callback
+
+        return list(io_callback(host, shapes, ordered=True))
+
+    def start_gather(self, tag: int, leaves) -> jax.Array:
+        """Begin the all-gather of ``leaves`` (arrays of any dtype) under ``tag``; returns an int32
+        token. Traceable; as :meth:`start`, the exchange runs in the background."""
+        tag = int(tag)
+
+        def host(*arrays):
+            self._submit(tag, arrays, self._gather)
+            return np.zeros((), np.int32)
+
+        from jax.experimental import io_callback
+
+        return io_callback(host, jax.ShapeDtypeStruct((), jnp.int32), *leaves, ordered=True)
+
+    def finish_gather(self, tag: int, like) -> list[jax.Array]:
+        """The gathered arrays of the exchange ``tag``, waiting for it: for each leaf of ``like``
+        (shape ``s``, dtype ``t``) an array ``(n, *s)`` of dtype ``t`` whose row ``r`` is process
+        ``r``'s. Traceable."""
+        tag = int(tag)
+        shapes = tuple(jax.ShapeDtypeStruct((self.size, *jnp.shape(x)), x.dtype) for x in like)
 
         def host():
             return tuple(self._collect(tag))

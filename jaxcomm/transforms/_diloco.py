@@ -35,10 +35,21 @@ import optax
 from .. import compressors as compressors_lib
 from .. import memory as memory_lib
 from .._bitcount import BitCount
+from .._keys import step_keys
 from .._vma import cast_varying, typed_switch, varying_axes
 from ..compressors._base import Compressor, check_finite_scalar, check_positive_int, wire_bits
 from ._compressed_mean import compressed_mean
-from ._pipeline import CompressionState, check_compressor, check_memory
+from ._pipeline import (
+    LOCAL,
+    CompressionState,
+    _sent_bits,
+    _sum_decompressed,
+    accumulator,
+    check_compressor,
+    check_memory,
+    choose_strategy,
+    compress_step,
+)
 
 __all__ = ["DiLoCoState", "diloco", "fragment_leaves"]
 
@@ -155,10 +166,17 @@ def diloco(
       strategy, fuse: of :func:`~jaxcomm.compressed_mean`.
       overlap: over MPI (the communicator an :class:`~jaxcomm.comm.MPIComm`), run each fragment's
         exchange in a communication thread (:class:`~jaxcomm.comm.AsyncMean`) that overlaps the
-        ``delay`` inner steps after it; for the compressors ``none``, ``fp16`` and ``bf16``
-        without memory (the payload's mean is the pipeline's ``allreduce`` route, summed in
-        float32). An exchange still in flight is not part of the state: checkpoint at steps
-        where none is (``t mod (H / F) >= delay``).
+        ``delay`` inner steps after it. Two routes: the compressors ``none``, ``fp16`` and
+        ``bf16`` without memory send their payload to a mean (the pipeline's ``allreduce``
+        route, summed in float32); a single-round compressor whose strategy is ``"allgather"``
+        (top-k, random-k, sign, ...; SparseLoCo's), with any memory, is compensated,
+        compressed and its memory updated in the step, exactly as the pipeline does with
+        that strategy, then its payload arrays are all-gathered by the thread, and ``delay``
+        steps later every worker's payload is decompressed and summed in the step (each
+        worker's draws use the key ``fold_in(key, rank)``, where the in-step pipeline folds the
+        rank into each tensor's key: a stochastic compressor draws differently, a
+        deterministic one gives the in-step result). An exchange still in flight is not part
+        of the state: checkpoint at steps where none is (``t mod (H / F) >= delay``).
       skip_nonfinite: of :func:`~jaxcomm.compressed_mean`, for the exchanges: when some
         worker's pseudo-gradient has a NaN or Inf, every worker skips that exchange, whose
         mean is then zero, and the fragment's memories stay as they were (its
@@ -200,10 +218,12 @@ def diloco(
             "skip_nonfinite=True needs the pipeline's exchange, but overlap=True sends the payloads from an MPI "
             "communication thread; use one of them"
         )
-    if overlap and (compressor.name not in _OVERLAP_COMPRESSORS or memory.name != "none"):
+    gather = overlap and not (compressor.name in _OVERLAP_COMPRESSORS and memory.name == "none")
+    if gather and (compressor.rounds is not None or choose_strategy(compressor, strategy) != "allgather"):
         raise ValueError(
-            f"overlap supports the compressors {_OVERLAP_COMPRESSORS} without memory; got {compressor!r} "
-            f"with {memory!r}"
+            f"overlap supports the compressors {_OVERLAP_COMPRESSORS} without memory, and single-round "
+            f"compressors with strategy 'allgather' (any memory); got {compressor!r} with {memory!r} and "
+            f"strategy={strategy!r}"
         )
     exchanges: dict = {}  # mpi4py communicator -> its AsyncMean, made at the first trace
 
@@ -220,15 +240,53 @@ def diloco(
     if overlap and (axis_name is not None or comm is not None):
         mpi_only(comm if comm is not None else f"axis_name={axis_name!r}")
 
-    def async_mean():
+    def target_comm():
         from ..comm import current
 
-        target = mpi_only(comm if comm is not None else current())
+        return mpi_only(comm if comm is not None else current())
+
+    def async_mean():
+        target = target_comm()
         if id(target.comm) not in exchanges:
             from ..comm import AsyncMean
 
             exchanges[id(target.comm)] = AsyncMean(target.comm)
         return exchanges[id(target.comm)]
+
+    def _local_step(es: CompressionState, delta):
+        """The pipeline's compensate → compress → memory update on this worker alone (no exchange):
+        ``(exchanged, new state)``; the draws use ``fold_in(key, rank)``, the next key is the pipeline's."""
+        rank = int(target_comm().rank)
+        mine = es._replace(key=jax.random.fold_in(es.key, rank))
+        ex, _, _, done, _ = compress_step(
+            LOCAL, delta, mine, compressor=compressor, memory=memory, strategy="allgather"
+        )
+        next_key = step_keys(es.key, len(es.compressor_states))[0]
+        return ex, done._replace(key=next_key)
+
+    def _compress_here(tag: int, es: CompressionState, delta):
+        """Gather route, at the sync: ``(state, token, collectives)``; the payloads leave in the thread."""
+        ex, done = _local_step(es, delta)
+        leaves = [leaf for payload in ex.payloads for leaf in jax.tree.leaves(payload)]
+        token = async_mean().start_gather(tag, leaves)
+        bits = BitCount.stack([_sent_bits(payload) for payload in ex.payloads])
+        return done._replace(wire_bits=bits), token, len(leaves)
+
+    def _gathered_mean(tag: int, es: CompressionState, like):
+        """Gather route, ``delay`` steps later: ``(1/n) Σ_r decompress(payload_r)`` per leaf, scaled by
+        the memory's ``output_scale`` as the pipeline does."""
+        shapes = jax.eval_shape(lambda d: _local_step(es, d)[0].payloads, like)
+        flat = [(jax.tree.leaves(payload), jax.tree.structure(payload)) for payload in shapes]
+        got = async_mean().finish_gather(tag, [leaf for leaves, _ in flat for leaf in leaves])
+        n = int(target_comm().size)
+        means, start = [], 0
+        for (leaves, tree), x in zip(flat, like):
+            stacked = jax.tree.unflatten(tree, got[start : start + len(leaves)])
+            start += len(leaves)
+            total = _sum_decompressed(compressor, stacked, n, accumulator(jnp.result_type(x)))
+            mean = total / n
+            means.append(mean if memory.output_scale == 1.0 else mean * memory.output_scale)
+        return means
 
     def split(params) -> list[list[int]]:
         sizes = [int(np.size(x)) for x in jax.tree.leaves(params)]
@@ -274,6 +332,10 @@ def diloco(
         def sender(p):
             def send(_):
                 delta = [(anchor[j] - local[j]).astype(local[j].dtype) for j in groups[p]]
+                if gather:  # compressed and memory updated now; the payloads arrive `delay` steps later
+                    sent, token, count = _compress_here(p, state.exchange_states[p], delta)
+                    sent = sent._replace(messages=(token + count).astype(jnp.int32))
+                    return pending, quiet[:p] + (sent,) + quiet[p + 1 :]
                 if overlap:  # the payloads leave now; the mean arrives `delay` steps later
                     payloads = [compressor.compress(x, state.exchange_states[p].key)[0] for x in delta]
                     token = async_mean().start(p, [q.data for q in payloads])
@@ -302,7 +364,9 @@ def diloco(
 
         def receiver(q):
             def receive(_):
-                if overlap:
+                if gather:
+                    delta = _gathered_mean(q, state.exchange_states[q], [local[j] for j in groups[q]])
+                elif overlap:
                     # the payloads' shapes and dtypes only (traced abstractly: nothing is compressed here)
                     key = state.exchange_states[q].key
                     like = [jax.eval_shape(lambda x: compressor.compress(x, key)[0].data, local[j]) for j in groups[q]]

@@ -5,7 +5,8 @@ of :mod:`diloco_common`'s problem and takes 13 steps of
 ``diloco(sgd(0.05, momentum=0.5), every=6, fragments=3, delay=1, blend=0.25)`` twice: with the
 exchanges inside the step (mpi4jax), and with ``overlap=True`` (a communication thread), where the
 last rank sleeps 0.3 s after every step that starts an exchange, so the others run their next
-inner step while that rank's part of the exchange is still to come. The npz holds
+inner step while that rank's part of the exchange is still to come; then both again with top-k 50 %
+and residual memory on the outer gradient (``*_sparse``: the overlap's gather route). The npz holds
 ``{case}/{leaf}`` arrays ``(n, *shape)``: every rank's final parameters.
 """
 
@@ -30,12 +31,19 @@ from jaxcomm.comm import MPIComm, use
 STEPS, EVERY, FRAGMENTS = 13, 6, 3
 
 
-def run(comm: MPIComm, overlap: bool) -> dict:
+def run(comm: MPIComm, overlap: bool, sparse: bool = False) -> dict:
     scale, target, theta0 = _problem()
     a = {k: jnp.asarray(scale[k][comm.rank]) for k in KEYS}
     b = {k: jnp.asarray(target[k][comm.rank]) for k in KEYS}
+    outer_gradient = {"compressor": jc.compressors.topk(ratio=0.5), "memory": jc.memory.residual()} if sparse else {}
     tx = jc.diloco(
-        optax.sgd(0.05, momentum=0.5), every=EVERY, fragments=FRAGMENTS, delay=1, blend=0.25, overlap=overlap
+        optax.sgd(0.05, momentum=0.5),
+        every=EVERY,
+        fragments=FRAGMENTS,
+        delay=1,
+        blend=0.25,
+        overlap=overlap,
+        **outer_gradient,
     )
     params = {k: jnp.asarray(theta0[k]) for k in KEYS}
     state = tx.init(params)
@@ -59,8 +67,14 @@ def main(out: str) -> None:
     comm = MPIComm()
     assert comm.size == N, f"run under mpirun -n {N}"
     results = {}
-    for case, overlap in (("in_step", False), ("overlap", True)):
-        final = run(comm, overlap)
+    cases = (
+        ("in_step", False, False),
+        ("overlap", True, False),
+        ("in_step_sparse", False, True),
+        ("overlap_sparse", True, True),
+    )
+    for case, overlap, sparse in cases:
+        final = run(comm, overlap, sparse)
         for k, v in final.items():
             gathered = MPI.COMM_WORLD.gather(v, root=0)
             if comm.rank == 0:

@@ -104,6 +104,12 @@ def _topk2():
     return jaxcomm.compressors.topk(ratio=0.02, dense_below=256)
 
 
+def _topk1_bf16():
+    import jaxcomm
+
+    return jaxcomm.compressors.half(jaxcomm.compressors.topk(ratio=0.01, dense_below=256), "bfloat16")
+
+
 def _residual09():
     import jaxcomm
 
@@ -137,6 +143,14 @@ METHODS: dict[str, Builder] = {
     "diloco-H20-int8": _diloco(compressor=_eightbit),
     "sparseloco-H20": _diloco(compressor=_topk2, memory=_residual09, outer=_outer_sgd1),
     "streaming-diloco-H20": _diloco(fragments=4, delay=2, blend=0.5, compressor=_bf16, overlap=True),
+    # SparseLoCo with fewer bytes (1 %, values in bfloat16), and with its exchange overlapped
+    "sparseloco-H20-1%-bf16": _diloco(compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1),
+    "sparseloco-H20-1%-bf16-overlap5": _diloco(
+        compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=5, blend=0.5, overlap=True
+    ),
+    "sparseloco-H20-1%-bf16-overlap10": _diloco(
+        compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=10, blend=0.5, overlap=True
+    ),
     # shorter periods, for the study of H against the steps to target
     "diloco-H10-int8": _diloco(10, compressor=_eightbit),
     "sparseloco-H10": _diloco(10, compressor=_topk2, memory=_residual09, outer=_outer_sgd1),
