@@ -171,6 +171,10 @@ METHODS: dict[str, Builder] = {
   communication thread that overlaps the next 2 inner steps, then applied and blended
   half-half (``overlap=True``; the compute-only step is timed without the thread, on one
   worker);
+* ``sparseloco-H20-1%-bf16``: SparseLoCo with top-k 1 % whose values cross in bfloat16
+  (``half(topk(0.01), "bfloat16")``); ``-overlap5`` / ``-overlap10``: the same with its
+  exchange gathered by an MPI communication thread during the next 5 or 10 inner steps, then
+  blended half-half (``overlap=True, delay=5 or 10, blend=0.5``);
 * ``diloco-H10-int8``, ``sparseloco-H10``, ``sparseloco-H5``: the same with ``every`` = 10 or 5."""
 
 SWEPT_LEARNING_RATES: dict[str, float] = {
