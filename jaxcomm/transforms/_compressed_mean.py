@@ -21,6 +21,7 @@ from .._bitcount import BitCount
 from .._vma import typed_switch
 from ..comm import resolve
 from ..compressors._base import Compressor, check_positive_int
+from ._hierarchical import Grid, HierarchicalState, Hierarchy, check_axes, refuse_outer_comm
 from ._pipeline import (
     FUSE_MAX_BYTES,
     STRATEGIES,
@@ -43,7 +44,7 @@ __all__ = ["FUSE_MAX_BYTES", "STRATEGIES", "compressed_mean"]
 
 def compressed_mean(
     compressor: Compressor,
-    axis_name: str | None = None,
+    axis_name: str | tuple[str, str] | None = None,
     *,
     comm=None,
     memory: memory_lib.Memory | None = None,
@@ -51,6 +52,7 @@ def compressed_mean(
     fuse: bool = True,
     warmup: Sequence[tuple[int, Compressor]] = (),
     skip_nonfinite: bool = False,
+    fast: Compressor | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Mean of the workers' gradients, communicated compressed (GRACE Algorithm 1).
 
@@ -181,7 +183,19 @@ def compressed_mean(
     """
     compressor = check_compressor(compressor, dense_warmup=True)
     memory = memory_lib.none() if memory is None else check_memory(memory)
-    comm_obj = resolve(axis_name, comm)
+    hierarchy = None
+    if isinstance(axis_name, tuple):
+        hierarchy = Hierarchy(*check_axes(axis_name, comm), fast)
+        comm_obj = hierarchy.slow
+    else:
+        if fast is not None:
+            raise ValueError(
+                f"fast= is the fast axis' format of the hierarchical mean, axis_name=(slow, fast); got "
+                f"axis_name={axis_name!r}"
+            )
+        if axis_name is not None and comm is not None:
+            refuse_outer_comm(comm, axis_name)
+        comm_obj = resolve(axis_name, comm)
     if not isinstance(fuse, bool):
         raise TypeError(f"fuse must be a bool; got {type(fuse).__name__}")
     skip = check_skip_nonfinite(skip_nonfinite)
@@ -200,6 +214,11 @@ def compressed_mean(
     no_memory = memory_lib.none()
 
     def init_fn(params):
+        if hierarchy is not None:  # the slow axis' state holds the shards' memories; the fast axis' the bits
+            return HierarchicalState(flat_init(hierarchy.shards(params)), hierarchy.init_fast(params))
+        return flat_init(params)
+
+    def flat_init(params):
         state = init_state(params, compressor, memory)
         leaves = jax.tree.leaves(params)
         for j, (c, _) in enumerate(stages):
@@ -245,7 +264,11 @@ def compressed_mean(
         _ = int(comm_obj.size)  # raises ValueError naming the axis where it is not bound
         for phase in phases:
             phase.check_served(comm_obj)
-        return if_finite(comm_obj, updates, state, step, skip=skip)
+        if hierarchy is None:
+            return if_finite(comm_obj, updates, state, step, skip=skip)
+        _ = hierarchy.fast.size  # raises ValueError naming the fast axis where it is not bound
+        hierarchy.check_state(state, jax.eval_shape(lambda: flat_init(hierarchy.shards(updates, "update"))))
+        return if_finite(Grid(hierarchy), updates, state, lambda u, s: hierarchy.step(u, s, step), skip=skip)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
