@@ -120,7 +120,9 @@ class Hierarchy:
         self.slow, self.fast = slow, fast
         self.format = _fast_format(fast_format)
         probe = jax.ShapeDtypeStruct((1,), jnp.float32)
-        self.field = type(jax.eval_shape(lambda x: self.format.compress(x, jax.random.PRNGKey(0), ()), probe)[0]).summable[0]
+        self.field = type(
+            jax.eval_shape(lambda x: self.format.compress(x, jax.random.PRNGKey(0), ()), probe)[0]
+        ).summable[0]
 
     def __repr__(self):
         return f"Hierarchy(slow={self.slow.axis_name!r}, fast={self.fast.axis_name!r}, format={self.format!r})"
@@ -164,7 +166,7 @@ class Hierarchy:
                     f"tensor into {n} equal shards"
                 )
             out.append(jnp.zeros((d // n,), jnp.result_type(x)))
-        return treedef.unflatten(out)
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     def init_fast(self, params) -> CompressionState:
         """The fast axis' state: a key, the bit counts per leaf; no memory."""
