@@ -45,12 +45,15 @@ PARAMS = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
 _STEPS: dict = {}
 
 
-def hierarchical(settings_):
+def hierarchical(settings_, skip_nonfinite=False):
     """``(txs, step)`` for ``settings_``, ``((compressor, strategy, memory, fast), ...)``: one jitted shard_map step
     on the 2x2 mesh running every setting's transformation, ``(grads, states) -> (updates, states)``."""
-    key = repr(settings_)
+    key = (repr(settings_), skip_nonfinite)
     if key not in _STEPS:
-        txs = tuple(compressed_mean(c, ("node", "local"), memory=m, strategy=s, fast=f) for c, s, m, f in settings_)
+        txs = tuple(
+            compressed_mean(c, ("node", "local"), memory=m, strategy=s, fast=f, skip_nonfinite=skip_nonfinite)
+            for c, s, m, f in settings_
+        )
         _STEPS[key] = txs, _mesh_step(txs, grid_mesh(), SPEC, 2)
     return _STEPS[key]
 
@@ -64,10 +67,10 @@ def _mesh_step(txs, mesh, spec, rank):
     return jax.jit(jax.shard_map(worker, mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=True))
 
 
-def run_all(settings_, grads):
+def run_all(settings_, grads, skip_nonfinite=False):
     """Per setting: every step's update (worker (0, 0); all agree) and the final state, from ``grads[t]``
     ``(N, L, *shape)``."""
-    txs, step = hierarchical(settings_)
+    txs, step = hierarchical(settings_, skip_nonfinite)
     mesh = grid_mesh()
     with jax.set_mesh(mesh):
         states = tuple(per_worker(tx.init(PARAMS)) for tx in txs)
@@ -173,17 +176,31 @@ RESIDUAL = mem.residual()
 # Every strategy: exact setting == the plain mean; lossy == the reference, conserved
 # --------------------------------------------------------------------------- #
 def test_exact_setting_gives_the_plain_mean_with_every_strategy():
+    """none() under every strategy: the plain mean. With skip_nonfinite, a NaN on one worker skips the step on
+    every worker: zeros out, the states as they were but for the count of skipped steps, only the flag sent."""
     grads = gradients(1)[:1]
-    results = run_all(tuple((NONE, s, None, None) for s in STRATEGIES), grads)
+    bad = {k: v.copy() for k, v in grads[0].items()}
+    bad["w"][1, 0, 2, 3] = np.nan
+    settings_ = tuple((NONE, s, None, None) for s in STRATEGIES)
     # one worker's slow bits: its shard of every leaf in float32 (reduce_scatter: N − 1 sub-chunks out, then
-    # its averaged sub-chunk: a shard too); fast bits: its L rows reduce-scattered, its shard all-gathered
+    # its averaged sub-chunk: a shard too), and the flag (32 bits on leaf 0); fast bits: its L rows
+    # reduce-scattered, its shard all-gathered
     shard_bits = np.array([32 * int(np.prod(s)) // L for s in SHAPES.values()])
-    for strategy, (outs, state) in zip(STRATEGIES, results):
+    flag = np.array([32, 0])
+    for strategy, (outs, state) in zip(STRATEGIES, run_all(settings_, grads, skip_nonfinite=True)):
         for k in SHAPES:
             mean = grads[0][k].astype(np.float64).mean((0, 1))
             np.testing.assert_allclose(outs[0][k], mean, rtol=1e-6, atol=1e-6, err_msg=strategy)
-        np.testing.assert_array_equal(np.asarray(state.slow.wire_bits)[0, 0], shard_bits, err_msg=strategy)
+        np.testing.assert_array_equal(np.asarray(state.slow.wire_bits)[0, 0], shard_bits + flag, err_msg=strategy)
         np.testing.assert_array_equal(np.asarray(state.fast.wire_bits)[0, 0], shard_bits * (L + 1), err_msg=strategy)
+    for strategy, (outs, state) in zip(STRATEGIES, run_all(settings_, [grads[0], bad], skip_nonfinite=True)):
+        for k in SHAPES:  # the NaN step is skipped on every worker: zeros, only the flag sent
+            np.testing.assert_array_equal(outs[1][k], 0.0)
+        for part in (state.slow, state.fast):
+            np.testing.assert_array_equal(np.asarray(part.count), 1)
+            np.testing.assert_array_equal(np.asarray(part.notfinite_count), 1)
+        np.testing.assert_array_equal(np.asarray(state.slow.wire_bits)[0, 0], flag, err_msg=strategy)
+        np.testing.assert_array_equal(np.asarray(state.fast.wire_bits)[0, 0], 0, err_msg=strategy)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
