@@ -2,8 +2,9 @@
 
 compensate → compress → communicate → decompress → memory update is written once
 (:mod:`jaxcomm.transforms._pipeline`); :func:`error_feedback` runs it over one
-worker, :func:`compressed_mean` over the workers' communicator,
-:func:`doublesqueeze` twice (workers, then the server), and
+worker, :func:`compressed_mean` over the workers' communicator (with ``axis_name=(slow, fast)``:
+on each worker's shard over the slow axis, between a dense reduce-scatter and an all-gather over
+the fast one), :func:`doublesqueeze` twice (workers, then the server), and
 :func:`gradient_dropping` adds Algorithm 2's local-gradient combination;
 :func:`deep_gradient_compression` chains :func:`local_clip` with a top-k
 ``compressed_mean`` around DGC's memory and its :func:`topk_warmup` stages;
@@ -27,6 +28,7 @@ from ._gradient_dropping import (
     num_kept,
     periodic_average,
 )
+from ._hierarchical import HierarchicalState
 from ._local_clip import local_clip
 from ._pipeline import FUSE_MAX_BYTES, STRATEGIES, CompressionState, run_rounds
 
@@ -37,6 +39,7 @@ __all__ = [
     "DoubleSqueezeState",
     "DropRatioSchedule",
     "FUSE_MAX_BYTES",
+    "HierarchicalState",
     "PeriodicAverageState",
     "STRATEGIES",
     "accumulate",

@@ -19,8 +19,9 @@ from .. import compressors as compressors_lib
 from .. import memory as memory_lib
 from .._bitcount import BitCount
 from .._vma import typed_switch
-from ..comm import resolve
+from ..comm import Communicator, resolve
 from ..compressors._base import Compressor, check_positive_int
+from ._hierarchical import Grid, HierarchicalState, Hierarchy, check_axes, refuse_outer_comm
 from ._pipeline import (
     FUSE_MAX_BYTES,
     STRATEGIES,
@@ -43,7 +44,7 @@ __all__ = ["FUSE_MAX_BYTES", "STRATEGIES", "compressed_mean"]
 
 def compressed_mean(
     compressor: Compressor,
-    axis_name: str | None = None,
+    axis_name: str | tuple[str, str] | None = None,
     *,
     comm=None,
     memory: memory_lib.Memory | None = None,
@@ -51,6 +52,7 @@ def compressed_mean(
     fuse: bool = True,
     warmup: Sequence[tuple[int, Compressor]] = (),
     skip_nonfinite: bool = False,
+    fast: Compressor | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Mean of the workers' gradients, communicated compressed (GRACE Algorithm 1).
 
@@ -135,6 +137,29 @@ def compressed_mean(
     that keeps the error, at later steps too (the memory keeps the non-finite entries);
     ``state.notfinite_count`` counts the steps at which this worker's gradient was not finite.
 
+    Two networks (``axis_name=(slow, fast)``, JAX's tuple of mesh axes, the slow axis first, e.g.
+    ``("node", "local")`` on a 2-D mesh of ``N`` nodes × ``L`` devices): every leaf of ``d``
+    entries (``d`` divisible by ``L``) is reduce-scattered densely over the fast axis, so worker
+    ``(a, b)`` holds the local mean of shard ``b``, ``x_{a,b} = (1/L) Σ_{b'} g_{a,b'}[b·d/L : (b+1)·d/L]``;
+    the pipeline above (the compressor, ``memory``, ``strategy``, ``warmup``) runs on the shards over
+    the slow axis only, ``y_b = (1/N) Σ_a Q⁻¹(Q(φ(m_{a,b}, x_{a,b})))``; and the ``L`` shards
+    ``y_b`` are all-gathered over the fast axis. The result is the flat route's on the shards: with
+    an exact compressor, the plain mean over all ``N·L`` workers. Each worker's memory holds its
+    shard's residual (``d/L`` entries), and the slow axis carries ``1/L`` of the flat route's bytes
+    per worker. With ``memory=residual()``, ``N·L Σ_t ḡ_t + L Σ_{a,b} m_{a,b} = Σ_t Σ_{a,b} g_{a,b,t}``
+    (the memories placed on their shards; exact up to float32 sums where the slow route feeds every
+    rounding back). ``fast`` is the fast axis' format: ``none()`` (float32, the default), or
+    ``fp16()``, ``bf16()``, ``half(none())`` to send the rows and the gathered shards in 16 bits
+    (rows summed in float32 at the shard's owner and rounded once; these roundings are not fed
+    back). The state is a :class:`~jaxcomm.transforms.HierarchicalState`: ``state.slow`` (the
+    shards' :class:`~jaxcomm.transforms.CompressionState`, ``wire_bits`` on the slow axis) and
+    ``state.fast`` (``wire_bits`` on the fast axis). ``init`` needs the fast axis' size: call it
+    under ``with jax.set_mesh(mesh):`` (or inside the ``shard_map``). A communicator across
+    processes with a mesh axis inside (``comm=MPIComm()`` with ``axis_name="local"``) is refused:
+    mpi4jax's collectives carry an ordered effect, which JAX compiles for one device per program
+    only; under ``jax.distributed`` the 2-D mesh spans the processes and ``axis_name=("node",
+    "local")`` is the way.
+
     Pitfall: inside ``jax.shard_map``, ``jax.grad`` of replicated parameters
     silently sums the gradient over the axis; cast the parameters first with
     ``jax.lax.pcast(params, axis, to="varying")``. Where jax tracks it
@@ -143,7 +168,8 @@ def compressed_mean(
 
     Args:
       compressor: a :class:`~jaxcomm.compressors.Compressor`.
-      axis_name: the mesh axis to average over (e.g. ``"data"``).
+      axis_name: the mesh axis to average over (e.g. ``"data"``), or two, ``(slow, fast)``, for the
+        hierarchical mean (above).
       comm: a :class:`~jaxcomm.comm.Communicator` instead (e.g.
         ``jaxcomm.comm.MPIComm()``). With neither, the ambient communicator of
         ``jaxcomm.comm.use(...)`` is used when the step is traced.
@@ -159,10 +185,14 @@ def compressed_mean(
         take no dense warm-up of its own, and have a strategy the communicator
         serves (``strategy="auto"`` resolves per stage); ``steps`` an integer ``>= 1``.
       skip_nonfinite: skip a step, on every worker, when some worker's gradient is not
-        finite (above); default ``False``.
+        finite (above); default ``False``. With ``axis_name=(slow, fast)`` the flags are summed
+        over both axes (one all-reduce, counted in ``state.slow.wire_bits[0]``).
+      fast: with ``axis_name=(slow, fast)`` only: the fast axis' format, a dense compressor summed
+        entry by entry (``none()``, the default; ``fp16()``, ``bf16()``, ``half(none())``).
     Returns:
       ``GradientTransformationExtraArgs`` with per-worker state
-      :class:`~jaxcomm.transforms.CompressionState`.
+      :class:`~jaxcomm.transforms.CompressionState` (with ``axis_name=(slow, fast)``:
+      :class:`~jaxcomm.transforms.HierarchicalState`).
     Raises:
       ValueError: at ``init``, a memory that needs a contraction (``Memory.needs_contraction``)
         around an unbiased compressor whose variance factor is ``ω ≥ 1`` at a tensor's size (it
@@ -178,10 +208,28 @@ def compressed_mean(
         strategy cannot be served, or with ``steps < 1``; the message names ``warmup[j]``.
       TypeError: wrong types for ``compressor``, ``memory``, ``comm``, ``fuse``,
         ``skip_nonfinite`` or ``warmup`` (not a sequence of ``(int, Compressor)`` pairs).
+      ValueError: ``axis_name=(slow, fast)`` not two different non-empty names (``TypeError`` for
+        names that are not strings), given with ``comm``; ``fast`` not a dense summed format, or
+        given with one axis; ``comm`` with ``axis_name`` (the reason above); at ``init``, the fast
+        axis' size unknown (no ``jax.set_mesh`` and not bound) or a leaf not divisible by it; at
+        trace time, an axis not bound, or a state made for another fast axis size.
     """
     compressor = check_compressor(compressor, dense_warmup=True)
     memory = memory_lib.none() if memory is None else check_memory(memory)
-    comm_obj = resolve(axis_name, comm)
+    hierarchy = None
+    comm_obj: Communicator
+    if isinstance(axis_name, tuple):
+        hierarchy = Hierarchy(*check_axes(axis_name, comm), fast)
+        comm_obj = hierarchy.slow
+    else:
+        if fast is not None:
+            raise ValueError(
+                f"fast= is the fast axis' format of the hierarchical mean, axis_name=(slow, fast); got "
+                f"axis_name={axis_name!r}"
+            )
+        if axis_name is not None and comm is not None:
+            refuse_outer_comm(comm, axis_name)
+        comm_obj = resolve(axis_name, comm)
     if not isinstance(fuse, bool):
         raise TypeError(f"fuse must be a bool; got {type(fuse).__name__}")
     skip = check_skip_nonfinite(skip_nonfinite)
@@ -200,6 +248,11 @@ def compressed_mean(
     no_memory = memory_lib.none()
 
     def init_fn(params):
+        if hierarchy is not None:  # the slow axis' state holds the shards' memories; the fast axis' the bits
+            return HierarchicalState(flat_init(hierarchy.shards(params)), hierarchy.init_fast(params))
+        return flat_init(params)
+
+    def flat_init(params):
         state = init_state(params, compressor, memory)
         leaves = jax.tree.leaves(params)
         for j, (c, _) in enumerate(stages):
@@ -245,7 +298,11 @@ def compressed_mean(
         _ = int(comm_obj.size)  # raises ValueError naming the axis where it is not bound
         for phase in phases:
             phase.check_served(comm_obj)
-        return if_finite(comm_obj, updates, state, step, skip=skip)
+        if hierarchy is None:
+            return if_finite(comm_obj, updates, state, step, skip=skip)
+        _ = hierarchy.fast.size  # raises ValueError naming the fast axis where it is not bound
+        hierarchy.check_state(state, jax.eval_shape(lambda: flat_init(hierarchy.shards(updates, "update"))))
+        return if_finite(Grid(hierarchy), updates, state, lambda u, s: hierarchy.step(u, s, step), skip=skip)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
