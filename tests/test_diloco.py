@@ -74,15 +74,29 @@ def test_every_one_with_unit_outer_sgd_is_data_parallel_sgd():
 
 
 @pytest.mark.parametrize(
-    ("every", "fragments", "delay", "blend", "mom"),
-    [(4, 1, 0, 0.0, 0.9), (4, 2, 1, 0.5, 0.0), (6, 3, 1, 0.25, 0.5)],
-    ids=["diloco", "streaming", "streaming-3"],
+    ("every", "fragments", "delay", "blend", "carry", "mom"),
+    [(4, 1, 0, 0.0, False, 0.9), (4, 2, 1, 0.5, False, 0.0), (6, 3, 1, 0.25, False, 0.5), (6, 2, 2, 0.0, True, 0.5)],
+    ids=["diloco", "streaming", "streaming-3", "carry-local"],
 )
-def test_matches_numpy_reference(every, fragments, delay, blend, mom):
-    """Inner momentum SGD, outer Nesterov (0.7, 0.9), fragments in turn, delayed blend: 13 steps."""
-    tx = jc.diloco(optax.sgd(0.05, momentum=mom or None), every=every, fragments=fragments, delay=delay, blend=blend)
+def test_matches_numpy_reference(every, fragments, delay, blend, carry, mom):
+    """Inner momentum SGD, outer Nesterov (0.7, 0.9), fragments in turn, delayed blend (or the local
+    progress carried past the delayed outer step): 13 steps."""
+    tx = jc.diloco(
+        optax.sgd(0.05, momentum=mom or None),
+        every=every,
+        fragments=fragments,
+        delay=delay,
+        blend=blend,
+        carry_local=carry,
+    )
     params, states = _run(tx, 13)
-    _close(params, _reference(13, every=every, fragments=fragments, delay=delay, blend=blend, mom=mom))
+    ref = _reference(13, every=every, fragments=fragments, delay=delay, blend=blend, carry=carry, mom=mom)
+    _close(params, ref)
+    if carry:  # the carried progress is real: it differs from taking the global fragment alone
+        assert any(
+            np.abs(ref[k] - _reference(13, every=every, fragments=fragments, delay=delay, mom=mom)[k]).max() > 1e-3
+            for k in KEYS
+        )
     # the anchor is every worker's shared θ (identical), and counters show an exchange only on sync steps
     anchor = states[-1].anchor
     for k in KEYS:
@@ -181,6 +195,7 @@ def test_fragments_are_contiguous_nonempty_and_cover_every_leaf(sizes, fragments
         ({"every": 4, "fragments": 2, "delay": 2}, "delay"),
         ({"every": 4, "delay": -1}, "delay"),
         ({"every": 4, "blend": 1.0}, "blend"),
+        ({"every": 4, "delay": 1, "blend": 0.5, "carry_local": True}, "carry_local"),
         ({"every": 4, "overlap": True, "compressor": jc.compressors.powersgd()}, "overlap"),
         ({"every": 4, "overlap": True, "compressor": jc.compressors.fp16(), "memory": jc.memory.residual()}, "overlap"),
     ],

@@ -18,7 +18,10 @@ Streaming DiLoCo (Douillard et al., 2025) splits the parameters into ``F`` fragm
 in turn, fragment ``p`` at the steps ``t ≡ (p + 1) H / F (mod H)``; its exchange may overlap
 ``τ`` (``delay``) further inner steps, after which the new global fragment ``θ̃_p`` is blended
 into the local one, ``θ_{i,p} ← α θ_{i,p} + (1 − α) θ̃_p`` (``blend = α``; ``α = 0`` takes the
-global fragment, as plain DiLoCo).
+global fragment, as plain DiLoCo). With ``carry_local`` the worker keeps instead what it learnt
+during those ``τ`` steps: ``θ_{i,p} ← θ̃_p + (θ_{i,p} − θ^s_{i,p})``, ``θ^s_{i,p}`` its local
+fragment at the sync (with ``τ = 0``: ``θ̃_p``, plain DiLoCo), so an overlapped exchange delays the
+outer step without discarding inner steps.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class DiLoCoState(NamedTuple):
         this step's (zero on steps without an exchange), so the trainer's counters read them.
       pending: a tree like the parameters: the mean pseudo-gradient ``Δ̄`` of the fragment
         exchanged last, held until it is applied ``delay`` steps later (float32 or wider).
+      synced: with ``carry_local``, a tree like the parameters: each fragment's local parameters
+        at its last sync (per worker); ``None`` otherwise.
     """
 
     count: jax.Array  # type: ignore[assignment]  # optax's name for the step count; shadows tuple.count
@@ -76,6 +81,7 @@ class DiLoCoState(NamedTuple):
     outer_states: tuple
     exchange_states: tuple
     pending: Any
+    synced: Any = None
 
 
 def fragment_leaves(sizes: Sequence[int], fragments: int) -> list[list[int]]:
@@ -121,6 +127,7 @@ def diloco(
     fragments: int = 1,
     delay: int = 0,
     blend: float = 0.0,
+    carry_local: bool = False,
     axis_name: str | None = None,
     comm=None,
     strategy: str = "auto",
@@ -161,6 +168,10 @@ def diloco(
         during those steps; elsewhere the mean is computed at once and applied ``τ`` steps later
         (the same numbers).
       blend: ``α`` in ``[0, 1)``, the weight of the local fragment when the global one arrives.
+      carry_local: when the global fragment arrives, add to it this worker's progress since the
+        sync, ``θ_{i,q} ← θ̃_q + (θ_{i,q} − θ^s_{i,q})``, instead of the blend (``blend`` must be
+        0); the state keeps ``θ^s`` (one more copy of the parameters per worker). With
+        ``delay = 0`` it is plain DiLoCo.
       axis_name / comm: the workers' communicator (default: the ambient one of
         :func:`jaxcomm.comm.use`, as set by the trainer).
       strategy, fuse: of :func:`~jaxcomm.compressed_mean`.
@@ -205,6 +216,10 @@ def diloco(
     blend = check_finite_scalar(blend, "blend", nonnegative=True)
     if blend >= 1.0:
         raise ValueError(f"blend must be in [0, 1) (the local fragment's weight); got {blend}")
+    if not isinstance(carry_local, bool):
+        raise TypeError(f"carry_local must be a bool; got {carry_local!r}")
+    if carry_local and blend:
+        raise ValueError(f"carry_local=True replaces the blend: blend must be 0; got {blend}")
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
     compressor = compressors_lib.none() if compressor is None else check_compressor(compressor)
     memory = memory_lib.none() if memory is None else check_memory(memory)
@@ -306,6 +321,7 @@ def diloco(
             outer_states=tuple(outer.init(p) for p in parts),
             exchange_states=tuple(mean.init(p) for p in parts),
             pending=jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.promote_types(x.dtype, jnp.float32)), params),
+            synced=jax.tree.map(lambda x: jnp.array(x, copy=True), params) if carry_local else None,
         )
 
     def update_fn(updates, state: DiLoCoState, params=None, **extra_args):
@@ -357,6 +373,14 @@ def diloco(
         sends = [phase == ((p + 1) * period) % every for p in range(fragments)]
         send_index = _which(sends)
         pending, exchange_states = typed_switch(send_index, [no_send] + [sender(p) for p in range(fragments)], None)
+        synced = None
+        if carry_local:  # each fragment's local parameters at its sync: what the worker learnt since is carried
+            if state.synced is None or jax.tree.structure(state.synced) != treedef:
+                raise ValueError("diloco(carry_local=True): the state has no synced parameters; make it with this init")
+            synced = jax.tree.leaves(state.synced)
+            for p, group in enumerate(groups):
+                for j in group:
+                    synced[j] = jnp.where(sends[p], local[j], synced[j])
 
         # 3. receive: delay steps after fragment q synced, its outer step and the blend
         def no_receive(_):
@@ -379,7 +403,10 @@ def diloco(
                 new_local, new_anchor = list(local), list(anchor)
                 for j, g in zip(groups[q], new_global):
                     g = g.astype(anchor[j].dtype)
-                    mixed = g if blend == 0.0 else blend * local[j] + (1.0 - blend) * g
+                    if carry_local:
+                        mixed = g + (local[j] - synced[j])
+                    else:
+                        mixed = g if blend == 0.0 else blend * local[j] + (1.0 - blend) * g
                     new_local[j] = mixed.astype(local[j].dtype)
                     new_anchor[j] = g
                 outer_states = state.outer_states[:q] + (outer_q,) + state.outer_states[q + 1 :]
@@ -407,6 +434,7 @@ def diloco(
             outer_states=outer_states,
             exchange_states=exchange_states,
             pending=treedef.unflatten(pending),
+            synced=None if synced is None else treedef.unflatten(synced),
         )
         return treedef.unflatten(outs), new_state
 

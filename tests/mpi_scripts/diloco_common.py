@@ -27,8 +27,11 @@ def _grad(a, b, theta):
     return a * (a * theta - b)
 
 
-def _reference(steps, *, every, fragments=1, delay=0, blend=0.0, lr=0.05, mom=0.0, outer_lr=0.7, outer_mom=0.9):
-    """DiLoCo / Streaming DiLoCo in NumPy (float64): inner SGD with momentum, outer Nesterov SGD."""
+def _reference(
+    steps, *, every, fragments=1, delay=0, blend=0.0, carry=False, lr=0.05, mom=0.0, outer_lr=0.7, outer_mom=0.9
+):
+    """DiLoCo / Streaming DiLoCo in NumPy (float64): inner SGD with momentum, outer Nesterov SGD; with
+    ``carry`` a worker's fragment becomes the new global one plus its own progress since the sync."""
     scale, target, theta0 = _problem()
     groups = fragment_leaves([int(np.prod(SHAPES[k])) for k in KEYS], fragments)
     period = every // fragments
@@ -37,6 +40,7 @@ def _reference(steps, *, every, fragments=1, delay=0, blend=0.0, lr=0.05, mom=0.
     trace_in = [{k: np.zeros(SHAPES[k]) for k in KEYS} for _ in range(N)]
     trace_out = {k: np.zeros(SHAPES[k]) for k in KEYS}
     pending = {k: np.zeros(SHAPES[k]) for k in KEYS}
+    synced = [{k: anchor[k].copy() for k in KEYS} for _ in range(N)]
     for t in range(1, steps + 1):
         for i in range(N):
             for k in KEYS:
@@ -48,6 +52,8 @@ def _reference(steps, *, every, fragments=1, delay=0, blend=0.0, lr=0.05, mom=0.
                 for j in idx:
                     k = KEYS[j]
                     pending[k] = np.mean([anchor[k] - local[i][k] for i in range(N)], axis=0)
+                    for i in range(N):
+                        synced[i][k] = local[i][k].copy()
         lag = t - delay
         for q, idx in enumerate(groups):
             if lag >= (q + 1) * period and lag % every == ((q + 1) * period) % every:
@@ -56,6 +62,9 @@ def _reference(steps, *, every, fragments=1, delay=0, blend=0.0, lr=0.05, mom=0.
                     trace_out[k] = pending[k] + outer_mom * trace_out[k]
                     new = anchor[k] - outer_lr * (pending[k] + outer_mom * trace_out[k])  # Nesterov
                     for i in range(N):
-                        local[i][k] = blend * local[i][k] + (1 - blend) * new
+                        if carry:
+                            local[i][k] = new + (local[i][k] - synced[i][k])
+                        else:
+                            local[i][k] = blend * local[i][k] + (1 - blend) * new
                     anchor[k] = new
     return {k: np.stack([local[i][k] for i in range(N)]) for k in KEYS}

@@ -151,6 +151,12 @@ METHODS: dict[str, Builder] = {
     "sparseloco-H20-1%-bf16-overlap10": _diloco(
         compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=10, blend=0.5, overlap=True
     ),
+    "sparseloco-H20-1%-bf16-overlap10-carry": _diloco(
+        compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=10, carry_local=True, overlap=True
+    ),
+    "sparseloco-H20-1%-bf16-overlap19-carry": _diloco(
+        compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=19, carry_local=True, overlap=True
+    ),
     # shorter periods, for the study of H against the steps to target
     "diloco-H10-int8": _diloco(10, compressor=_eightbit),
     "sparseloco-H10": _diloco(10, compressor=_topk2, memory=_residual09, outer=_outer_sgd1),
@@ -174,7 +180,9 @@ METHODS: dict[str, Builder] = {
 * ``sparseloco-H20-1%-bf16``: SparseLoCo with top-k 1 % whose values cross in bfloat16
   (``half(topk(0.01), "bfloat16")``); ``-overlap5`` / ``-overlap10``: the same with its
   exchange gathered by an MPI communication thread during the next 5 or 10 inner steps, then
-  blended half-half (``overlap=True, delay=5 or 10, blend=0.5``);
+  blended half-half (``overlap=True, delay=5 or 10, blend=0.5``); ``-overlap10-carry`` /
+  ``-overlap19-carry``: overlapped during 10 or 19 inner steps, each worker keeping its progress
+  since the sync (``carry_local=True``);
 * ``diloco-H10-int8``, ``sparseloco-H10``, ``sparseloco-H5``: the same with ``every`` = 10 or 5."""
 
 SWEPT_LEARNING_RATES: dict[str, float] = {
