@@ -119,7 +119,7 @@ class StateLayout:
     def init(self, params, mesh: Mesh):
         """``tx.init(params)`` laid out on ``mesh``: per-worker leaves broadcast to ``(n, *shape)``
         (``n = mesh.shape[axis_name]``, every worker starting from the same value) and sharded over
-        the axis, replicated leaves placed as they are.
+        the axis, replicated leaves placed whole on every device of the mesh.
 
         Raises:
           TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
@@ -138,8 +138,10 @@ class StateLayout:
                 f"{want}; build the layout (state_layout) from the same parameters"
             )
         n = int(mesh.shape[self.axis_name])
-        state = map_per_worker(lambda x: jnp.broadcast_to(jnp.asarray(x), (n, *jnp.shape(x))), self.specs, state, self.axis_name)
-        return jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(mesh, spec)), self.specs, state, is_leaf=_is_spec)
+        per_worker = lambda x: jnp.broadcast_to(jnp.asarray(x), (n, *jnp.shape(x)))
+        state = map_per_worker(per_worker, self.specs, state, self.axis_name)
+        place = lambda spec, x: jax.device_put(x, NamedSharding(mesh, spec))
+        return jax.tree.map(place, self.specs, state, is_leaf=_is_spec)
 
     def local(self, state):
         """Inside the step: this worker's state, the size-1 worker dimension of per-worker leaves removed.
@@ -191,8 +193,8 @@ def state_layout(tx, params, axis_name: str) -> StateLayout:
 
     A step whose update is not the same on every worker (``broadcast`` strategy, whose mean jax
     types device-varying; :func:`gradient_dropping` in modes ``"sum"``, ``"partial"`` and
-    ``"error"``, which add the local gradient) cannot return replicated parameters whatever the state's layout: jax refuses it when
-    the step is traced.
+    ``"error"``, which add the local gradient) cannot return replicated parameters whatever the
+    state's layout: jax refuses it when the step is traced.
 
     Args:
       tx: an optax transformation (``init``/``update``).
