@@ -8,6 +8,12 @@ it device-invariant. The compressed mean is the same on every worker; the pipeli
 ``Q⁻¹(Q(g_i))`` under the documented key schedule (``compressed_mean``'s docstring), or, for
 ``"reduce_scatter"`` (chunks re-compressed by their owners), the same transform run under
 ``jax.vmap``, which ``test_compressed_mean.py`` checks against NumPy.
+
+The transform state is laid out by ``jaxcomm.transforms.state_layout``: the compressing
+transforms' state per worker (``P("data")``, key ``P()``), an optimizer's state after the mean
+replicated (``P()``). With adam, momentum SGD and adamw on a schedule after the mean, the
+parameters after a few steps are the NumPy optimizer's on the NumPy mean of the workers'
+decompressed gradients, identical on every worker.
 """
 
 from __future__ import annotations

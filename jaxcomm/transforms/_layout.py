@@ -51,22 +51,17 @@ def map_per_worker(fn: Callable, specs, tree, axis: str):
     )
 
 
-def _compression_specs(state: CompressionState, axis: str, *, memory=None) -> CompressionState:
-    """Every field on the worker axis but the key (and ``memory`` where given)."""
-    worker = P(axis)
-    on_worker = lambda tree: jax.tree.map(lambda _: worker, tree)
-    return CompressionState(
-        count=worker,
-        # Identical on every worker by the key schedule, and typed so: a payload field decoded from it
-        # and not summed (random-k's indices under "allreduce") must be device-invariant to decode the
-        # summed values into a device-invariant mean.
-        key=P(),
-        memory=on_worker(state.memory) if memory is None else memory,
-        compressor_states=on_worker(state.compressor_states),
-        wire_bits=on_worker(state.wire_bits),
-        messages=worker,
-        notfinite_count=worker,
-    )
+def _fields_on_worker(node, axis: str, **given):
+    """The NamedTuple ``node`` as specs: every leaf of every field ``P(axis)``, except the fields in
+    ``given``, which take the spec (tree) given."""
+    specs = {f: given[f] if f in given else jax.tree.map(lambda _: P(axis), getattr(node, f)) for f in node._fields}
+    return type(node)(**specs)
+
+
+# A compressing transformation's key is identical on every worker by the key schedule, and typed so:
+# a payload field decoded from it and not summed (random-k's indices under "allreduce") must be
+# device-invariant to decode the summed values into a device-invariant mean.
+_SHARED_KEY = {"key": P()}
 
 
 def _specs(state, axis: str):
@@ -74,18 +69,17 @@ def _specs(state, axis: str):
 
     def each(node):
         if isinstance(node, CompressionState):
-            return _compression_specs(node, axis)
+            return _fields_on_worker(node, axis, **_SHARED_KEY)
         if isinstance(node, DoubleSqueezeState):
             # server="replicated" (the default): every worker runs the server's error feedback of the
             # invariant mean with the same key, so the server error is one replicated copy.
-            server = _compression_specs(node.server, axis, memory=jax.tree.map(lambda _: P(), node.server.memory))
-            return DoubleSqueezeState(worker=_compression_specs(node.worker, axis), server=server)
-        if isinstance(node, AccumulateState):
-            return AccumulateState(
-                count=P(axis),
-                grad_sum=jax.tree.map(lambda _: P(axis), node.grad_sum),
-                inner_state=_specs(node.inner_state, axis),
+            server_memory = jax.tree.map(lambda _: P(), node.server.memory)
+            return DoubleSqueezeState(
+                worker=_fields_on_worker(node.worker, axis, **_SHARED_KEY),
+                server=_fields_on_worker(node.server, axis, memory=server_memory, **_SHARED_KEY),
             )
+        if isinstance(node, AccumulateState):
+            return _fields_on_worker(node, axis, inner_state=_specs(node.inner_state, axis))
         if isinstance(node, _LOCAL_STEPS):
             raise ValueError(
                 f"the state holds a {type(node).__name__}: that transformation takes local steps, so its "
