@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .._bitcount import BitCount
 from ..comm import MeshAxis, all_gather_packed, sum_packed, use
 from ..transforms._accumulate import warn_multisteps
+from ..transforms._layout import map_per_worker
 
 __all__ = ["TrainState", "make_train_step", "collect_counter", "init_train_state"]
 
@@ -170,17 +171,9 @@ def make_train_step(
     communicator = MeshAxis(axis)
 
     specs = _state_specs(state_specs, axis)
-    per_worker = lambda spec: spec == P(axis)
 
     def squeeze(tree, add: bool):
-        return jax.tree.map(
-            lambda spec, sub: (
-                jax.tree.map((lambda x: x[None]) if add else (lambda x: x[0]), sub) if per_worker(spec) else sub
-            ),
-            specs,
-            tree,
-            is_leaf=lambda x: isinstance(x, P),
-        )
+        return map_per_worker((lambda x: x[None]) if add else (lambda x: x[0]), specs, tree, axis)
 
     def sharded(state, batch):
         state, batch = squeeze(state, add=False), jax.tree.map(lambda x: x[0], batch)

@@ -9,7 +9,9 @@ the fast one), :func:`doublesqueeze` twice (workers, then the server), and
 :func:`deep_gradient_compression` chains :func:`local_clip` with a top-k
 ``compressed_mean`` around DGC's memory and its :func:`topk_warmup` stages;
 :func:`accumulate` communicates once every ``k`` micro-steps; :func:`diloco` takes ``H`` local
-steps, then an outer step on the workers' compressed pseudo-gradient.
+steps, then an outer step on the workers' compressed pseudo-gradient. :func:`state_layout` gives
+each leaf of a chain's state its ``PartitionSpec`` for a ``jax.shard_map`` step whose parameters
+are one replicated copy.
 """
 
 from ._accumulate import AccumulateState, accumulate, warn_multisteps, zero_counters
@@ -29,6 +31,7 @@ from ._gradient_dropping import (
     periodic_average,
 )
 from ._hierarchical import HierarchicalState
+from ._layout import StateLayout, state_layout
 from ._local_clip import local_clip
 from ._pipeline import FUSE_MAX_BYTES, STRATEGIES, CompressionState, run_rounds
 
@@ -42,6 +45,7 @@ __all__ = [
     "HierarchicalState",
     "PeriodicAverageState",
     "STRATEGIES",
+    "StateLayout",
     "accumulate",
     "average_params",
     "compressed_mean",
@@ -56,6 +60,7 @@ __all__ = [
     "local_clip",
     "num_kept",
     "periodic_average",
+    "state_layout",
     "topk_warmup",
     "warn_multisteps",
     "zero_counters",

@@ -142,7 +142,11 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
             return new_updates, inner_state, jax.tree.map(jnp.zeros_like, total)
 
         def hold(_):
-            return jax.tree.map(jnp.zeros_like, updates), zero_counters(state.inner_state), total
+            # Zeros typed device-invariant (``zeros_like`` of a per-worker gradient would vary): with
+            # replicated parameters the communicating branch's mean is invariant, and the two branches
+            # are typed alike as the union of their varying axes.
+            zeros = jax.tree.map(lambda g: jnp.zeros(jnp.shape(g), jnp.result_type(g)), updates)
+            return zeros, zero_counters(state.inner_state), total
 
         new_updates, inner_state, grad_sum = typed_cond(count % every_k == 0, communicate, hold)
         return new_updates, AccumulateState(count, grad_sum, inner_state)

@@ -278,7 +278,8 @@ def compressed_mean(
         if dense_steps:
 
             def dense_step(_):
-                # The uncompressed mean (one all-reduce per tensor); memory and compressor states untouched.
+                # The uncompressed mean (with fuse, the small tensors share one all-reduce); memory and
+                # compressor states untouched.
                 plain = state._replace(compressor_states=tuple(() for _ in state.compressor_states))
                 ex, leaves, treedef, new, _ = compress_step(
                     comm_obj, updates, plain, compressor=dense, memory=no_memory, strategy="allreduce", fuse=fuse
