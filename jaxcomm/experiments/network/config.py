@@ -57,25 +57,29 @@ def _compressed(label: str, name: str, kwargs: dict) -> Builder:
     return build
 
 
-def _dgc(learning_rate: float, momentum: float, options: Mapping | None = None):
-    """Deep gradient compression (0.1 % of the entries, its own momentum), then plain SGD.
+def _dgc(ratio: float = 0.001) -> Builder:
+    """Deep gradient compression (``ratio`` of the entries, its own momentum), then plain SGD.
 
     Tensors of at most 1,024 entries (normalisation scales and biases, ResNet-20's classifier) are
-    sent whole, as DGC's implementations do; every larger tensor keeps 0.1 % after the warm-up."""
-    import optax
+    sent whole, as DGC's implementations do; every larger tensor keeps ``ratio`` after the warm-up."""
 
-    import jaxcomm
+    def build(learning_rate: float, momentum: float, options: Mapping | None = None):
+        import optax
 
-    steps_per_stage = int((options or {}).get("dgc_steps_per_stage", 50))
-    tx = optax.chain(
-        jaxcomm.transforms.deep_gradient_compression(
-            ratio=0.001, momentum=momentum, clip_norm=None, steps_per_stage=steps_per_stage, dense_below=1024
-        ),
-        optax.sgd(learning_rate),
-    )
-    # DGC's warm-up raises the sparsity stage by stage (75 %, 93.75 %, 98.4 %, 99.6 %, then the
-    # final ratio): four stages of ``steps_per_stage`` steps before the bytes per step settle.
-    return tx, MethodInfo("dgc", "allgather", sync_every=1, warmup_steps=4 * steps_per_stage)
+        import jaxcomm
+
+        steps_per_stage = int((options or {}).get("dgc_steps_per_stage", 50))
+        tx = optax.chain(
+            jaxcomm.transforms.deep_gradient_compression(
+                ratio=ratio, momentum=momentum, clip_norm=None, steps_per_stage=steps_per_stage, dense_below=1024
+            ),
+            optax.sgd(learning_rate),
+        )
+        # DGC's warm-up raises the sparsity stage by stage (75 %, 93.75 %, 98.4 %, 99.6 %, then the
+        # final ratio): four stages of ``steps_per_stage`` steps before the bytes per step settle.
+        return tx, MethodInfo("dgc", "allgather", sync_every=1, warmup_steps=4 * steps_per_stage)
+
+    return build
 
 
 def _diloco(every: int = 20, **kwargs) -> Builder:
@@ -138,7 +142,8 @@ METHODS: dict[str, Builder] = {
     **{label: _compressed(label, name, kwargs) for label, (name, kwargs) in _QUICKSTART_METHODS.items()},
     "fp16": _compressed("fp16", "fp16", {}),
     "bf16": _compressed("bf16", "bf16", {}),
-    "dgc-0.1%": _dgc,
+    "dgc-0.1%": _dgc(),
+    "dgc-1%": _dgc(0.01),
     "diloco-H20": _diloco(),
     "diloco-H20-int8": _diloco(compressor=_eightbit),
     "sparseloco-H20": _diloco(compressor=_topk2, memory=_residual09, outer=_outer_sgd1),
@@ -168,7 +173,8 @@ METHODS: dict[str, Builder] = {
   ``chain(compressed_mean(c, memory), sgd(learning_rate, momentum))`` (a ``+EF`` label adds
   residual memory; 16-bit all-reduces sum in float32);
 * ``dgc-0.1%``: ``chain(deep_gradient_compression(ratio=0.001, momentum, steps_per_stage=
-  dgc_steps_per_stage), sgd(learning_rate))`` (the momentum is inside DGC);
+  dgc_steps_per_stage), sgd(learning_rate))`` (the momentum is inside DGC); ``dgc-1%`` the same
+  with ``ratio=0.01``;
 * ``diloco-H20``: ``diloco(sgd(learning_rate, momentum), every=20)`` (inner steps, then every 20
   steps the outer Nesterov step on the averaged parameter change), with ``-int8`` 8-bit
   quantization of what is averaged; ``sparseloco-H20``: top-k 2 % (tensors of at most 256
