@@ -68,7 +68,6 @@ def typed_switch(index, branches, operand=None):
     return jax.lax.switch(index, _typed_branches(list(branches), operand), operand)
 
 
-
 def typed_platform_dependent(*, cpu, accelerator, like=()):
     """``cpu()`` where the computation is lowered for CPU, ``accelerator()`` for ``cuda``, ``rocm`` and ``tpu``.
 

@@ -23,8 +23,8 @@ from jaxcomm.compressors import _sparse as SP
 from jaxcomm.compressors import _threshold as TH
 from jaxcomm.compressors import payloads
 from jaxcomm.compressors._kernels import random_bits
-from jaxcomm.compressors._kernels.bitpack import pack_bits
 from jaxcomm.compressors._kernels import select as S
+from jaxcomm.compressors._kernels.bitpack import pack_bits
 
 KEY = jax.random.PRNGKey(0)
 

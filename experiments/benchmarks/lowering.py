@@ -39,10 +39,10 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (after the platform choice above)
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import jaxcomm as jc  # noqa: E402
+import jaxcomm as jc
 
 DEFAULT_SIZES = (1_048_576,)
 DEFAULT_LARGE_SIZES = (26_214_400,)
@@ -55,7 +55,8 @@ _OP = re.compile(r"\b(?:stablehlo|chlo|mhlo|func)\.[a-z_]+")
 
 def _load_grace_compare():
     """``grace_compare.py`` beside this file (its ``matrix_shape`` and its ``compressors.py`` as ``bench``)."""
-    spec = importlib.util.spec_from_file_location("_lowering_grace_compare", Path(__file__).with_name("grace_compare.py"))
+    path = Path(__file__).with_name("grace_compare.py")
+    spec = importlib.util.spec_from_file_location("_lowering_grace_compare", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -139,11 +140,11 @@ def main(argv=None) -> dict:
         default=",".join(map(str, DEFAULT_LARGE_SIZES)),
         help=f"entry counts for the selection compressors only ({','.join(LARGE)}); empty: none",
     )
-    ap.add_argument("--platforms", default=",".join(DEFAULT_PLATFORMS), help="lowering platforms (cuda, rocm, tpu, cpu)")
+    ap.add_argument("--platforms", default=",".join(DEFAULT_PLATFORMS), help="lowering platforms: cuda, rocm, tpu, cpu")
     ap.add_argument("--only", default="", help="comma-separated compressor names (default: all registered)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output path")
     ap.add_argument("--markdown", metavar="JSON", help="print the table of a results file and exit")
-    ap.add_argument("--before", metavar="JSON", help="with --markdown: an earlier results file, shown as before -> after")
+    ap.add_argument("--before", metavar="JSON", help="with --markdown: an earlier results file (before -> after)")
     args = ap.parse_args(argv)
     if args.markdown:
         res = json.loads(Path(args.markdown).read_text())
