@@ -8,6 +8,7 @@ they cannot rot between the runs whose tables are in docs/benchmarks.md.
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -571,3 +572,37 @@ def test_lowering_benchmark_tiny(lowering, tmp_path, capsys):
     text = capsys.readouterr().out
     fp16 = next(r for r in saved["results"] if r["name"] == "fp16" and r["platform"] == "cuda")
     assert f"| fp16 | 4,096 | {fp16['chars']:,} -> {fp16['chars']:,} |" in text
+
+
+def test_device_check_smoke(tmp_path):
+    """scripts/device_check.sh --smoke on this CPU: every part runs in its own process and device_check.json
+    records the backend, each part's rows and status, and targets judged on those rows."""
+    check = _load("device_check")
+    env = {**os.environ, "PYTHON": sys.executable}
+    root = BENCH.parents[1]
+    cmd = ["bash", "scripts/device_check.sh", "--smoke", "--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=root, env=env, check=True)
+    res = json.loads((tmp_path / "device_check.json").read_text())
+    assert res["smoke"] and res["env"]["backend"] == "cpu" and res["env"]["hbm_gbps"] is None
+    assert {p: part["status"] for p, part in res["parts"].items()} == dict.fromkeys(check.PARTS, "done")
+    d = check.SMOKE_SIZE
+    compiled = res["parts"]["compile"]["rows"]
+    assert [r["name"] for r in compiled] == list(check.SMOKE["compile"])
+    assert all(r["size"] == d and r["lower_s"] > 0 and r["compile_s"] > 0 for r in compiled)
+    met = all(r["compile_s"] <= check.COMPILE_TARGET_S for r in compiled)
+    assert res["targets"]["compile_s <= 10 for every compressor"]["met"] == met
+    ref, *rows = res["parts"]["bandwidth"]["rows"]
+    assert ref["name"] == "memory pass 2x+1" and [r["name"] for r in rows] == list(check.SMOKE["bandwidth"])
+    for r in (ref, *rows):
+        assert r["gbps"] == pytest.approx(8 * d / r["s_per_call"] / 1e9) and r["queue"] == 20
+    assert rows[0]["of_memory_pass"] == pytest.approx(rows[0]["gbps"] / ref["gbps"])
+    grace = res["parts"]["grace"]["results"]
+    assert [r["method"] for r in grace["results"]] == ["fp16"] and grace["machine"]["device"] == "cpu"
+    assert res["parts"]["step"]["results"]["trees"]["tiny"]["results"]["signsgd"]["ratio"] > 0
+    assert "python:" in res["setup_log"]
+    # The bandwidth target, judged on the card's nominal HBM bandwidth.
+    assert check.hbm_gbps("NVIDIA H100 80GB HBM3") == 3350 and check.hbm_gbps("NVIDIA H100 PCIe") == 2000
+    assert check.hbm_gbps("NVIDIA H200") == 4800 and check.hbm_gbps("cpu") is None
+    rows = [dict(name="fp16", kwargs={}, of_hbm=0.6), dict(name="qsgd", kwargs={}, of_hbm=0.4)]
+    parts = {"bandwidth": {"rows": rows}}
+    assert check.evaluate(parts)["elementwise bandwidth >= 50 % of HBM"] == dict(met=False, below=["qsgd"])
