@@ -90,20 +90,15 @@ def _jax_env() -> dict:
     )
 
 
-def _bench():
+def _grace_compare():
+    """``grace_compare.py`` beside this file: its ``matrix_shape``, and ``compressors.py`` as its ``bench``
+    (the settings, the round trip and the memory pass)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_device_check_compressors", HERE / "compressors.py")
+    spec = importlib.util.spec_from_file_location("_device_check_grace_compare", HERE / "grace_compare.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def _shape(d: int) -> tuple[int, int]:
-    import math
-
-    n = next(k for k in range(math.isqrt(d), 0, -1) if d % k == 0)
-    return (n, d // n)
 
 
 def worker_compile(names, d: int, fh) -> None:
@@ -114,11 +109,12 @@ def worker_compile(names, d: int, fh) -> None:
 
     import jaxcomm as jc
 
-    bench = _bench()
+    gc = _grace_compare()
+    bench = gc.bench
     _emit(fh, dict(env=_jax_env()))
     names = names or jc.compressors.names()
     _emit(fh, dict(names=names))
-    x = jax.ShapeDtypeStruct(_shape(d), jnp.float32)
+    x = jax.ShapeDtypeStruct(gc.matrix_shape(d), jnp.float32)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
     for name in names:
         _emit(fh, dict(start=name))
@@ -142,7 +138,7 @@ def worker_bandwidth(names, d: int, queue: int, fh) -> None:
 
     import jaxcomm as jc
 
-    bench = _bench()
+    bench = _grace_compare().bench
     env = _jax_env()
     _emit(fh, dict(env=env))
     x = jax.random.normal(jax.random.PRNGKey(0), (d,), jnp.float32)
