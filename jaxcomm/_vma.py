@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["varying_axes", "cast_varying", "vary_like", "typed_cond", "typed_switch"]
+__all__ = ["varying_axes", "cast_varying", "vary_like", "typed_cond", "typed_switch", "typed_platform_dependent"]
 
 
 def varying_axes(x) -> frozenset:
@@ -66,3 +66,25 @@ def typed_switch(index, branches, operand=None):
     if len(branches) == 1:
         return branches[0](operand)
     return jax.lax.switch(index, _typed_branches(list(branches), operand), operand)
+
+
+def typed_platform_dependent(*, cpu, accelerator, like=()):
+    """``cpu()`` where the computation is lowered for CPU, ``accelerator()`` for ``cuda``, ``rocm`` and ``tpu``.
+
+    ``jax.lax.platform_dependent`` with branches that take no operands and may differ in
+    varying axes: every output leaf of either is cast to vary over every axis some leaf of
+    ``like`` varies over, so both give one type (``like`` must hold every array the branches
+    read, closed-over ones included; casting from it costs no second trace, unlike
+    :func:`typed_cond`). The choice is made when the computation is lowered, for the platform
+    it is lowered for (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` on a CPU
+    host lowers the accelerator branch), not by ``jax.default_backend()``: a module lowered for
+    one platform holds that branch only. Both branches are traced, so both must be valid for
+    the inputs; under ``jax.vmap`` the choice stays a choice (the platform index is never
+    batched).
+    """
+    axes = frozenset().union(*(varying_axes(r) for r in jax.tree.leaves(like)))
+
+    def typed(branch):
+        return lambda: jax.tree.map(lambda out: cast_varying(out, axes), branch())
+
+    return jax.lax.platform_dependent(cpu=typed(cpu), default=typed(accelerator))

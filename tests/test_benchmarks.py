@@ -8,6 +8,7 @@ they cannot rot between the runs whose tables are in docs/benchmarks.md.
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -517,3 +518,91 @@ def test_grace_compare_with_grace(tmp_path):
     want = jc.compressors.make("fp16").decompress(jc.compressors.make("fp16").compress(jax.numpy.asarray(x))[0])
     np.testing.assert_array_equal(got, np.asarray(want))
     np.testing.assert_array_equal(side.reference(side.tensor(x)).numpy(), 2 * x + 1)
+
+
+# StableHLO characters of each compressor's jitted decompress(compress(x, key)) on a 1024 x 1024 float32 tensor
+# lowered for cuda (tpu gives the same text), at compressors.py's settings: measured by
+# `python experiments/benchmarks/lowering.py` (experiments/benchmarks/results/lowering.json, jax 0.10.2). The bound
+# is LOWERED_MARGIN times the measurement: room for ordinary changes, while a return of the CPU-tuned selection
+# kernels on these platforms (top-k: 190,041 characters, 26x the measurement) fails at once.
+LOWERED_CHARS = {
+    "adaptive": 45256, "bf16": 418, "clipping": 1657, "dgc": 67343, "efsignsgd": 9231, "eightbit": 15295,
+    "fp16": 416, "inceptionn": 41669, "natural": 22801, "none": 254, "onebit": 13046, "powersgd": 35330,
+    "qsgd": 33675, "qsparse": 58783, "random_sparsification": 36337, "randomk": 51968, "scaled_sign": 8664,
+    "signsgd": 3249, "signum": 3969, "sketchml": 17929, "stochastic_rounding": 27328, "terngrad": 24384,
+    "threshold": 16864, "topk": 7292,
+}  # fmt: skip
+LOWERED_MARGIN = 2.0
+
+
+@pytest.fixture(scope="module")
+def lowering():
+    return _load("lowering")
+
+
+@pytest.mark.parametrize("name", jc.compressors.names())
+def test_every_compressor_lowers_for_gpu_and_tpu_within_its_bound(name, lowering):
+    """Cross-platform lowering from this CPU: every registered compressor lowers for cuda and tpu (nothing
+    compiled), and each module stays within LOWERED_MARGIN x its measured size, so that a regression in
+    compile cost on those platforms shows in CI without a GPU."""
+    assert name in LOWERED_CHARS, f"{name}: measure it with experiments/benchmarks/lowering.py and add its bound"
+    c = jc.compressors.make(name, **lowering.bench.KWARGS.get(name, {}))
+    texts = lowering.lowered_texts(c, (1024, 1024), ("cuda", "tpu"))
+    for platform, text in texts.items():
+        bound = LOWERED_MARGIN * LOWERED_CHARS[name]
+        assert len(text) <= bound, f"{name} lowered for {platform}: {len(text):,} characters > bound {bound:,.0f}"
+        assert "stablehlo.while" not in text or name == "dgc", f"{name}: a loop in the {platform} module"
+
+
+def test_lowering_benchmark_tiny(lowering, tmp_path, capsys):
+    """The lowering benchmark's JSON and its before -> after table (one trace per compressor and size)."""
+    out = tmp_path / "lowering.json"
+    res = lowering.main(["--only", "fp16,topk", "--sizes", "4096", "--large-sizes", "8192", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["results"] == res["results"] and saved["platforms"] == ["cuda", "tpu"]
+    got = {(r["name"], r["size"], r["platform"]) for r in saved["results"]}
+    assert got == {(n, d, p) for n, d in (("fp16", 4096), ("topk", 4096), ("topk", 8192)) for p in ("cuda", "tpu")}
+    for r in saved["results"]:
+        assert "error" not in r, r
+        assert r["ops"] == sum(r["op_counts"].values()) > 0 and r["chars"] > 0
+    topk = next(r for r in saved["results"] if r["name"] == "topk" and r["platform"] == "cuda")
+    assert topk["op_counts"]["chlo.top_k"] == 1 and topk["shape"] == [64, 64]
+    capsys.readouterr()
+    lowering.main(["--markdown", str(out), "--before", str(out)])
+    text = capsys.readouterr().out
+    fp16 = next(r for r in saved["results"] if r["name"] == "fp16" and r["platform"] == "cuda")
+    assert f"| fp16 | 4,096 | {fp16['chars']:,} -> {fp16['chars']:,} |" in text
+
+
+def test_device_check_smoke(tmp_path):
+    """scripts/device_check.sh --smoke on this CPU: every part runs in its own process and device_check.json
+    records the backend, each part's rows and status, and targets judged on those rows."""
+    check = _load("device_check")
+    env = {**os.environ, "PYTHON": sys.executable}
+    root = BENCH.parents[1]
+    cmd = ["bash", "scripts/device_check.sh", "--smoke", "--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=root, env=env, check=True)
+    res = json.loads((tmp_path / "device_check.json").read_text())
+    assert res["smoke"] and res["env"]["backend"] == "cpu" and res["env"]["hbm_gbps"] is None
+    assert {p: part["status"] for p, part in res["parts"].items()} == dict.fromkeys(check.PARTS, "done")
+    d = check.SMOKE_SIZE
+    compiled = res["parts"]["compile"]["rows"]
+    assert [r["name"] for r in compiled] == list(check.SMOKE["compile"])
+    assert all(r["size"] == d and r["lower_s"] > 0 and r["compile_s"] > 0 for r in compiled)
+    met = all(r["compile_s"] <= check.COMPILE_TARGET_S for r in compiled)
+    assert res["targets"]["compile_s <= 10 for every compressor"]["met"] == met
+    ref, *rows = res["parts"]["bandwidth"]["rows"]
+    assert ref["name"] == "memory pass 2x+1" and [r["name"] for r in rows] == list(check.SMOKE["bandwidth"])
+    for r in (ref, *rows):
+        assert r["gbps"] == pytest.approx(8 * d / r["s_per_call"] / 1e9) and r["queue"] == 20
+    assert rows[0]["of_memory_pass"] == pytest.approx(rows[0]["gbps"] / ref["gbps"])
+    grace = res["parts"]["grace"]["results"]
+    assert [r["method"] for r in grace["results"]] == ["fp16"] and grace["machine"]["device"] == "cpu"
+    assert res["parts"]["step"]["results"]["trees"]["tiny"]["results"]["signsgd"]["ratio"] > 0
+    assert "python:" in res["setup_log"]
+    # The bandwidth target, judged on the card's nominal HBM bandwidth.
+    assert check.hbm_gbps("NVIDIA H100 80GB HBM3") == 3350 and check.hbm_gbps("NVIDIA H100 PCIe") == 2000
+    assert check.hbm_gbps("NVIDIA H200") == 4800 and check.hbm_gbps("cpu") is None
+    rows = [dict(name="fp16", kwargs={}, of_hbm=0.6), dict(name="qsgd", kwargs={}, of_hbm=0.4)]
+    parts = {"bandwidth": {"rows": rows}}
+    assert check.evaluate(parts)["elementwise bandwidth >= 50 % of HBM"] == dict(met=False, below=["qsgd"])

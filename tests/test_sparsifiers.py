@@ -24,6 +24,7 @@ from jaxcomm.compressors import _threshold as TH
 from jaxcomm.compressors import payloads
 from jaxcomm.compressors._kernels import random_bits
 from jaxcomm.compressors._kernels import select as S
+from jaxcomm.compressors._kernels.bitpack import pack_bits
 
 KEY = jax.random.PRNGKey(0)
 
@@ -71,9 +72,12 @@ def compress_fn(c):
         (100_000, 90_000, 0.5),
     ],
 )
-def test_compact_matches_nonzero(n, cap, density):
+@pytest.mark.parametrize("body", ["platform", "accelerator"])
+def test_compact_matches_nonzero(n, cap, density, body):
+    """compact (its CPU body here) and its accelerator body (what cuda/rocm/tpu lower) against NumPy."""
     mask = np.random.RandomState(n).rand(n) < density
-    pos, total = jax.jit(S.compact, static_argnums=1)(jnp.asarray(mask), cap)
+    fn = S.compact if body == "platform" else S.compact_by_primitive
+    pos, total = jax.jit(fn, static_argnums=1)(jnp.asarray(mask), cap)
     expected = np.flatnonzero(mask)[:cap]
     pos = np.asarray(pos)
     assert int(total) == mask.sum()
@@ -104,6 +108,73 @@ def test_top_indices_every_path_is_exact():
         assert int(took) == path
         # every path: the exact set, in increasing index order (so the payload does not depend on the path)
         np.testing.assert_array_equal(np.asarray(idx), np.sort(np_topk(x, _KMAX)))
+
+
+_select_accelerator = jax.jit(lambda x, kt: S.top_by_primitive(S.magnitude_keys(x), kt, _KMAX))
+
+
+@settings(max_examples=10)
+@given(
+    seed=st.integers(0, 2**16),
+    levels=st.sampled_from([0, 1, 4, 64]),  # 0: continuous; else |x| takes few values (ties at the k-th)
+    nans=st.integers(0, 3),
+    kt=st.integers(0, _KMAX),
+)
+def test_accelerator_top_k_equals_the_cpu_path(seed, levels, nans, kt):
+    """The body lowered for cuda/rocm/tpu (lax.top_k), run on the CPU: the CPU path's indices in its order
+    (the exact set, ties to the lowest index, increasing order), NaN counted above +Inf."""
+    rs = np.random.RandomState(seed)
+    x = rs.randn(_D).astype(np.float32)
+    if levels:
+        x = (np.round(x * levels / 3) / levels).astype(np.float32)
+    x[rs.choice(_D, nans, replace=False)] = np.nan
+    got = np.asarray(_select_accelerator(jnp.asarray(x), kt))
+    np.testing.assert_array_equal(got, np.asarray(_select(jnp.asarray(x), kt)[0]))
+    np.testing.assert_array_equal(got[:kt], np.sort(np_topk(x, kt)))
+    assert (got[kt:] == 0).all()
+
+
+def test_unpacked_words_are_the_packed_mask():
+    """compact_words' accelerator body unpacks the words: bit b of word w is entry 32 w + b."""
+    mask = np.random.RandomState(3).rand(100) < 0.4  # 4 words, the last one padded with zeros
+    words = pack_bits(jnp.asarray(mask), 1, jnp.uint32)
+    np.testing.assert_array_equal(np.asarray(S._unpack_words(words)), np.pad(mask, (0, 28)))
+
+
+# One compressor per way into the platform-dependent kernels: top_indices (topk; qsparse calls it the
+# same way, adaptive with a traced k as tested above), top_indices_reusing, DGC's compact_words, random-k's
+# hashed counters, compact (threshold; random_sparsification calls it the same way).
+SELECTING = {
+    "topk": dict(ratio=0.05),
+    "topk(reuse)": dict(ratio=0.05, reuse_threshold=True),
+    "dgc": dict(ratio=0.05),
+    "randomk": dict(ratio=0.05),
+    "threshold": dict(v=0.5),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SELECTING))
+def test_accelerator_bodies_send_the_cpu_payload(case, monkeypatch):
+    """Every compressor that selects, with every selection kernel forced to its accelerator body (what
+    cuda/rocm/tpu lower), sends on the CPU exactly the payload of the CPU bodies: same indices, same order,
+    same values and counts. Ties and zeros included (values on a coarse grid)."""
+    name = case.split("(")[0]
+    c = jc.compressors.make(name, **SELECTING[case])
+    d = 3 * S.SMALL + 5  # above SMALL: the platform-dependent paths; not a whole number of 32-bit words
+    x = jnp.asarray(np.round(np.random.RandomState(5).randn(d) * 4).astype(np.float32) / 4)
+    state = c.init_state(x) if c.init_state is not None else None
+    want = jax.jit(lambda x, k: c.compress(x, k, state)[0])(x, KEY)
+    chose = []
+
+    def accelerator_only(*, cpu, accelerator, like=()):
+        chose.append(1)
+        return accelerator()
+
+    monkeypatch.setattr(S, "typed_platform_dependent", accelerator_only)
+    got = jax.jit(lambda x, k: c.compress(x, k, state)[0])(x, KEY)
+    assert chose, f"{case} never reached a platform-dependent kernel"
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=case)
 
 
 def test_top_indices_traced_k():
@@ -225,8 +296,13 @@ def test_top_indices_counters_equal_stored_counters(margin):
     def keys_of(i):
         return (random_bits.bits_at(words, i, "murmur3") >> 1).astype(jnp.int32)
 
-    got, _ = S.top_indices(d, k, KEY, keys_of=keys_of, margin=margin)
-    want, _ = S.top_indices(jnp.arange(d, dtype=jnp.uint32), k, KEY, keys_of=keys_of, margin=margin)
+    @jax.jit  # one compiled program: op by op, each primitive compiled alone, the test cost twice the CPU time
+    def both():
+        got, _ = S.top_indices(d, k, KEY, keys_of=keys_of, margin=margin)
+        want, _ = S.top_indices(jnp.arange(d, dtype=jnp.uint32), k, KEY, keys_of=keys_of, margin=margin)
+        return got, want
+
+    got, want = both()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

@@ -11,6 +11,24 @@ lowers to an associative scan); vectors of at most ``SMALL = 2048`` entries use
 a stable sort instead (cheaper to compile). :func:`top_indices` is the exact
 top-k used by top-k, DGC, random-k and the adaptive threshold;
 :func:`class_ranks` compacts several classes at once (INCEPTIONN).
+
+**The platform decides the kernel, at lowering time.** The bit-packed
+compaction, the sampled threshold, the radix select and their ``lax.cond``
+fallbacks are tuned for XLA:CPU; lowered for a GPU or a TPU they are a large
+program (sequential scans, nested conditionals) that compiles slowly there.
+:func:`top_indices`, :func:`top_indices_reusing`, :func:`compact` and
+:func:`compact_words` therefore choose their body with
+``jax.lax.platform_dependent`` (:func:`~jaxcomm._vma.typed_platform_dependent`):
+lowered for ``cpu`` they run the tuned path above; lowered for ``cuda``,
+``rocm`` or ``tpu`` they run the primitives XLA compiles well there -- the
+exact ``lax.top_k`` (stable: ties to the lowest index) for selection
+(:func:`top_by_primitive`) and ``jnp.nonzero`` (a prefix sum and a scatter) for
+compaction (:func:`compact_by_primitive`). Both paths return the same indices
+in the same order for every input (``tests/test_sparsifiers.py`` runs the
+accelerator bodies on the CPU against the tuned path and NumPy). The choice
+follows the platform the computation is *lowered* for, not
+``jax.default_backend()``: ``jax.jit(f).trace(x).lower(lowering_platforms=
+("cuda",))`` on a CPU host lowers the accelerator body.
 """
 
 from __future__ import annotations
@@ -22,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..._vma import vary_like
+from ..._vma import typed_platform_dependent, vary_like
 from .bitpack import pack_bits, popcount
 from .random_bits import uniform_indices
 
@@ -104,14 +122,46 @@ def _compact_by_bit(words, incl, pc, cap: int):
 def compact_words(words, cap: int):
     """Positions of the first ``cap`` set bits of ``words``, in increasing order.
 
-    Returns ``(pos, total)``: ``pos`` int32 ``(cap,)`` (slots past the number of
-    set bits hold 0) and ``total`` the number of set bits (int32 scalar, may
-    exceed ``cap``). Work is one pass over the words plus, for
-    ``cap <= nbits / 16``, work proportional to ``cap`` (each output slot finds
-    its word and bit); a larger ``cap`` uses the same slot-wise method into a
-    ``nbits / 16`` buffer when the set bits fit there (``lax.cond``), else
-    scatters every set bit to its slot (work proportional to ``nbits``).
+    ``words``: uint32 ``(nwords,)``, bit ``b`` of word ``w`` standing for entry
+    ``32 w + b`` (:func:`~.bitpack.pack_bits` with 1 bit). Returns ``(pos,
+    total)``: ``pos`` int32 ``(cap,)`` (slots past the number of set bits hold 0)
+    and ``total`` the number of set bits (int32 scalar, may exceed ``cap``).
+
+    Lowered for CPU: one pass over the words plus, for ``cap <= nbits / 16``,
+    work proportional to ``cap`` (each output slot finds its word and bit); a
+    larger ``cap`` uses the same slot-wise method into a ``nbits / 16`` buffer
+    when the set bits fit there (``lax.cond``), else scatters every set bit to
+    its slot (work proportional to ``nbits``). Lowered for an accelerator: the
+    bits unpacked and :func:`compact_by_primitive`.
     """
+    return typed_platform_dependent(
+        cpu=lambda: _compact_words_cpu(words, cap),
+        accelerator=lambda: compact_by_primitive(_unpack_words(words), cap),
+        like=words,
+    )
+
+
+def _unpack_words(words) -> Array:
+    """The bool ``(32 nwords,)`` mask that :func:`~.bitpack.pack_bits` packed into ``words`` (bit ``b`` of
+    word ``w`` is entry ``32 w + b``)."""
+    shifts = jnp.asarray(_SHIFTS)
+    return (((words[:, None] >> shifts[None, :]) & jnp.uint32(1)) == 1).reshape(-1)
+
+
+def compact_by_primitive(mask, cap: int):
+    """:func:`compact`'s accelerator body: ``jnp.nonzero(mask, size=cap, fill_value=0)`` and ``mask.sum()``.
+
+    A prefix sum and a scatter over the ``(n,)`` bool ``mask``, which XLA lowers to a
+    ``reduce_window`` and a scatter on GPU and TPU (on XLA:CPU the same prefix sum is an
+    associative scan, hence the packed path there). Returns ``(pos, total)`` as :func:`compact`.
+    """
+    total = jnp.sum(mask, dtype=jnp.int32)
+    pos = jnp.nonzero(mask, size=cap, fill_value=0)[0].astype(jnp.int32)
+    return pos, total
+
+
+def _compact_words_cpu(words, cap: int):
+    """:func:`compact_words` lowered for CPU (see there)."""
     nbits = words.shape[0] * 32
     pc = popcount(words)
     incl = _cumsum_i32(pc)
@@ -134,9 +184,23 @@ def compact_words(words, cap: int):
 def compact(mask, cap: int):
     """``(positions of the first cap true entries of a bool vector, number of true entries)``.
 
-    Equivalent to ``(jnp.nonzero(mask, size=cap, fill_value=0)[0], mask.sum())``
-    but a few memory passes instead of two prefix sums over ``mask``.
+    Equivalent to ``(jnp.nonzero(mask, size=cap, fill_value=0)[0], mask.sum())``:
+    ``mask`` bool ``(n,)``, positions int32 ``(cap,)`` in increasing order (slots past
+    the count hold 0), the count an int32 scalar (may exceed ``cap``). Lowered for
+    CPU, a few memory passes over the bit-packed mask instead of two prefix sums
+    over ``mask``; lowered for an accelerator, exactly that ``jnp.nonzero``
+    (:func:`compact_by_primitive`). Up to ``SMALL`` entries, one stable sort everywhere.
     """
+    n = mask.shape[0]
+    if cap == 0 or n == 0 or n <= SMALL:
+        return _compact_cpu(mask, cap)
+    return typed_platform_dependent(
+        cpu=lambda: _compact_cpu(mask, cap), accelerator=lambda: compact_by_primitive(mask, cap), like=mask
+    )
+
+
+def _compact_cpu(mask, cap: int):
+    """:func:`compact` lowered for CPU, and for every platform up to ``SMALL`` entries."""
     n = mask.shape[0]
     if cap == 0 or n == 0:
         return jnp.zeros((cap,), jnp.int32), jnp.sum(mask, dtype=jnp.int32)
@@ -145,7 +209,7 @@ def compact(mask, cap: int):
         order = lax.sort((~mask, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)[1]
         pos = order[:cap] if cap <= n else jnp.pad(order, (0, cap - n))
         return jnp.where(jnp.arange(cap, dtype=jnp.int32) < total, pos, 0), total
-    return compact_words(pack_bits(mask, 1, jnp.uint32), cap)
+    return _compact_words_cpu(pack_bits(mask, 1, jnp.uint32), cap)
 
 
 def _nth_set(words, n) -> Array:
@@ -163,8 +227,9 @@ _SAMPLE_MAX = 65536
 _MARGIN = 5.0
 
 
-PATH_SAMPLED, PATH_TIES, PATH_FULL, PATH_REUSED = 0, 1, 2, 3
-"""Which branch :func:`top_indices` (or :func:`top_indices_reusing`) took (returned for tests and diagnostics)."""
+PATH_SAMPLED, PATH_TIES, PATH_FULL, PATH_REUSED, PATH_PRIMITIVE = 0, 1, 2, 3, 4
+"""Which branch :func:`top_indices` (or :func:`top_indices_reusing`) took (returned for tests and diagnostics);
+``PATH_PRIMITIVE``: the accelerator body, :func:`top_by_primitive`."""
 
 
 def _radix_kth(keys, k) -> Array:
@@ -196,7 +261,7 @@ def _exact_top(ck, cand_idx, k, kmax: int) -> tuple[Array, Array]:
     tie = ck == t
     last = _nth_set(pack_bits(tie, 1, jnp.uint32), need - 1)
     sel = gt | (tie & (jnp.arange(m, dtype=jnp.int32) <= last))
-    pos, _ = compact(sel, kmax)
+    pos, _ = _compact_cpu(sel, kmax)
     out = cand_idx[pos]
     return jnp.where(jnp.arange(kmax, dtype=jnp.int32) < k, out, 0), t
 
@@ -252,6 +317,26 @@ def _sorted_top(keys, kk, kmax: int) -> Array:
     return jnp.where(jnp.arange(kmax, dtype=jnp.int32) < kk, out, 0)
 
 
+def top_by_primitive(keys, k, kmax: int) -> Array:
+    """:func:`top_indices`' accelerator body: the exact top-``k`` of int32 ``keys`` by ``lax.top_k``.
+
+    ``lax.top_k`` returns the ``kmax`` largest keys' positions, ties to the lowest
+    index (it is stable), so its first ``k`` are the set the CPU path selects; they
+    are then sorted into increasing index order, the CPU path's order for more than
+    ``SMALL`` entries. ``keys``: ``(d,)`` int32; ``k``: traced int32 ``<= kmax``
+    (``<= #(keys >= 0)``). Returns int32 ``(kmax,)``, slots ``>= k`` holding 0. On
+    GPU and TPU a large ``k`` is one sort of the keys and their positions.
+    """
+    d = keys.shape[0]
+    m = min(kmax, d)
+    idx = lax.top_k(keys, m)[1]
+    if m < kmax:
+        idx = jnp.pad(idx, (0, kmax - m))
+    first = jnp.arange(kmax, dtype=jnp.int32) < k
+    idx = jnp.sort(jnp.where(first, idx, jnp.iinfo(jnp.int32).max))
+    return jnp.where(first, idx, 0)
+
+
 def _identity(v):
     return v
 
@@ -290,7 +375,10 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
     ``C`` candidates always run; the selection among them and the two
     fallbacks are ``lax.cond`` branches, so only one runs (outside ``vmap``,
     which turns them into selects). Small arrays use a stable sort. Every
-    branch returns the same indices in the same order.
+    branch returns the same indices in the same order. That is the body
+    lowered for CPU; lowered for ``cuda``, ``rocm`` or ``tpu`` the selection
+    is :func:`top_by_primitive` (``PATH_PRIMITIVE``), the same indices in the
+    same order.
     """
     idx, path, _ = _top_indices(values, kmax, key, k, keys_of, margin, None)
     return idx, path
@@ -348,6 +436,9 @@ def top_indices_reusing(values, kmax: int, key, state, *, keys_of=_identity, mar
     ``r* / c'`` whenever the carried guess admitted ``c'`` keys, within
     ``[k / 16, C_r]``.
 
+    Lowered for ``cuda``, ``rocm`` or ``tpu`` nothing is reused: the selection is
+    :func:`top_by_primitive` (``PATH_PRIMITIVE``) and the state is returned unchanged.
+
     Args:
       values, kmax, key, keys_of, margin: as :func:`top_indices`.
       state: int32 ``(2,)``: the previous call's guess and aim (:func:`reuse_state` at first).
@@ -357,11 +448,25 @@ def top_indices_reusing(values, kmax: int, key, state, *, keys_of=_identity, mar
     """
     d = values.shape[0]
     state = jnp.asarray(state, jnp.int32)
-    guess, aim = state[0], state[1]
     cap_r = reuse_capacity(kmax, d, margin)
     if cap_r == 0:  # no sampled path: nothing to carry
         idx, path = top_indices(values, kmax, key, keys_of=keys_of, margin=margin)
         return idx, path, state
+
+    def accelerator():
+        idx = top_by_primitive(keys_of(values), jnp.int32(kmax), kmax)
+        return idx, jnp.int32(PATH_PRIMITIVE), state
+
+    return typed_platform_dependent(
+        cpu=lambda: _top_reusing_cpu(values, kmax, key, state, keys_of, margin, cap_r),
+        accelerator=accelerator,
+        like=(values, key, state, keys_of(values[:1])),  # the last: what keys_of closes over
+    )
+
+
+def _top_reusing_cpu(values, kmax: int, key, state, keys_of, margin: float, cap_r: int):
+    """:func:`top_indices_reusing` lowered for CPU (see there)."""
+    guess, aim = state[0], state[1]
     kk = jnp.int32(kmax)
     words = pack_bits(keys_of(values) >= guess, 1, jnp.uint32)
     count = jnp.sum(popcount(words), dtype=jnp.int32)  # int32 with x64 too (cond branches agree)
@@ -370,7 +475,7 @@ def top_indices_reusing(values, kmax: int, key, state, *, keys_of=_identity, mar
     aim = jnp.where(guess >= 0, jnp.clip(corrected, max(1, kmax // 16), cap_r).astype(jnp.int32), aim)
     # As on the sampled path, the compaction runs outside the lax.cond (a branch runs it slower on XLA:CPU).
     slots = jnp.arange(cap_r, dtype=jnp.int32)
-    pos, _ = compact_words(words, cap_r)
+    pos, _ = _compact_words_cpu(words, cap_r)
     ck = jnp.where(slots < count, keys_of(values[pos]), -1)
     zero = jnp.zeros_like(count)
 
@@ -379,7 +484,7 @@ def top_indices_reusing(values, kmax: int, key, state, *, keys_of=_identity, mar
         return idx, jnp.int32(PATH_REUSED) + zero, _next_guess(guess, t, count, kmax, aim) + zero
 
     def sampled():
-        idx, path, nxt = _top_indices(values, kmax, key, None, keys_of, margin, aim)
+        idx, path, nxt = _top_indices(values, kmax, key, None, keys_of, margin, aim, by_platform=False)
         return idx + zero, path + zero, nxt + zero
 
     ok = (guess >= 0) & (count >= kk) & (count <= cap_r)
@@ -398,9 +503,10 @@ def _next_guess(lo, t, count, k: int, aim) -> Array:
     return jnp.where((count > k) & (lo >= 0), jnp.clip(g, 0, _NAN_KEY), jnp.int32(NO_GUESS))
 
 
-def _top_indices(values, kmax: int, key, k, keys_of, margin: float, target):
+def _top_indices(values, kmax: int, key, k, keys_of, margin: float, target, by_platform: bool = True):
     """:func:`top_indices`, plus the next guess of :func:`top_indices_reusing` when ``target`` is given
-    (:data:`NO_GUESS` otherwise)."""
+    (:data:`NO_GUESS` otherwise); ``by_platform=False``: the CPU body whatever the platform (for a
+    caller that already chose it)."""
     if isinstance(values, int):  # the counters 0..d-1: rebuilt where read, never a stored operand
         d = values
 
@@ -426,6 +532,23 @@ def _top_indices(values, kmax: int, key, k, keys_of, margin: float, target):
         return jnp.arange(d, dtype=jnp.int32), jnp.int32(PATH_FULL), no_guess
     if d <= SMALL:
         return _sorted_top(keys_of(all_values()), kk, kmax), jnp.int32(PATH_FULL), no_guess
+
+    def accelerator():
+        return top_by_primitive(keys_of(all_values()), kk, kmax), jnp.int32(PATH_PRIMITIVE), no_guess
+
+    def cpu():
+        return _top_sampled(all_values, gather, d, kmax, key, k, kk, keys_of, margin, target)
+
+    if not by_platform:
+        return cpu()
+    # The last entry of like: one key, which varies over whatever keys_of closes over (random-k's hash words).
+    like = (key, kk, keys_of(gather(jnp.zeros((1,), jnp.int32))))
+    return typed_platform_dependent(cpu=cpu, accelerator=accelerator, like=like)
+
+
+def _top_sampled(all_values, gather, d: int, kmax: int, key, k, kk, keys_of, margin: float, target):
+    """:func:`_top_indices` lowered for CPU: the sampled threshold and its fallbacks (see :func:`top_indices`)."""
+    no_guess = jnp.int32(NO_GUESS)
 
     def full():
         return _exact_top(keys_of(all_values()), jnp.arange(d, dtype=jnp.int32), kk, kmax)[0]
@@ -457,7 +580,7 @@ def _top_indices(values, kmax: int, key, k, keys_of, margin: float, target):
     # conditional branch measured twice as slow on XLA:CPU (11.4 ms against 5.1 ms for a
     # 2.4 M-entry tensor). Only the rare fallbacks are branches.
     slots = jnp.arange(cap, dtype=jnp.int32)
-    pos, _ = compact_words(words, cap)
+    pos, _ = _compact_words_cpu(words, cap)
     ck = jnp.where(slots < count, keys_of(gather(pos)), -1)
     # A zero of the input's own type: constants built from it are device-varying inside
     # shard_map like the branches computed from ``values``, so the lax.cond branches agree.
@@ -473,7 +596,7 @@ def _top_indices(values, kmax: int, key, k, keys_of, margin: float, target):
         # One compaction of [keys > lo, keys == lo]: all n_gt <= C strict candidates, then the
         # first 2C - n_gt ties (>= C >= k), both in index order.
         allkeys = keys_of(all_values())
-        tpos, _ = compact(jnp.concatenate([allkeys > lo, allkeys == lo]), 2 * cap)
+        tpos, _ = _compact_cpu(jnp.concatenate([allkeys > lo, allkeys == lo]), 2 * cap)
         tpos = jnp.where(tpos >= d, tpos - d, tpos)
         valid = jnp.arange(2 * cap, dtype=jnp.int32) < count
         tk = jnp.where(valid, keys_of(gather(tpos)), -1)
