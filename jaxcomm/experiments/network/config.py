@@ -204,11 +204,15 @@ SWEPT_LEARNING_RATES: dict[str, float] = {
     "diloco-H20-int8": 0.02,
     "sparseloco-H20": 0.01,
     "streaming-diloco-H20": 0.01,
+    "sparseloco-H20-1%-bf16": 0.02,
+    "dgc-1%": 0.01,
 }
 """The main job's learning rate per method, chosen by its sweep on the unshaped link (seed 0,
 rates 0.01, 0.02 and 0.05: the fewest steps to 75 %, a tie to the smaller rate), measured with
 ``jaxcomm run time-to-accuracy --set lr_sweep=0.01,0.02,0.05 --set seeds=0 --set
-bandwidths=unlimited`` (``experiments/benchmarks/results/time_to_accuracy_main_lr_sweep.json``)."""
+bandwidths=unlimited`` (``experiments/benchmarks/results/time_to_accuracy_main_lr_sweep.json``);
+``sparseloco-H20-1%-bf16`` and ``dgc-1%`` (10-step warm-up stages) from the rates 0.01 and 0.02
+(``time_to_accuracy_main_sparseloco_dgc_variants.json``)."""
 
 ROUTES = ("decomposed", "end_to_end", "compare")
 """How the time to target is measured (see :class:`TimeToAccuracyConfig`)."""
