@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._bitcount import BitCount
-from ._base import Compressor, Payload, check_positive_int, check_ratio, payload_dataclass, register, static_field
+from .._validate import check_int, check_ratio
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.bitpack import pack, unpack
 from ._kernels.scatter import scatter, scatter_count, subtract_sparse, sum_scatter
 from ._kernels.select import magnitude_keys, top_indices
@@ -226,7 +227,7 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
       levels: QSGD's ``s >= 1`` (number of positive levels).
     """
     ratio = check_ratio(ratio, "ratio")
-    levels = check_positive_int(levels, "levels", minimum=1, why="it fixes the number of quantization levels")
+    levels = check_int(levels, "levels", minimum=1, why="it fixes the number of quantization levels")
     width = _level_width(levels)
 
     def compress(x, key, state):

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from .._bitcount import BitCount
-from ._base import Compressor, Payload, check_finite_scalar, payload_dataclass, register, static_field
+from .._validate import check_finite_scalar
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.bitpack import pack, unpack
 from ._kernels.select import class_ranks
 from ._primitives import flat32, packed_size, restore, size_of

@@ -7,7 +7,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import Compressor, check_ratio, register
+from .._validate import check_ratio
+from ._base import Compressor, register
 from ._kernels.bitpack import pack
 from ._kernels.random_bits import uniform_bits
 from ._kernels.select import compact

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import Compressor, Payload, check_ratio, payload_dataclass, register, static_field
+from .._validate import check_bool, check_ratio
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.random_bits import bits_at, key_words
 from ._kernels.scatter import scatter
 from ._kernels.select import top_indices
@@ -125,12 +126,8 @@ def randomk(*, ratio: float, unbiased: bool = False, replacement: bool = False, 
       ValueError/TypeError: ``ratio`` outside (0, 1], ``unbiased`` or ``replacement`` not a bool.
     """
     ratio = check_ratio(ratio, "ratio", "it fixes the number of entries sent k, an array shape")
-    if not isinstance(unbiased, (bool, np.bool_)):
-        raise TypeError(f"unbiased must be a bool; got {unbiased!r}")
-    unbiased = bool(unbiased)
-    if not isinstance(replacement, (bool, np.bool_)):
-        raise TypeError(f"replacement must be a bool; got {replacement!r}")
-    replacement = bool(replacement)
+    unbiased = check_bool(unbiased, "unbiased")
+    replacement = check_bool(replacement, "replacement")
     positions = randomk_draws if replacement else randomk_indices
 
     def compress(x, key, state):

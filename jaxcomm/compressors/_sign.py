@@ -25,7 +25,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._base import Compressor, Payload, check_finite_scalar, payload_dataclass, register, static_field
+from .._validate import check_finite_scalar
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.bitpack import pack, pack_reduce, packed_size, popcount, unpack
 from ._primitives import flat32, restore, size_of
 from ._quantize import jitted_compressor, nan_unless_finite

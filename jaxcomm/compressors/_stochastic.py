@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._base import Compressor, Payload, check_positive_int, payload_dataclass, register, static_field
+from .._validate import check_int
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.bitpack import code_width, pack, pack_codes, packed_code_bits, unpack, unpack_codes
 from ._kernels.random_bits import uniform_bits, uniform_floats
 from ._primitives import flat32, packed_size, restore, size_of
@@ -71,7 +72,7 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
     (``~1e20``) quantize as well as unit ones; decoded values beyond a float16
     tensor's range saturate at 65504.
     """
-    levels = check_positive_int(levels, "levels", why="it fixes the number of quantization levels and the code width")
+    levels = check_int(levels, "levels", why="it fixes the number of quantization levels and the code width")
     if levels > _MAX_LEVELS:
         raise ValueError(f"levels must be <= {_MAX_LEVELS}; got {levels}")
     width = code_width(2 * levels + 1)
@@ -249,7 +250,7 @@ def stochastic_rounding(*, bits: int = 4, seed: int = 0) -> Compressor:
     NaN. Scales up to the float32 maximum are exact (``x + M`` is formed at
     ``2^-8`` scale there, :func:`~._quantize.big_scale_factor`).
     """
-    bits = check_positive_int(bits, "bits", why="it fixes the number of levels and the code width")
+    bits = check_int(bits, "bits", why="it fixes the number of levels and the code width")
     if bits > 16:
         raise ValueError(f"bits must be in [1, 16]; got {bits}")
     top = float((1 << bits) - 1)  # L - 1

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._base import Compressor, check_finite_scalar, check_positive_int, check_ratio, register
+from .._validate import check_finite_scalar, check_int, check_ratio
+from ._base import Compressor, register
 from ._kernels.bitpack import pack_bits, popcount
 from ._kernels.random_bits import uniform_indices
 from ._kernels.select import SMALL, compact, compact_words, top_indices
@@ -160,7 +161,7 @@ def dgc(
     lower_bound = check_finite_scalar(lower_bound, "lower_bound", why=_LOOP_CONSTANT)
     if not 0.0 < lower_bound < 1.0:
         raise ValueError(f"lower_bound must be in (0, 1); got {lower_bound}")
-    max_adaptation_iters = check_positive_int(
+    max_adaptation_iters = check_int(
         max_adaptation_iters, "max_adaptation_iters", minimum=0, why="it bounds the adaptation loop, a Python branch"
     )
 
