@@ -18,7 +18,6 @@ leaf, so ``optax.chain(jaxcomm.compressors.topk(ratio=0.01), optax.sgd(0.1))`` w
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, cast
@@ -201,7 +200,8 @@ class CompressorState(NamedTuple):
     leaf_states: tuple
 
 
-def _no_state(x):
+def no_state(x):
+    """The state of a stateless compressor: ``()`` for every array (the default ``init_state``)."""
     del x
     return ()
 
@@ -235,10 +235,15 @@ def _check_hook(value, name: str):
 class Compressor:
     """A lossy operator Q: pure per-array primitives, metadata, declared aggregation hooks.
 
-    A frozen record (``dataclasses.replace(c, seed=1)`` keeps every field). It
-    is also an optax gradient transformation (``init``/``update``), whose update
-    is the local lossy round trip ``g -> decompress(compress(g))`` per leaf,
-    with per-leaf state and a PRNG key split once per step and per leaf, so
+    A frozen record, built with its fields as keywords, ``Compressor(name=...,
+    compress_fn=..., decompress_fn=..., unbiased=..., strategy=...)``
+    (``dataclasses.replace(c, seed=1)`` keeps every field). Every built-in factory
+    declares its compressor's facts here: its error bound (``variance_factor``,
+    ``contraction``, ``local_contraction`` or ``no_contraction``, with ``bound``, the
+    source) and its randomness (``stochastic``). It is also an optax gradient
+    transformation (``init``/``update``), whose update is the local lossy round
+    trip ``g -> decompress(compress(g))`` per leaf, with per-leaf state and a PRNG
+    key split once per step and per leaf, so
     ``optax.chain(jaxcomm.compressors.topk(ratio=0.01), optax.sgd(0.1))`` works.
     Communication is never done here: the transforms' pipeline
     (:mod:`jaxcomm.transforms`) runs every collective.
@@ -252,7 +257,7 @@ class Compressor:
       unbiased: ``E[decompress(compress(x))] == x`` for every ``x``.
       strategy: ``"allreduce"`` when payloads can be summed as they are
         (fields ``Payload.summable``), else ``"allgather"``.
-      init_state: ``x -> state`` for one array (``()`` if stateless).
+      init_state: ``x -> state`` for one array (default, or ``None``: stateless, ``()``).
       rounds: optional multi-round allreduce (PowerSGD): a generator function
         ``(x, key, state, size) -> payload, new_state`` that *yields* each
         message to be summed over the ``size`` workers and receives the sum
@@ -287,13 +292,13 @@ class Compressor:
         such a compressor under a memory that needs a contraction
         (:attr:`jaxcomm.memory.Memory.needs_contraction`).
       bound: where the declared bound comes from (paper, lemma, derivation), or
-        why there is none.
+        why there is none (default with ``no_contraction``: ``"no contraction: <why>"``).
       stochastic: whether ``compress`` draws from its key. ``True`` or ``None``
         (undeclared, the default of a custom compressor): :meth:`compress` and
         :meth:`roundtrip` need an explicit ``key`` (``TypeError`` without one: a
         silent fixed key would make every call the same "random" draw).
-        ``False``: deterministic, the key may be omitted. The built-in factories
-        declare it.
+        ``False``: deterministic, the key may be omitted. Every built-in factory
+        declares it.
       dense_warmup: steps at the start of training during which
         :func:`jaxcomm.transforms.compressed_mean` sends the gradient uncompressed
         (the dense all-reduce mean) and leaves the memory and the compressor's
@@ -309,7 +314,7 @@ class Compressor:
     decompress_fn: Callable
     unbiased: bool
     strategy: str
-    init_state: Callable = _no_state
+    init_state: Callable = no_state  # None is taken as this: stateless
     rounds: Callable | None = None
     decompress_sum: Callable | None = None
     compression_error: Callable | None = None
@@ -327,6 +332,8 @@ class Compressor:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"name must be a non-empty string; got {self.name!r}")
         check_choice(self.strategy, "strategy", COMPRESSOR_STRATEGIES)
+        if self.init_state is None:
+            object.__setattr__(self, "init_state", no_state)
         for field in ("compress_fn", "decompress_fn", "init_state"):
             if not callable(getattr(self, field)):
                 raise TypeError(f"{field} must be callable; got {type(getattr(self, field)).__name__}")
@@ -358,6 +365,8 @@ class Compressor:
                 f"no_contraction ({self.no_contraction!r}) says no error bound holds, but {', '.join(declared)} "
                 "is declared too; declare one or the other"
             )
+        if self.no_contraction and not self.bound:
+            object.__setattr__(self, "bound", f"no contraction: {self.no_contraction}")
 
     def omega(self, d: int) -> float | None:
         """The declared variance factor ω for a tensor of ``d`` entries (``None`` if not declared)."""
@@ -377,51 +386,6 @@ class Compressor:
             return delta
         omega = self.omega(d)
         return 1.0 - omega if omega is not None and omega < 1.0 else None
-
-    @classmethod
-    def create(
-        cls,
-        *,
-        name: str,
-        compress: Callable,
-        decompress: Callable,
-        unbiased: bool,
-        strategy: str,
-        init_state: Callable | None = None,
-        rounds: Callable | None = None,
-        decompress_sum: Callable | None = None,
-        compression_error: Callable | None = None,
-        seed: int = 0,
-        params: dict | None = None,
-        variance_factor: Callable[[int], float] | float | None = None,
-        contraction: Callable[[int], float] | float | None = None,
-        bound: str = "",
-        stochastic: bool | None = None,
-        dense_warmup: int = 0,
-        local_contraction: Callable | None = None,
-        no_contraction: str = "",
-    ) -> Compressor:
-        """Build a compressor from its per-array primitives (fields as in the class docstring)."""
-        return cls(
-            name=name,
-            compress_fn=compress,
-            decompress_fn=decompress,
-            unbiased=unbiased,
-            strategy=strategy,
-            init_state=init_state or _no_state,
-            rounds=rounds,
-            decompress_sum=decompress_sum,
-            compression_error=compression_error,
-            seed=seed,
-            params=dict(params or {}),
-            variance_factor=variance_factor,
-            contraction=contraction,
-            bound=bound,
-            stochastic=stochastic,
-            dense_warmup=dense_warmup,
-            local_contraction=local_contraction,
-            no_contraction=no_contraction,
-        )
 
     # -- per-array primitives ---------------------------------------------- #
     def compress(self, x, key=None, state=None):
@@ -481,7 +445,7 @@ class Compressor:
         shape; an update with another shape must fail here, not deep inside the arithmetic.
         Checked on shapes and dtypes only (``jax.eval_shape``), so it costs nothing at run time.
         """
-        if self.init_state is _no_state and not jax.tree_util.tree_leaves(state):
+        if self.init_state is no_state and not jax.tree_util.tree_leaves(state):
             return  # stateless: nothing shaped to compare
         want = jax.eval_shape(self.init_state, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)))
         got_def: Any = jax.tree_util.tree_structure(state)
@@ -543,35 +507,12 @@ class Compressor:
 # --------------------------------------------------------------------------- #
 _REGISTRY: dict[str, Callable[..., Compressor]] = {}
 
-DETERMINISTIC = frozenset(
-    {
-        "adaptive",
-        "bf16",
-        "clipping",
-        "efsignsgd",
-        "eightbit",
-        "fp16",
-        "inceptionn",
-        "none",
-        "onebit",
-        "scaled_sign",
-        "signsgd",
-        "signum",
-        "sketchml",
-        "threshold",
-        "topk",
-    }
-)
-"""Built-in compressors whose ``compress`` ignores its key (``stochastic=False``: the key may be omitted).
-Every other registered compressor is declared ``stochastic=True``."""
-
 
 def register(name: str, *, overwrite: bool = False):
-    """Decorator: register a compressor factory under ``name``.
+    """Decorator: register a compressor factory under ``name`` (returned unchanged).
 
-    The registered factory attaches the declared error bound of ``name``
-    (``jaxcomm.compressors._bounds.BOUNDS``, for the built-in names) to every
-    compressor it builds, unless the factory declared one itself.
+    A factory declares its compressor's facts itself (the error bound and its source,
+    whether ``compress`` draws from its key), as :class:`Compressor` fields.
 
     Args:
       name: the registry name (``make(name, ...)``).
@@ -588,18 +529,8 @@ def register(name: str, *, overwrite: bool = False):
             raise ValueError(
                 f"compressor {name!r} is already registered; pass register({name!r}, overwrite=True) to replace it"
             )
-
-        @functools.wraps(factory)
-        def build(*args, **kwargs):
-            from ._bounds import declare
-
-            c = declare(factory(*args, **kwargs))
-            if c.stochastic is None:  # the built-ins' randomness, declared in one place
-                c = dataclasses.replace(c, stochastic=c.name not in DETERMINISTIC)
-            return c
-
-        _REGISTRY[name] = build
-        return build
+        _REGISTRY[name] = factory
+        return factory
 
     return deco
 

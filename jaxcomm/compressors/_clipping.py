@@ -69,4 +69,18 @@ def clipping(*, bits: int = 7, seed: int = 0) -> Compressor:
         u = unpack_codes(p.codes, width, size_of(p.shape)).astype(jnp.uint32) << drop
         return restore(jax.lax.bitcast_convert_type(u, jnp.float32), p.shape, p.dtype)
 
-    return jitted_compressor("clipping", compress, decompress, unbiased=False, seed=seed, params=dict(bits=bits))
+    return jitted_compressor(
+        "clipping",
+        compress,
+        decompress,
+        unbiased=False,
+        seed=seed,
+        params=dict(bits=bits),
+        stochastic=False,
+        contraction=1.0 - (2.0**bits + 1.0) ** -2,
+        bound=(
+            "truncation of the mantissa to `bits` bits: for a normal 2^e <= |x_i| < 2^(e+1) the error "
+            "r = |x_i − Q(x)_i| < 2^(e − bits) and |Q(x)_i| >= 2^e, so r/|x_i| <= r/(2^e + r) < 1/(2^bits + 1), "
+            "δ = 1 − (2^bits + 1)^-2 (bits = 0, sign and exponent only: δ = 3/4)"
+        ),
+    )

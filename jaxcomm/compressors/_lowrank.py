@@ -288,16 +288,20 @@ def powersgd(
             return payload.data.astype(payload.dtype)
         return _matmul(payload.p, payload.q.T).reshape(payload.shape).astype(payload.dtype)
 
-    return Compressor.create(
+    return Compressor(
         name="powersgd",
-        compress=compress,
-        decompress=decompress,
+        compress_fn=compress,
+        decompress_fn=decompress,
         unbiased=False,
         strategy="allreduce",
         init_state=init_state,
         rounds=rounds,
         seed=seed,
         dense_warmup=start,
+        stochastic=True,
+        contraction=0.0,
+        bound="an orthogonal projection of the (summed) matrix onto rank r (non-expansive, δ = 0), with no "
+        "uniform δ > 0 (Vogels et al. 2019 pair it with error feedback)",
         params=dict(
             matrix_approximation_rank=r_max,
             min_compression_rate=rate,

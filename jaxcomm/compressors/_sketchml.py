@@ -119,4 +119,15 @@ def sketchml(*, buckets: int = 64, seed: int = 0) -> Compressor:
         y = jnp.where(jnp.all(jnp.isfinite(p.means)), p.means[code], jnp.nan)
         return restore(y, p.shape, p.dtype)
 
-    return jitted_compressor("sketchml", compress, decompress, unbiased=False, seed=seed, params=dict(buckets=buckets))
+    return jitted_compressor(
+        "sketchml",
+        compress,
+        decompress,
+        unbiased=False,
+        seed=seed,
+        params=dict(buckets=buckets),
+        stochastic=False,
+        contraction=0.0,
+        bound="bucket means are a least-squares projection onto the bucket indicators (non-expansive, δ = 0) "
+        "with no uniform δ > 0",
+    )

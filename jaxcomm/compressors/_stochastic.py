@@ -8,6 +8,7 @@ expectation exact, drawing its uniforms from
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -47,6 +48,13 @@ class QSGDPayload(Payload):
     def wire_bits(self) -> int:
         """``pw(d, ceil(log2(2s+1))) + 32``."""
         return packed_code_bits(size_of(self.shape), code_width(2 * self.levels + 1)) + 32
+
+
+def _unbiased_quantizer(name: str, compress, decompress, seed: int, params: dict, **bound) -> Compressor:
+    """A random, unbiased quantizer (``bound``: its declared variance factor and the source)."""
+    return jitted_compressor(
+        name, compress, decompress, unbiased=True, seed=seed, params=params, stochastic=True, **bound
+    )
 
 
 @register("qsgd")
@@ -98,7 +106,15 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
         scale = jnp.where(jnp.isfinite(p.norm), p.norm / p.levels, jnp.nan)
         return restore(code.astype(jnp.float32) * scale, p.shape, p.dtype)
 
-    return jitted_compressor("qsgd", compress, decompress, unbiased=True, seed=seed, params=dict(levels=levels))
+    return _unbiased_quantizer(
+        "qsgd",
+        compress,
+        decompress,
+        seed,
+        dict(levels=levels),
+        variance_factor=lambda d: min(d / levels**2, math.sqrt(d) / levels),
+        bound="Alistarh et al. 2017, Lemma 3.1: ω = min(d/s², √d/s) with s levels",
+    )
 
 
 @payload_dataclass
@@ -160,7 +176,15 @@ def natural(*, seed: int = 0) -> Compressor:
         bits = (sign << 31) | (p.exponents.astype(jnp.uint32) << 23)
         return restore(jax.lax.bitcast_convert_type(bits, jnp.float32), p.shape, p.dtype)
 
-    return jitted_compressor("natural", compress, decompress, unbiased=True, seed=seed, params={})
+    return _unbiased_quantizer(
+        "natural",
+        compress,
+        decompress,
+        seed,
+        {},
+        variance_factor=1.0 / 8.0,
+        bound="Horváth et al. 2019 (natural compression), Theorem 1: ω = 1/8",
+    )
 
 
 @payload_dataclass
@@ -209,7 +233,15 @@ def terngrad(*, seed: int = 0) -> Compressor:
         t = ((code & 1) - (code >> 1)).astype(jnp.float32)  # 0 -> 0, 1 -> +1, 2 -> -1
         return restore(t * nan_unless_finite(p.scale, p.scale), p.shape, p.dtype)
 
-    return jitted_compressor("terngrad", compress, decompress, unbiased=True, seed=seed, params={})
+    return _unbiased_quantizer(
+        "terngrad",
+        compress,
+        decompress,
+        seed,
+        {},
+        variance_factor=lambda d: math.sqrt(d) - 1.0,
+        bound="Wen et al. 2017: E‖Q(x) − x‖² = ‖x‖₁‖x‖∞ − ‖x‖² ≤ (√d − 1) ‖x‖², ω = √d − 1",
+    )
 
 
 @payload_dataclass
@@ -272,6 +304,15 @@ def stochastic_rounding(*, bits: int = 4, seed: int = 0) -> Compressor:
         y = p.scale * (k * (2.0 / top) - 1.0)
         return restore(nan_unless_finite(y, p.scale), p.shape, p.dtype)
 
-    return jitted_compressor(
-        "stochastic_rounding", compress, decompress, unbiased=True, seed=seed, params=dict(bits=bits)
+    return _unbiased_quantizer(
+        "stochastic_rounding",
+        compress,
+        decompress,
+        seed,
+        dict(bits=bits),
+        variance_factor=lambda d: d / ((1 << bits) - 1) ** 2,
+        bound=(
+            "unbiased rounding to a grid of spacing D = 2M/(2^bits − 1), M = max|x|: per entry variance ≤ D²/4, "
+            "so E‖Q(x) − x‖² ≤ d M²/(2^bits − 1)² ≤ d/(2^bits − 1)² ‖x‖², ω = d/(2^bits − 1)²"
+        ),
     )

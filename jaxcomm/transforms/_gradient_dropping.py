@@ -412,8 +412,8 @@ def _threshold_rule(k) -> Compressor:
         selected = jnp.where(magnitude >= threshold, flat, jnp.zeros_like(flat))  # lines 5-6
         return DensePayload(data=selected.reshape(jnp.shape(x)), dtype=x.dtype), state
 
-    return Compressor.create(
-        name="threshold_rule", compress=compress, decompress=_dense_data, unbiased=False, strategy="allreduce"
+    return Compressor(
+        name="threshold_rule", compress_fn=compress, decompress_fn=_dense_data, unbiased=False, strategy="allreduce"
     )
 
 
