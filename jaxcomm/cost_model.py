@@ -60,6 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._validate import check_choice, check_finite_scalar, check_int
+
 __all__ = [
     "Network",
     "DEFAULT_LATENCY_S",
@@ -96,16 +98,8 @@ class Network:
     latency_s: float = DEFAULT_LATENCY_S
 
     def __post_init__(self):
-        for name in ("bandwidth_gbps", "latency_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                raise TypeError(f"{name} must be a real number; got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite; got {value}")
-        if self.bandwidth_gbps <= 0:
-            raise ValueError(f"bandwidth_gbps must be > 0; got {self.bandwidth_gbps}")
-        if self.latency_s < 0:
-            raise ValueError(f"latency_s must be >= 0; got {self.latency_s}")
+        check_finite_scalar(self.bandwidth_gbps, "bandwidth_gbps", positive=True)
+        check_finite_scalar(self.latency_s, "latency_s", nonnegative=True)
 
     @property
     def bits_per_s(self) -> float:
@@ -129,14 +123,6 @@ COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "neighbo
 # --------------------------------------------------------------------------- #
 # Validation helpers
 # --------------------------------------------------------------------------- #
-def _check_int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}; got {value}")
-    return int(value)
-
-
 def _check_net(net) -> Network:
     if not isinstance(net, Network):
         raise TypeError(f"net must be a jaxcomm.cost_model.Network; got {type(net).__name__}")
@@ -190,7 +176,7 @@ def allreduce_time(bits, workers: int, net: Network, algorithm: str = "ring"):
     Returns:
       seconds, same kind as ``bits``.
     """
-    p = _check_int(workers, "workers", 1)
+    p = check_int(workers, "workers", 1)
     net, bits = _check_net(net), _check_bits(bits)
     if algorithm == "ring":
         return _cost(2 * (p - 1), 2 * (p - 1) / p, bits, net)
@@ -213,7 +199,7 @@ def reduce_scatter_time(bits, workers: int, net: Network, algorithm: str = "ring
     Returns:
       seconds.
     """
-    p = _check_int(workers, "workers", 1)
+    p = check_int(workers, "workers", 1)
     net, bits = _check_net(net), _check_bits(bits)
     if algorithm == "ring":
         return _cost(p - 1, (p - 1) / p, bits, net)
@@ -235,7 +221,7 @@ def allgather_time(bits_per_worker, workers: int, net: Network, algorithm: str =
     Returns:
       seconds.
     """
-    p = _check_int(workers, "workers", 1)
+    p = check_int(workers, "workers", 1)
     net, bits = _check_net(net), _check_bits(bits_per_worker, "bits_per_worker")
     if algorithm == "ring":
         return _cost(p - 1, p - 1, bits, net)
@@ -257,7 +243,7 @@ def broadcast_time(bits, workers: int, net: Network, algorithm: str = "best"):
     Returns:
       seconds.
     """
-    p = _check_int(workers, "workers", 1)
+    p = check_int(workers, "workers", 1)
     net, bits = _check_net(net), _check_bits(bits)
     binomial = _cost(_lg(p), _lg(p), bits, net)
     scatter = _cost(_lg(p) + p - 1, 2 * (p - 1) / p, bits, net)
@@ -283,7 +269,7 @@ def neighbor_exchange_time(bits, degree: int, net: Network):
     Returns:
       seconds.
     """
-    d = _check_int(degree, "degree", 0)
+    d = check_int(degree, "degree", 0)
     net, bits = _check_net(net), _check_bits(bits)
     return _cost(d, d, bits, net)
 
@@ -317,12 +303,11 @@ def comm_time(
     Returns:
       seconds.
     """
-    messages = _check_int(messages, "messages", 1)
+    messages = check_int(messages, "messages", 1)
     kw = {} if algorithm is None else {"algorithm": algorithm}
     if strategy == "neighbour_exchange":
         strategy = "neighbor_exchange"
-    if strategy not in COLLECTIVES:
-        raise ValueError(f"strategy must be one of {COLLECTIVES}; got {strategy!r}")
+    check_choice(strategy, "strategy", COLLECTIVES)
     per_message = _check_bits(bits) / messages
     if strategy == "neighbor_exchange":
         if algorithm is not None:
@@ -395,8 +380,7 @@ and ``"rounds"``, a multi-round compressor (PowerSGD) under ``"allreduce"``."""
 
 
 def _check_strategy(strategy) -> str:
-    if strategy not in STEP_STRATEGIES:
-        raise ValueError(f"strategy must be one of {STEP_STRATEGIES}; got {strategy!r}")
+    check_choice(strategy, "strategy", STEP_STRATEGIES)
     return strategy
 
 
@@ -441,7 +425,7 @@ def step_bytes(strategy: str, payload_bytes, workers: int):
       bytes summed over the workers, same kind as ``payload_bytes``.
     """
     strategy = _check_strategy(strategy)
-    n = _check_int(workers, "workers", 1)
+    n = check_int(workers, "workers", 1)
     payload = _check_bits(payload_bytes, "payload_bytes")
     if strategy in ("allgather", "broadcast"):
         return n * (n - 1) * payload
@@ -469,8 +453,8 @@ def step_latency_rounds(strategy: str, workers: int, messages: int = 1) -> int:
       the number of steps (0 for ``n = 1``).
     """
     strategy = _check_strategy(strategy)
-    n = _check_int(workers, "workers", 1)
-    m = _check_int(messages, "messages", 0)
+    n = check_int(workers, "workers", 1)
+    m = check_int(messages, "messages", 0)
     if n == 1:
         return 0
     if strategy in ("allreduce", "rounds"):
@@ -515,10 +499,9 @@ def step_time(strategy: str, payload_bytes, workers: int, net: Network, *, messa
       seconds, same kind as ``payload_bytes``.
     """
     net = _check_net(net)
-    if topology not in TOPOLOGIES:
-        raise ValueError(f"topology must be one of {TOPOLOGIES}; got {topology!r}")
+    check_choice(topology, "topology", TOPOLOGIES)
     if topology == "switched" and strategy == "broadcast":
         raise ValueError("topology='switched' does not price 'broadcast' (its root sends more than its share)")
     total = step_bytes(strategy, payload_bytes, workers)
-    links = _check_int(workers, "workers", 1) if topology == "switched" else 1
+    links = check_int(workers, "workers", 1) if topology == "switched" else 1
     return 8 * total / (links * net.bits_per_s) + step_latency_rounds(strategy, workers, messages) * net.latency_s

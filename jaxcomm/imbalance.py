@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._validate import check_int
+
 __all__ = [
     "ImbalanceModel",
     "RandomDelay",
@@ -60,12 +62,6 @@ class ImbalanceModel(Protocol):
     def num_workers(self) -> int: ...
 
     def sample(self, key: jax.Array, step) -> jax.Array: ...
-
-
-def _check_workers(num_workers) -> int:
-    if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive int; got {num_workers!r}")
-    return int(num_workers)
 
 
 def _check_ms(name: str, value, *, positive: bool = False) -> float:
@@ -108,12 +104,9 @@ class RandomDelay:
     replace: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "num_workers", _check_workers(self.num_workers))
-        if isinstance(self.num_delayed, bool) or not isinstance(self.num_delayed, (int, np.integer)):
-            raise TypeError(f"num_delayed must be an int; got {self.num_delayed!r}")
-        if not 0 <= self.num_delayed <= self.num_workers:
-            raise ValueError(f"num_delayed must be in [0, num_workers={self.num_workers}]; got {self.num_delayed}")
-        object.__setattr__(self, "num_delayed", int(self.num_delayed))
+        object.__setattr__(self, "num_workers", check_int(self.num_workers, "num_workers"))
+        num_delayed = check_int(self.num_delayed, "num_delayed", 0, maximum=self.num_workers)
+        object.__setattr__(self, "num_delayed", num_delayed)
         object.__setattr__(self, "delay_ms", _check_ms("delay_ms", self.delay_ms))
         object.__setattr__(self, "base_ms", _check_ms("base_ms", self.base_ms))
 
@@ -145,7 +138,7 @@ class LinearSkew:
     base_ms: float = 0.0
 
     def __post_init__(self):
-        object.__setattr__(self, "num_workers", _check_workers(self.num_workers))
+        object.__setattr__(self, "num_workers", check_int(self.num_workers, "num_workers"))
         object.__setattr__(self, "unit_ms", _check_ms("unit_ms", self.unit_ms, positive=True))
         object.__setattr__(self, "base_ms", _check_ms("base_ms", self.base_ms))
 
@@ -173,7 +166,7 @@ class RotatingSkew:
     base_ms: float = 0.0
 
     def __post_init__(self):
-        object.__setattr__(self, "num_workers", _check_workers(self.num_workers))
+        object.__setattr__(self, "num_workers", check_int(self.num_workers, "num_workers"))
         lo = _check_ms("min_ms", self.min_ms)
         hi = _check_ms("max_ms", self.max_ms)
         if hi < lo:
@@ -206,7 +199,7 @@ class EmpiricalTimes:
     base_ms: float = 0.0
 
     def __post_init__(self):
-        object.__setattr__(self, "num_workers", _check_workers(self.num_workers))
+        object.__setattr__(self, "num_workers", check_int(self.num_workers, "num_workers"))
         arr = np.asarray(self.times_ms, dtype=np.float64)
         if arr.ndim not in (1, 2) or arr.size == 0:
             raise ValueError(f"times_ms must be a non-empty 1-D list or a 2-D [T, P] table; got shape {arr.shape}")
@@ -237,8 +230,7 @@ def schedule(model: ImbalanceModel, key, num_steps: int) -> np.ndarray:
     """
     if not isinstance(model, ImbalanceModel):
         raise TypeError(f"model must implement ImbalanceModel (num_workers, sample); got {type(model).__name__}")
-    if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
-        raise ValueError(f"num_steps must be an int >= 0; got {num_steps!r}")
+    num_steps = check_int(num_steps, "num_steps", 0)
     if isinstance(key, (int, np.integer)):
         key = jax.random.key(int(key))
     if num_steps == 0:

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .compressors._base import check_finite_scalar
+from ._validate import check_bool, check_finite_scalar
 
 __all__ = [
     "Memory",
@@ -178,8 +178,7 @@ def residual(beta: float = 1.0, gamma: float = 1.0, *, needs_contraction: bool =
     """
     beta = check_finite_scalar(beta, "beta", positive=True)
     gamma = check_finite_scalar(gamma, "gamma", positive=True)
-    if not isinstance(needs_contraction, bool):
-        raise TypeError(f"needs_contraction must be True or False; got {needs_contraction!r}")
+    needs_contraction = check_bool(needs_contraction, "needs_contraction")
     params: dict = {"beta": beta, "gamma": gamma}
     if not needs_contraction:
         params["needs_contraction"] = False

@@ -373,7 +373,7 @@ def check_error_bound(c: Compressor, num_samples: int = 512, z: float = 5.0) -> 
         if c.no_contraction:
             return SKIPPED + f"declares no contraction: {c.no_contraction}"
         assert c.variance_factor is not None or c.contraction is not None, (
-            f"{c.name}: declares no error bound: give Compressor.create variance_factor=ω (unbiased), "
+            f"{c.name}: declares no error bound: give Compressor variance_factor=ω (unbiased), "
             "contraction=δ, local_contraction=x -> δ(x), or no_contraction='why no bound holds'"
         )
         return SKIPPED + f"the declared bound gives no value at d = 1000 ({c.bound or 'no reason given'})"

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._validate import check_int
+
 __all__ = [
     "Topology",
     "ring",
@@ -213,14 +215,6 @@ class Topology:
 # --------------------------------------------------------------------------- #
 # construction
 # --------------------------------------------------------------------------- #
-def _check_n(n, name="num_workers", minimum=1) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"{name} must be an int; got {type(n).__name__}")
-    if n < minimum:
-        raise ValueError(f"{name} must be >= {minimum}; got {n}")
-    return int(n)
-
-
 def _from_shifts(name: str, w: np.ndarray, shape: tuple, offsets) -> Topology:
     """Permutations of a circulant (over ``Z_shape``) topology: one per offset."""
     n = w.shape[0]
@@ -262,7 +256,7 @@ def ring(num_workers: int) -> Topology:
     With 2 workers left and right coincide, so the single neighbour gets weight 2/3
     (one permutation); with 1 worker ``W = [[1]]``.
     """
-    n = _check_n(num_workers)
+    n = check_int(num_workers, "num_workers")
     if n == 1:
         return _from_shifts("ring", np.ones((1, 1)), (1,), [])
     if n == 2:
@@ -281,8 +275,8 @@ def torus(rows: int, cols: int) -> Topology:
     Neighbours are up, down, left and right with wrap-around (``deg = 4`` when both
     sides are >= 3; coinciding neighbours are merged).
     """
-    r = _check_n(rows, "rows")
-    c = _check_n(cols, "cols")
+    r = check_int(rows, "rows")
+    c = check_int(cols, "cols")
     return _uniform_shift_topology(f"torus({r}x{c})", (r, c), [(-1, 0), (1, 0), (0, -1), (0, 1)])
 
 
@@ -291,7 +285,7 @@ def exponential(num_workers: int) -> Topology:
 
     The graph is symmetric and circulant, so uniform weights are doubly stochastic.
     """
-    n = _check_n(num_workers)
+    n = check_int(num_workers, "num_workers")
     offsets = []
     k = 1
     while k < n:
@@ -302,7 +296,7 @@ def exponential(num_workers: int) -> Topology:
 
 def complete(num_workers: int) -> Topology:
     """Complete graph: ``W = 1/n`` everywhere (one mixing step is the exact average)."""
-    n = _check_n(num_workers)
+    n = check_int(num_workers, "num_workers")
     return _uniform_shift_topology("complete", (n,), [(s,) for s in range(1, n)])
 
 
@@ -420,7 +414,7 @@ def _square_factors(n: int) -> tuple:
 
 _NAMED = {
     "ring": ring,
-    "torus": lambda n: torus(*_square_factors(_check_n(n))),
+    "torus": lambda n: torus(*_square_factors(check_int(n, "num_workers"))),
     "exponential": exponential,
     "complete": complete,
 }

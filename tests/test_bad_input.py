@@ -22,7 +22,7 @@ import jaxcomm as jc
 import jaxcomm.data as jd
 from jaxcomm import algorithms, compressors, memory, topology
 from jaxcomm import transforms as T
-from jaxcomm.compressors._base import SEED_LIMIT
+from jaxcomm._validate import SEED_LIMIT
 
 KEY = jax.random.PRNGKey(0)
 X = jnp.arange(1.0, 9.0)
@@ -247,7 +247,7 @@ CASES = [
     ),
     # training
     ("make-mesh-axis-name", lambda: jc.train.make_mesh(1, axis_name=3), TypeError, r"axis_name must be a non-empty"),
-    ("make-mesh-0", lambda: jc.train.make_mesh(0), ValueError, r"num_workers must be a positive integer"),
+    ("make-mesh-0", lambda: jc.train.make_mesh(0), ValueError, r"num_workers must be >= 1; got 0"),
     ("stack-workers-0", lambda: jc.train.stack_workers({"a": jnp.ones(2)}, 0), ValueError, r"num_workers must be"),
     # cost model
     ("network-bandwidth-0", lambda: jc.cost_model.Network(0.0), ValueError, r"bandwidth_gbps"),
@@ -289,7 +289,7 @@ def _tiny_model():
         ({"seed": -1}, ValueError, r"seed must be >= 0"),
         ({"seed": 2**32}, ValueError, r"seed must be below 2\*\*32"),
         ({"seed": "a"}, TypeError, r"seed must be an integer"),
-        ({"num_workers": 0}, ValueError, r"num_workers must be a positive integer"),
+        ({"num_workers": 0}, ValueError, r"num_workers must be >= 1; got 0"),
         ({"task": "x"}, ValueError, r"task must be"),
     ],
     ids=["tx", "seed-negative", "seed-2**32", "seed-str", "num-workers", "task"],

@@ -64,8 +64,8 @@ def dither() -> Compressor:
     def decompress(p):
         return (p.codes.astype(jnp.float32) * p.scale).astype(p.dtype)
 
-    return Compressor.create(
-        name="dither", compress=compress, decompress=decompress, unbiased=True, strategy="allgather"
+    return Compressor(
+        name="dither", compress_fn=compress, decompress_fn=decompress, unbiased=True, strategy="allgather"
     )
 
 
@@ -122,10 +122,10 @@ def randk(ratio=0.5, hook=False) -> Compressor:
         total = yield p.values
         return cls(values=total, key=p.key, shape=p.shape, dtype=p.dtype), state
 
-    return Compressor.create(
+    return Compressor(
         name="randk_hook" if hook else "randk",
-        compress=compress,
-        decompress=decompress,
+        compress_fn=compress,
+        decompress_fn=decompress,
         unbiased=True,
         strategy="allgather" if hook else "allreduce",
         rounds=rounds if hook else None,

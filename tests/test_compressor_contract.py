@@ -47,10 +47,10 @@ def test_check_compressor_rejects_non_compressor():
 def test_battery_catches_a_biased_estimator():
     # A deliberately biased "unbiased" compressor (scales by 0.9) must fail the battery.
     base = jc.compressors.none()
-    bad = jc.compressors.Compressor.create(
+    bad = jc.compressors.Compressor(
         name="bad",
-        compress=lambda x, k, s: base.compress(0.9 * x, k),
-        decompress=base.decompress,
+        compress_fn=lambda x, k, s: base.compress(0.9 * x, k),
+        decompress_fn=base.decompress,
         unbiased=True,
         strategy="allreduce",
     )
@@ -73,10 +73,10 @@ def test_battery_catches_a_biased_estimator():
     ids=["decompress_sum", "compression_error"],
 )
 def test_battery_catches_a_wrong_hook(hook, check, match):
-    bad = jc.compressors.Compressor.create(
+    bad = jc.compressors.Compressor(
         name="bad",
-        compress=lambda x, k, s: TOPK.compress(x, k),
-        decompress=TOPK.decompress,
+        compress_fn=lambda x, k, s: TOPK.compress(x, k),
+        decompress_fn=TOPK.decompress,
         unbiased=False,
         strategy="allgather",
         **hook,
@@ -100,10 +100,10 @@ UNBIASED = [n for n in jc.compressors.names() if build(n).unbiased and n != "non
 
 def _wrap(c, *, decode=None, name="bad", **fields):
     """``c`` with its decode post-processed by ``decode`` (and other Compressor fields replaced)."""
-    return jc.compressors.Compressor.create(
+    return jc.compressors.Compressor(
         name=name,
-        compress=c.compress_fn,
-        decompress=(lambda p: decode(c.decompress(p))) if decode else c.decompress,
+        compress_fn=c.compress_fn,
+        decompress_fn=(lambda p: decode(c.decompress(p))) if decode else c.decompress,
         unbiased=fields.pop("unbiased", c.unbiased),
         strategy=fields.pop("strategy", c.strategy),
         init_state=c.init_state,
@@ -142,10 +142,10 @@ def test_battery_catches_a_false_variance_factor():
 def test_battery_catches_unsummable_payloads_declared_allreduce():
     # Packed sign bits summed as integers do not decode to the sum of the signs.
     sign = jc.compressors.signsgd()
-    bad = jc.compressors.Compressor.create(
+    bad = jc.compressors.Compressor(
         name="bad",
-        compress=sign.compress_fn,
-        decompress=sign.decompress,
+        compress_fn=sign.compress_fn,
+        decompress_fn=sign.decompress,
         unbiased=False,
         strategy="allreduce",
     )
@@ -162,8 +162,8 @@ def test_battery_names_the_check_and_compressor_of_any_exception():
             return base.compress_fn(x, key, state)
         return base.compress_fn(-x, key, state)
 
-    bad = jc.compressors.Compressor.create(
-        name="candidate", compress=compress, decompress=base.decompress, unbiased=True, strategy="allreduce"
+    bad = jc.compressors.Compressor(
+        name="candidate", compress_fn=compress, decompress_fn=base.decompress, unbiased=True, strategy="allreduce"
     )
     with pytest.raises(AssertionError, match=r"\[jit_shapes_dtypes\] candidate: TracerBoolConversionError"):
         testing.check_compressor(bad)
@@ -172,8 +172,17 @@ def test_battery_names_the_check_and_compressor_of_any_exception():
 @pytest.mark.parametrize("name", jc.compressors.names())
 def test_every_builtin_declares_its_bound_or_why_not(name):
     # ω for the unbiased, δ (uniform or data-dependent) for the biased, or no contraction with its
-    # reason; and where a bound is declared, check_error_bound checks it (test_contract runs it).
+    # reason, and its randomness; and where a bound is declared, check_error_bound checks it
+    # (test_contract runs it), where randomness is, check_key_use and check_deterministic do.
+    # The factory itself declares them: called directly, not through the registry, it gives the
+    # same facts as make() (register() adds nothing: it returns the factory).
     c = build(name)
+    direct = getattr(jc.compressors, name)(**EXAMPLE_KWARGS.get(name, {}))
+    facts = ("unbiased", "stochastic", "bound", "no_contraction")
+    assert [getattr(direct, f) for f in facts] == [getattr(c, f) for f in facts]
+    assert [direct.omega(d) for d in (1, 10, 1000)] == [c.omega(d) for d in (1, 10, 1000)]
+    assert [direct.delta(d) for d in (1, 10, 1000)] == [c.delta(d) for d in (1, 10, 1000)]
+    assert c.stochastic in (True, False), f"{name} does not declare whether it draws from its key"
     assert c.bound, f"{name} declares no bound text"
     if c.unbiased:
         assert c.variance_factor is not None and c.contraction is None
@@ -219,13 +228,15 @@ def test_battery_catches_a_false_data_dependent_bound():
 
 def test_declarations_are_exclusive_and_typed():
     base = jc.compressors.none()
-    kwargs = dict(name="x", compress=base.compress_fn, decompress=base.decompress, unbiased=False, strategy="allreduce")
+    kwargs = dict(
+        name="x", compress_fn=base.compress_fn, decompress_fn=base.decompress, unbiased=False, strategy="allreduce"
+    )
     with pytest.raises(ValueError, match="declare one or the other"):
-        jc.compressors.Compressor.create(**kwargs, contraction=0.5, no_contraction="why")
+        jc.compressors.Compressor(**kwargs, contraction=0.5, no_contraction="why")
     with pytest.raises(TypeError, match="no_contraction must be a string"):
-        jc.compressors.Compressor.create(**kwargs, no_contraction=True)
+        jc.compressors.Compressor(**kwargs, no_contraction=True)
     with pytest.raises(TypeError, match="local_contraction must be callable"):
-        jc.compressors.Compressor.create(**kwargs, local_contraction=0.5)
+        jc.compressors.Compressor(**kwargs, local_contraction=0.5)
 
 
 # --------------------------------------------------------------------------- #
@@ -279,8 +290,8 @@ def _planted():
     base = jc.compressors.none()
 
     def topk_like(**fields):
-        kwargs = dict(compress=TOPK.compress_fn, decompress=TOPK.decompress, contraction=TOPK.contraction)
-        return jc.compressors.Compressor.create(
+        kwargs = dict(compress_fn=TOPK.compress_fn, decompress_fn=TOPK.decompress, contraction=TOPK.contraction)
+        return jc.compressors.Compressor(
             name="bad", unbiased=False, strategy="allgather", stochastic=False, **{**kwargs, **fields}
         )
 
@@ -298,18 +309,18 @@ def _planted():
         return jc.compressors.payloads.SparsePayload(flat, idx, tuple(np.shape(x)), x.dtype), state
 
     return {
-        "wire_bits": topk_like(compress=values_only, decompress=unpack),
-        "unbiased": jc.compressors.Compressor.create(
+        "wire_bits": topk_like(compress_fn=values_only, decompress_fn=unpack),
+        "unbiased": jc.compressors.Compressor(
             name="bad",
-            compress=lambda x, k, s: base.compress_fn(0.98 * x, k, s),
-            decompress=base.decompress,
+            compress_fn=lambda x, k, s: base.compress_fn(0.98 * x, k, s),
+            decompress_fn=base.decompress,
             unbiased=True,
             strategy="allreduce",
             stochastic=False,
             variance_factor=0.01,
         ),
-        "key_use": topk_like(compress=keyed),
-        "jit_shapes_dtypes": topk_like(decompress=lambda p: TOPK.decompress(p).astype(jnp.float32)),
+        "key_use": topk_like(compress_fn=keyed),
+        "jit_shapes_dtypes": topk_like(decompress_fn=lambda p: TOPK.decompress(p).astype(jnp.float32)),
         "error_bound": topk_like(contraction=lambda d: 2 * TOPK.delta(d)),
     }
 
@@ -348,8 +359,8 @@ def test_check_compressor_names_the_failing_check():
 
 
 def test_a_compressor_that_declares_no_bound_fails_the_battery():
-    bad = jc.compressors.Compressor.create(
-        name="bad", compress=TOPK.compress_fn, decompress=TOPK.decompress, unbiased=False, strategy="allgather"
+    bad = jc.compressors.Compressor(
+        name="bad", compress_fn=TOPK.compress_fn, decompress_fn=TOPK.decompress, unbiased=False, strategy="allgather"
     )
     with pytest.raises(AssertionError, match="declares no error bound"):
         testing.check_error_bound(bad)
@@ -406,7 +417,8 @@ def test_contractive_rejects_what_it_cannot_scale():
 
 def test_register_overwrite():
     name = "test-overwrite-compressor"
-    jc.compressors.register(name)(lambda: jc.compressors.none())
+    factory = lambda: jc.compressors.none()
+    assert jc.compressors.register(name)(factory) is factory  # registered as it is: nothing filled in
     with pytest.raises(ValueError, match="overwrite=True"):
         jc.compressors.register(name)(lambda: jc.compressors.fp16())
     jc.compressors.register(name, overwrite=True)(lambda: jc.compressors.fp16())
@@ -446,16 +458,16 @@ def test_custom_compressor_declares_its_randomness():
     base = jc.compressors.none()
     kwargs = dict(
         name="ident",
-        compress=lambda x, k, s: base.compress(x, k),
-        decompress=base.decompress,
+        compress_fn=lambda x, k, s: base.compress(x, k),
+        decompress_fn=base.decompress,
         unbiased=True,
         strategy="allreduce",
     )
-    undeclared = jc.compressors.Compressor.create(**kwargs)
+    undeclared = jc.compressors.Compressor(**kwargs)
     assert undeclared.stochastic is None
     with pytest.raises(TypeError, match="key"):
         undeclared.compress(jnp.ones(3))
-    declared = jc.compressors.Compressor.create(**kwargs, stochastic=False)
+    declared = jc.compressors.Compressor(**kwargs, stochastic=False)
     declared.compress(jnp.ones(3))
     testing.check_key_use(declared)
     # A false declaration is caught by the battery.
@@ -464,7 +476,7 @@ def test_custom_compressor_declares_its_randomness():
     with pytest.raises(AssertionError, match="two keys give different payloads"):
         testing.check_key_use(liar)
     with pytest.raises(TypeError, match="stochastic must be"):
-        jc.compressors.Compressor.create(**kwargs, stochastic="yes")
+        jc.compressors.Compressor(**kwargs, stochastic="yes")
 
 
 @pytest.mark.parametrize("seed", [2**32, 2**32 + 5, 2**64])

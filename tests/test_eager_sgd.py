@@ -179,7 +179,7 @@ def test_staleness_profile_reset_clock_closed_form(mode):
     assert profile.counts[1] == p * (t_steps - 1) - nap[:-1].sum()
     assert not np.asarray(profile.counts[2:]).any()
     assert profile.undelivered == p - nap[-1]
-    with pytest.raises(ValueError, match="rounds must be a positive int"):
+    with pytest.raises(ValueError, match="rounds must be >= 1; got 0"):
         es.staleness_profile(config, 0, key=3)
 
 

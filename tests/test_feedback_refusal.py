@@ -98,7 +98,7 @@ def test_a_memory_that_does_not_need_a_contraction_accepts_it(name):
     assert not mem.needs_contraction and "needs_contraction=False" in repr(mem)
     jc.error_feedback(c, mem).init(jnp.zeros((100,)))
     jc.compressed_mean(c, memory=jc.memory.none(), axis_name="w").init(jnp.zeros((100,)))
-    with pytest.raises(TypeError, match="needs_contraction must be True or False"):
+    with pytest.raises(TypeError, match=r"needs_contraction must be a bool \(True or False\)"):
         jc.memory.residual(needs_contraction=1)
 
 

@@ -41,8 +41,8 @@ def topk(k: int) -> Compressor:
         d = int(np.prod(p.shape))
         return jnp.zeros((d,), p.dtype).at[p.indices].set(p.values).reshape(p.shape)
 
-    return Compressor.create(
-        name="toy_topk", compress=compress, decompress=decompress, unbiased=False, strategy="allgather"
+    return Compressor(
+        name="toy_topk", compress_fn=compress, decompress_fn=decompress, unbiased=False, strategy="allgather"
     )
 
 

@@ -212,10 +212,10 @@ def topk_floor(ratio: float = 0.01):
         vals, idx = sp._sparse_payload(x, idx)
         return sp.SparsePayload(values=vals, indices=idx, shape=tuple(np.shape(x)), dtype=x.dtype), state
 
-    return jc.compressors.Compressor.create(
+    return jc.compressors.Compressor(
         name="topk_floor",
-        compress=compress,
-        decompress=sp._decompress_sparse,
+        compress_fn=compress,
+        decompress_fn=sp._decompress_sparse,
         decompress_sum=sp._decompress_sum_sparse,
         compression_error=sp._error_sparse,
         unbiased=False,
@@ -245,10 +245,10 @@ def qsgd_floor(levels: int = 64):
         )
         return payload, state
 
-    return jc.compressors.Compressor.create(
+    return jc.compressors.Compressor(
         name="qsgd_floor",
-        compress=compress,
-        decompress=q.decompress,
+        compress_fn=compress,
+        decompress_fn=q.decompress,
         unbiased=False,
         strategy="allgather",
         params=dict(levels=levels),

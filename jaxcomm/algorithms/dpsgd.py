@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from .._validate import check_int
 from ..comm import resolve
 from ..topology import Topology, as_topology
 
@@ -230,8 +230,7 @@ def per_worker(fn: Callable, *, axis_name: str = "data", mesh: jax.sharding.Mesh
 
 def replicate(tree: PyTree, num_workers: int) -> PyTree:
     """Stack ``num_workers`` copies of ``tree`` on a new leading axis (same initialisation everywhere)."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive int; got {num_workers!r}")
+    num_workers = check_int(num_workers, "num_workers")
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_workers,) + jnp.shape(x)), tree)
 
 
@@ -301,13 +300,11 @@ def simulate_decentralized(
     """
     from ..train import simulate
 
-    if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive int; got {num_workers!r}")
+    num_workers = check_int(num_workers, "num_workers")
     if not hasattr(batches, "__next__"):
         raise TypeError(f"batches must be an iterator of worker-stacked batches; got {type(batches).__name__}")
     p = int(num_workers)
-    if isinstance(key_offset, bool) or not isinstance(key_offset, (int, np.integer)) or key_offset < 0:
-        raise ValueError(f"key_offset must be an int >= 0; got {key_offset!r}")
+    key_offset = check_int(key_offset, "key_offset", 0)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def worker(prm, mstate, alg_state, batch, k):

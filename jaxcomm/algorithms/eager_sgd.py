@@ -62,8 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..comm import resolve
-from ..comm._partial_mpi import PARTIAL_MODES
+from .._validate import check_choice, check_int, check_seed
+from ..comm import PARTIAL_MODES, resolve
 from ..imbalance import ImbalanceModel
 
 __all__ = [
@@ -107,23 +107,18 @@ class EagerSGDConfig:
     max_lag: int = 8
 
     def __post_init__(self):
-        if self.mode not in PARTIAL_MODES:
-            raise ValueError(f"mode must be one of {PARTIAL_MODES}; got {self.mode!r}")
+        check_choice(self.mode, "mode", PARTIAL_MODES)
         if not isinstance(self.imbalance, ImbalanceModel):
             raise TypeError(
                 f"imbalance must implement jaxcomm.imbalance.ImbalanceModel; got {type(self.imbalance).__name__}"
             )
-        if self.clock not in CLOCKS:
-            raise ValueError(f"clock must be one of {CLOCKS}; got {self.clock!r}")
+        check_choice(self.clock, "clock", CLOCKS)
         c = float(self.comm_ms)
         if not np.isfinite(c) or c < 0:
             raise ValueError(f"comm_ms must be finite and >= 0; got {self.comm_ms!r}")
         object.__setattr__(self, "comm_ms", c)
         for name, lo in (("sync_every", 0), ("max_lag", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}; got {v!r}")
-            object.__setattr__(self, name, int(v))
+            object.__setattr__(self, name, check_int(getattr(self, name), name, lo))
 
     @property
     def num_workers(self) -> int:
@@ -163,8 +158,6 @@ class EagerSGDState(NamedTuple):
 
 def _as_key(key) -> jax.Array:
     if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-        from ..compressors._base import check_seed
-
         try:
             return jax.random.key(int(check_seed(key)))
         except (TypeError, ValueError) as e:  # the seed's message, about this argument
@@ -418,9 +411,7 @@ def staleness_profile(config: EagerSGDConfig, rounds: int, key) -> StalenessProf
     """
     from ..comm import MeshAxis
 
-    if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or rounds < 1:
-        raise ValueError(f"rounds must be a positive int; got {rounds!r}")
-    t_rounds, p = int(rounds), config.num_workers
+    t_rounds, p = check_int(rounds, "rounds"), config.num_workers
     key = _as_key(key)
     comm = MeshAxis("staleness_profile")
     origin = jnp.arange(t_rounds)
@@ -566,10 +557,8 @@ def simulate_training(
     y = jnp.asarray(y)
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"x and y must have the same leading size; got {x.shape[0]} and {y.shape[0]}")
-    if isinstance(batch_per_worker, bool) or not isinstance(batch_per_worker, int) or batch_per_worker < 1:
-        raise ValueError(f"batch_per_worker must be a positive int; got {batch_per_worker!r}")
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise ValueError(f"epochs must be a positive int; got {epochs!r}")
+    batch_per_worker = check_int(batch_per_worker, "batch_per_worker")
+    epochs = check_int(epochs, "epochs")
     shard = x.shape[0] // p
     steps_per_epoch = shard // batch_per_worker
     if steps_per_epoch < 1:

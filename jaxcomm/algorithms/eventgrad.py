@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .._validate import check_choice, check_finite_scalar, check_int, check_ratio
 from ..comm import resolve
 from ..topology import Topology, as_topology
 from .dpsgd import _as_optimizer, combine
@@ -96,7 +97,7 @@ class TriggerState(NamedTuple):
 
 def init_trigger(history: int = 2) -> TriggerState:
     """The trigger state before any event (all zeros; ``slopes`` has length ``history``)."""
-    _check_int(history, "history", 1)
+    check_int(history, "history", 1)
     return TriggerState(
         last_sent_norm=jnp.zeros((), jnp.float32),
         last_sent_iter=jnp.zeros((), jnp.int32),
@@ -125,8 +126,7 @@ def trigger(
       ``(fire, check_threshold, new_state)``: ``bool []`` whether the tensor is sent,
       ``float32 []`` the threshold it was compared against, the updated state.
     """
-    if threshold_rule not in THRESHOLD_RULES:
-        raise ValueError(f"threshold_rule must be one of {THRESHOLD_RULES}; got {threshold_rule!r}")
+    check_choice(threshold_rule, "threshold_rule", THRESHOLD_RULES)
     norm = jnp.asarray(norm, jnp.float32)
     step = jnp.asarray(step, jnp.int32)
     h = jnp.float32(horizon)
@@ -189,19 +189,9 @@ def topk_count(size: int, ratio: float) -> int:
     Raises:
       ValueError: ``size < 0`` or ``ratio`` outside ``(0, 1]``.
     """
-    from ..compressors._base import check_ratio
-
-    size = _check_int(size, "size", 0)
+    size = check_int(size, "size", 0)
     ratio = check_ratio(ratio, "ratio")
     return max(1, int(math.ceil(ratio * size - 1e-9)))
-
-
-def _check_int(v, name, minimum):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{name} must be an int; got {type(v).__name__}")
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}; got {v}")
-    return int(v)
 
 
 class EventGrad(NamedTuple):
@@ -284,17 +274,12 @@ def eventgrad(
     """
     topo = as_topology(topology, num_workers)
     tx = _as_optimizer(optimizer)
-    if isinstance(horizon, bool) or not isinstance(horizon, (int, float)) or not math.isfinite(horizon) or horizon < 0:
-        raise ValueError(f"horizon must be a finite number >= 0; got {horizon!r}")
-    horizon = float(horizon)
-    history = _check_int(history, "history", 1)
-    forced_iterations = _check_int(forced_iterations, "forced_iterations", 0)
-    if threshold_rule not in THRESHOLD_RULES:
-        raise ValueError(f"threshold_rule must be one of {THRESHOLD_RULES}; got {threshold_rule!r}")
-    if topk is not None:
-        if isinstance(topk, bool) or not isinstance(topk, (int, float)) or not 0 < topk <= 1:
-            raise ValueError(f"topk must be None or a fraction in (0, 1]; got {topk!r}")
-        topk = float(topk)
+    horizon = check_finite_scalar(horizon, "horizon", nonnegative=True)
+    history = check_int(history, "history", 1)
+    forced_iterations = check_int(forced_iterations, "forced_iterations", 0)
+    check_choice(threshold_rule, "threshold_rule", THRESHOLD_RULES)
+    if topk is not None:  # None: send whole tensors
+        topk = check_ratio(topk, "topk")
     communicator = resolve(axis_name, comm)
     num_slots = topo.num_permutations
 

@@ -19,6 +19,7 @@ from ._packing import (
     all_gather_counted,
     all_gather_packed,
     bucket_sizes,
+    fits_counted_gather,
     has_counted_fields,
     sum_packed,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "all_gather_counted",
     "all_gather_packed",
     "bucket_sizes",
+    "fits_counted_gather",
     "BUCKET_GROWTH",
     "CountedGather",
     "has_counted_fields",

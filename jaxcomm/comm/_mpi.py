@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._validate import check_bool
 from ._protocol import CAPABILITIES
 
 __all__ = ["MPIComm"]
@@ -120,9 +121,7 @@ class MPIComm:
         self.comm = comm
         self.rank = int(comm.Get_rank())
         self._size = int(comm.Get_size())
-        if not isinstance(check_agreement, bool):
-            raise TypeError(f"check_agreement must be a bool; got {check_agreement!r}")
-        self.check_agreement = check_agreement
+        self.check_agreement = check_bool(check_agreement, "check_agreement")
         self._agree_comm = comm.Dup() if check_agreement and self._size > 1 else None
 
     def __repr__(self):

@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 __all__ = [
+    "fits_counted_gather",
     "BUCKET_GROWTH",
     "MIN_BUCKET_BYTES",
     "CountedGather",
@@ -154,6 +155,15 @@ BUCKET_GROWTH = 2.0**0.25
 factor (about 1.19) above :data:`MIN_BUCKET_BYTES`."""
 
 _MAX_BUFFER_BYTES = int(np.iinfo(np.int32).max)
+
+
+def fits_counted_gather(bits) -> bool:
+    """Whether a payload of ``bits`` bits (per worker) can go through :func:`all_gather_counted`.
+
+    The gather's packed buffer is addressed by int32 byte offsets, so it holds at most
+    ``2**31 - 1`` bytes; a larger payload is gathered whole, leaf by leaf.
+    """
+    return bits <= 8 * _MAX_BUFFER_BYTES
 
 
 def bucket_sizes(capacity: int, minimum: int = MIN_BUCKET_BYTES, growth: float = BUCKET_GROWTH) -> tuple[int, ...]:

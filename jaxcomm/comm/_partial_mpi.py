@@ -67,6 +67,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._validate import check_choice, check_int
+
 # mpi4py is imported on first use: importing mpi4py.MPI initialises MPI, which
 # importing jaxcomm must not do.
 MPI: Any = None  # the mpi4py.MPI module once _import_mpi() ran
@@ -249,8 +251,7 @@ class PartialAllreduce:
         probe_s: float | None = None,
         abort_on_fault: bool = True,
     ):
-        if mode not in PARTIAL_MODES:
-            raise ValueError(f"mode must be one of {PARTIAL_MODES}; got {mode!r}")
+        check_choice(mode, "mode", PARTIAL_MODES)
         self.shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
         if any(s < 0 for s in self.shape):
             raise ValueError(f"shape must be non-negative; got {shape!r}")
@@ -260,8 +261,7 @@ class PartialAllreduce:
         for name, v in (("timeout", timeout), ("poll_s", poll_s)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds; got {v!r}")
-        if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)) or sync_every < 0:
-            raise ValueError(f"sync_every must be an int >= 0; got {sync_every!r}")
+        sync_every = check_int(sync_every, "sync_every", 0)
         self.mode = mode
         self.seed = int(seed)
         self.timeout = float(timeout)

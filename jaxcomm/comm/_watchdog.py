@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import check_bool
 from ._partial_mpi import _import_mpi, _odd_ones
 
 __all__ = ["MPIWatchdog", "MPIWatchdogError", "WATCHDOG_ABORT_CODE"]
@@ -103,8 +104,7 @@ class MPIWatchdog:
             poll_s = min(0.25, timeout_s / 8)
         if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not 0 < poll_s <= timeout_s:
             raise ValueError(f"poll_s must be in (0, timeout_s]; got {poll_s!r}")
-        if not isinstance(abort_on_fault, bool):
-            raise TypeError(f"abort_on_fault must be a bool; got {abort_on_fault!r}")
+        abort_on_fault = check_bool(abort_on_fault, "abort_on_fault")
         MPI = _import_mpi()
         if comm is None:
             comm = MPI.COMM_WORLD

@@ -13,7 +13,7 @@ Payload types (what is sent) are in :mod:`jaxcomm.compressors.payloads`.
 
 from .._bitcount import BitCount
 from . import payloads
-from ._base import DETERMINISTIC, Compressor, CompressorState, make, names, register, wire_bits
+from ._base import Compressor, CompressorState, make, names, register, wire_bits
 from ._basic import bf16, fp16, none
 from ._clipping import clipping
 from ._contractive import contractive
@@ -37,7 +37,6 @@ __all__ = [
     # the contract and the registry
     "Compressor",
     "CompressorState",
-    "DETERMINISTIC",
     "make",
     "names",
     "register",

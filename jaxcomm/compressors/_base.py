@@ -18,7 +18,6 @@ leaf, so ``optax.chain(jaxcomm.compressors.topk(ratio=0.01), optax.sgd(0.1))`` w
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, cast
@@ -30,6 +29,7 @@ from typing_extensions import dataclass_transform
 
 from .._bitcount import BitCount
 from .._keys import step_keys
+from .._validate import check_choice, check_float_input, check_int, check_key, check_seed
 
 Array = jax.Array
 PRNGKey = jax.Array
@@ -44,15 +44,6 @@ __all__ = [
     "register",
     "make",
     "names",
-    "check_float_input",
-    "check_ratio",
-    "check_positive_int",
-    "check_finite_scalar",
-    "check_static",
-    "check_seed",
-    "check_key",
-    "check_state_matches",
-    "check_same_tree",
 ]
 
 COMPRESSOR_STRATEGIES = ("allreduce", "allgather")
@@ -194,202 +185,6 @@ def wire_bits(payload) -> int | BitCount:
 
 
 # --------------------------------------------------------------------------- #
-# Input validation shared by the factories
-# --------------------------------------------------------------------------- #
-def check_float_input(x, name: str = "x", *, nonempty: bool = False) -> None:
-    """Raise ``TypeError`` unless ``x`` is an array with a real floating dtype; with ``nonempty``,
-    ``ValueError`` if it has no entries (a size-0 array has no scale, norm or selection to compute)."""
-    try:
-        dtype = jnp.result_type(x)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be a JAX or NumPy array with a real floating dtype; got {type(x).__name__} "
-            "(wrap a list with jnp.asarray(..., jnp.float32))"
-        ) from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"{name} must have a real floating dtype (float16/bfloat16/float32/float64); got {dtype}. "
-            "Compressors act on gradients, which are real floating point."
-        )
-    if nonempty and np.size(x) == 0:
-        raise ValueError(
-            f"{name} has no entries (shape {tuple(np.shape(x))}); compressors act on non-empty arrays: "
-            "leave size-0 leaves out of the compressed tree (e.g. with optax.masked)"
-        )
-
-
-def check_key(key, name: str = "key") -> None:
-    """Raise ``TypeError`` unless ``key`` is a JAX PRNG key: a raw ``uint32[2]`` array
-    (``jax.random.PRNGKey``) or a scalar typed key (``jax.random.key``); traced keys are checked by shape and dtype."""
-    if isinstance(key, (jax.Array, jax.core.Tracer, np.ndarray)):
-        dtype = jnp.result_type(key)
-        if jnp.issubdtype(dtype, jax.dtypes.prng_key) and jnp.ndim(key) == 0:
-            return
-        if dtype == jnp.uint32 and jnp.shape(key) == (2,):
-            return
-        what = f"a {dtype} array of shape {tuple(jnp.shape(key))}"
-    else:
-        what = type(key).__name__
-    raise TypeError(
-        f"{name} must be a single JAX PRNG key (jax.random.PRNGKey(seed), uint32[2], or jax.random.key(seed)); "
-        f"got {what}"
-    )
-
-
-def check_same_tree(updates, reference, what: str, name: str = "updates") -> None:
-    """Raise ``ValueError`` unless ``updates`` has ``reference``'s tree structure and leaf shapes
-    (``reference``: a state tree built by ``init`` from the parameters, described by ``what``)."""
-    got: Any = jax.tree_util.tree_structure(updates)
-    want: Any = jax.tree_util.tree_structure(reference)
-    if got != want:
-        raise ValueError(
-            f"{name} has tree structure {got} but {what} was initialised for {want}; "
-            "init and update must see the same tree"
-        )
-    for i, (g, r) in enumerate(zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(reference))):
-        if tuple(jnp.shape(g)) != tuple(jnp.shape(r)):
-            raise ValueError(
-                f"{name}: leaf {i} has shape {tuple(jnp.shape(g))} but {what} was initialised for shape "
-                f"{tuple(jnp.shape(r))}; init and update must see the same leaf shapes"
-            )
-
-
-def check_state_matches(compressor, x, state, name: str = "state") -> None:
-    """Raise ``ValueError`` if ``state`` is not shaped like ``compressor.init_state(x)`` (stateful compressors).
-
-    A compressor's per-array state (PowerSGD's ``Q``, signum's momentum) is built for one
-    shape; an update with another shape must fail here, not deep inside the arithmetic.
-    Checked on shapes and dtypes only (``jax.eval_shape``), so it costs nothing at run time.
-    """
-    if compressor.init_state is _no_state and not jax.tree_util.tree_leaves(state):
-        return  # stateless: nothing shaped to compare
-    want = jax.eval_shape(compressor.init_state, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)))
-    got_def: Any = jax.tree_util.tree_structure(state)
-    want_def: Any = jax.tree_util.tree_structure(want)
-    got = [tuple(jnp.shape(a)) for a in jax.tree_util.tree_leaves(state)]
-    expect = [tuple(a.shape) for a in jax.tree_util.tree_leaves(want)]
-    if got_def != want_def or got != expect:
-        raise ValueError(
-            f"updates: a tensor of shape {tuple(jnp.shape(x))} does not match its {compressor.name!r} {name}, "
-            f"initialised for another shape (state shapes {got}, expected {expect}); init and update must see "
-            "the same tree with the same leaf shapes"
-        )
-
-
-def check_static(name: str, value, why: str) -> None:
-    """Raise ``TypeError`` if a static hyper-parameter is a JAX array (traced or injected).
-
-    A hyper-parameter is static when Python needs its value while the compressor
-    is built or traced (``why``: it fixes an array shape, a bit width, a number of
-    levels, a branch). ``optax.inject_hyperparams`` turns every numeric argument
-    into a JAX array unless it is named in ``static_args``; the error says so.
-    """
-    if isinstance(value, (jax.Array, jax.core.Tracer)):
-        raise TypeError(
-            f"{name} is a static hyper-parameter ({why}), so it must be a Python number, not a JAX array or "
-            f"tracer ({type(value).__name__}); with optax.inject_hyperparams pass it in static_args, e.g. "
-            f"optax.inject_hyperparams(factory, static_args=({name!r},))"
-        )
-
-
-def _concrete_scalar(value, name: str):
-    """A traced real scalar in float32, a concrete 0-d real JAX array as a Python number, anything else unchanged."""
-    if not isinstance(value, (jax.Array, jax.core.Tracer)):
-        return value
-    dtype = jnp.result_type(value)
-    if jnp.ndim(value) != 0 or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
-        raise TypeError(f"{name} must be a real scalar; got a {dtype} array of shape {jnp.shape(value)}")
-    if isinstance(value, jax.core.Tracer):  # float32, the compressors' arithmetic (inject may give bf16, f64)
-        return value.astype(jnp.float32)
-    return value.item()
-
-
-def check_ratio(ratio, name: str = "ratio", why: str = "it fixes a buffer or selection size, an array shape") -> float:
-    """Validate a fraction in (0, 1] (static: see :func:`check_static`)."""
-    check_static(name, ratio, why)
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{name} must be a real number in (0, 1]; got {type(ratio).__name__}")
-    ratio = float(ratio)
-    if not math.isfinite(ratio) or not 0.0 < ratio <= 1.0:
-        raise ValueError(f"{name} must be in (0, 1]; got {ratio}")
-    return ratio
-
-
-def check_positive_int(
-    value, name: str, minimum: int = 1, why: str = "it fixes an array shape, a bit width or a number of levels"
-) -> int:
-    """Validate an integer >= ``minimum`` (static: see :func:`check_static`)."""
-    check_static(name, value, why)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}; got {value}")
-    return int(value)
-
-
-def check_finite_scalar(
-    value,
-    name: str,
-    positive: bool = False,
-    nonnegative: bool = False,
-    *,
-    traceable: bool = False,
-    why: str = "the compressor uses its value in Python when it is built",
-):
-    """Validate a finite real scalar hyper-parameter.
-
-    ``traceable``: the compressor uses the value only in array arithmetic, so a
-    traced scalar (``optax.inject_hyperparams`` under ``jax.jit``) is returned as
-    float32, unchecked (its value is unknown at trace time), and a concrete 0-d JAX
-    array is checked like a Python number. Otherwise the value is static
-    (:func:`check_static`, with ``why``).
-    """
-    if traceable:
-        value = _concrete_scalar(value, name)
-        if isinstance(value, jax.core.Tracer):
-            return value
-    else:
-        check_static(name, value, why)
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{name} must be a real number; got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite; got {value}")
-    if positive and value <= 0:
-        raise ValueError(f"{name} must be > 0; got {value}")
-    if nonnegative and value < 0:
-        raise ValueError(f"{name} must be >= 0; got {value}")
-    return value
-
-
-SEED_LIMIT = 2**32
-"""Seeds are integers in ``[0, 2**32)``: ``jax.random.PRNGKey`` keeps the low 32 bits without x64,
-so larger seeds would alias smaller ones (``PRNGKey(2**32) == PRNGKey(0)``)."""
-
-
-def check_seed(seed) -> int | Array:
-    """Validate a seed: an integer in ``[0, 2**32)`` (:data:`SEED_LIMIT`), or a traced integer scalar.
-
-    The seed is read once, by ``init`` (``PRNGKey(seed)``); the key then lives in
-    the optax state. ``optax.inject_hyperparams`` injects it like any number, so a
-    traced seed is accepted (changing it after ``init`` has no effect).
-    """
-    if isinstance(seed, jax.core.Tracer):
-        if jnp.ndim(seed) != 0 or not jnp.issubdtype(jnp.result_type(seed), jnp.integer):
-            raise TypeError(f"seed must be an integer scalar; got a traced {jnp.result_type(seed)}{jnp.shape(seed)}")
-        return seed
-    if isinstance(seed, jax.Array) and jnp.ndim(seed) == 0 and jnp.issubdtype(seed.dtype, jnp.integer):
-        seed = seed.item()
-    seed = check_positive_int(seed, "seed", minimum=0)
-    if seed >= SEED_LIMIT:
-        raise ValueError(
-            f"seed must be below 2**32 = {SEED_LIMIT}; got {seed}: PRNGKey keeps 32 bits of it without x64, "
-            f"so {seed} would give the same key as {seed % SEED_LIMIT}"
-        )
-    return seed
-
-
-# --------------------------------------------------------------------------- #
 # The compressor
 # --------------------------------------------------------------------------- #
 class CompressorState(NamedTuple):
@@ -405,7 +200,8 @@ class CompressorState(NamedTuple):
     leaf_states: tuple
 
 
-def _no_state(x):
+def no_state(x):
+    """The state of a stateless compressor: ``()`` for every array (the default ``init_state``)."""
     del x
     return ()
 
@@ -439,10 +235,15 @@ def _check_hook(value, name: str):
 class Compressor:
     """A lossy operator Q: pure per-array primitives, metadata, declared aggregation hooks.
 
-    A frozen record (``dataclasses.replace(c, seed=1)`` keeps every field). It
-    is also an optax gradient transformation (``init``/``update``), whose update
-    is the local lossy round trip ``g -> decompress(compress(g))`` per leaf,
-    with per-leaf state and a PRNG key split once per step and per leaf, so
+    A frozen record, built with its fields as keywords, ``Compressor(name=...,
+    compress_fn=..., decompress_fn=..., unbiased=..., strategy=...)``
+    (``dataclasses.replace(c, seed=1)`` keeps every field). Every built-in factory
+    declares its compressor's facts here: its error bound (``variance_factor``,
+    ``contraction``, ``local_contraction`` or ``no_contraction``, with ``bound``, the
+    source) and its randomness (``stochastic``). It is also an optax gradient
+    transformation (``init``/``update``), whose update is the local lossy round
+    trip ``g -> decompress(compress(g))`` per leaf, with per-leaf state and a PRNG
+    key split once per step and per leaf, so
     ``optax.chain(jaxcomm.compressors.topk(ratio=0.01), optax.sgd(0.1))`` works.
     Communication is never done here: the transforms' pipeline
     (:mod:`jaxcomm.transforms`) runs every collective.
@@ -456,7 +257,7 @@ class Compressor:
       unbiased: ``E[decompress(compress(x))] == x`` for every ``x``.
       strategy: ``"allreduce"`` when payloads can be summed as they are
         (fields ``Payload.summable``), else ``"allgather"``.
-      init_state: ``x -> state`` for one array (``()`` if stateless).
+      init_state: ``x -> state`` for one array (default, or ``None``: stateless, ``()``).
       rounds: optional multi-round allreduce (PowerSGD): a generator function
         ``(x, key, state, size) -> payload, new_state`` that *yields* each
         message to be summed over the ``size`` workers and receives the sum
@@ -491,13 +292,13 @@ class Compressor:
         such a compressor under a memory that needs a contraction
         (:attr:`jaxcomm.memory.Memory.needs_contraction`).
       bound: where the declared bound comes from (paper, lemma, derivation), or
-        why there is none.
+        why there is none (default with ``no_contraction``: ``"no contraction: <why>"``).
       stochastic: whether ``compress`` draws from its key. ``True`` or ``None``
         (undeclared, the default of a custom compressor): :meth:`compress` and
         :meth:`roundtrip` need an explicit ``key`` (``TypeError`` without one: a
         silent fixed key would make every call the same "random" draw).
-        ``False``: deterministic, the key may be omitted. The built-in factories
-        declare it.
+        ``False``: deterministic, the key may be omitted. Every built-in factory
+        declares it.
       dense_warmup: steps at the start of training during which
         :func:`jaxcomm.transforms.compressed_mean` sends the gradient uncompressed
         (the dense all-reduce mean) and leaves the memory and the compressor's
@@ -513,7 +314,7 @@ class Compressor:
     decompress_fn: Callable
     unbiased: bool
     strategy: str
-    init_state: Callable = _no_state
+    init_state: Callable = no_state  # None is taken as this: stateless
     rounds: Callable | None = None
     decompress_sum: Callable | None = None
     compression_error: Callable | None = None
@@ -530,14 +331,15 @@ class Compressor:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"name must be a non-empty string; got {self.name!r}")
-        if self.strategy not in COMPRESSOR_STRATEGIES:
-            raise ValueError(f"strategy must be one of {COMPRESSOR_STRATEGIES}; got {self.strategy!r}")
+        check_choice(self.strategy, "strategy", COMPRESSOR_STRATEGIES)
+        if self.init_state is None:
+            object.__setattr__(self, "init_state", no_state)
         for field in ("compress_fn", "decompress_fn", "init_state"):
             if not callable(getattr(self, field)):
                 raise TypeError(f"{field} must be callable; got {type(getattr(self, field)).__name__}")
         for field in ("rounds", "decompress_sum", "compression_error", "local_contraction"):
             _check_hook(getattr(self, field), field)
-        object.__setattr__(self, "dense_warmup", check_positive_int(self.dense_warmup, "dense_warmup", minimum=0))
+        object.__setattr__(self, "dense_warmup", check_int(self.dense_warmup, "dense_warmup", minimum=0))
         if self.stochastic is not None and not isinstance(self.stochastic, bool):
             raise TypeError(f"stochastic must be True, False or None; got {self.stochastic!r}")
         object.__setattr__(self, "unbiased", bool(self.unbiased))
@@ -563,6 +365,8 @@ class Compressor:
                 f"no_contraction ({self.no_contraction!r}) says no error bound holds, but {', '.join(declared)} "
                 "is declared too; declare one or the other"
             )
+        if self.no_contraction and not self.bound:
+            object.__setattr__(self, "bound", f"no contraction: {self.no_contraction}")
 
     def omega(self, d: int) -> float | None:
         """The declared variance factor ω for a tensor of ``d`` entries (``None`` if not declared)."""
@@ -582,51 +386,6 @@ class Compressor:
             return delta
         omega = self.omega(d)
         return 1.0 - omega if omega is not None and omega < 1.0 else None
-
-    @classmethod
-    def create(
-        cls,
-        *,
-        name: str,
-        compress: Callable,
-        decompress: Callable,
-        unbiased: bool,
-        strategy: str,
-        init_state: Callable | None = None,
-        rounds: Callable | None = None,
-        decompress_sum: Callable | None = None,
-        compression_error: Callable | None = None,
-        seed: int = 0,
-        params: dict | None = None,
-        variance_factor: Callable[[int], float] | float | None = None,
-        contraction: Callable[[int], float] | float | None = None,
-        bound: str = "",
-        stochastic: bool | None = None,
-        dense_warmup: int = 0,
-        local_contraction: Callable | None = None,
-        no_contraction: str = "",
-    ) -> Compressor:
-        """Build a compressor from its per-array primitives (fields as in the class docstring)."""
-        return cls(
-            name=name,
-            compress_fn=compress,
-            decompress_fn=decompress,
-            unbiased=unbiased,
-            strategy=strategy,
-            init_state=init_state or _no_state,
-            rounds=rounds,
-            decompress_sum=decompress_sum,
-            compression_error=compression_error,
-            seed=seed,
-            params=dict(params or {}),
-            variance_factor=variance_factor,
-            contraction=contraction,
-            bound=bound,
-            stochastic=stochastic,
-            dense_warmup=dense_warmup,
-            local_contraction=local_contraction,
-            no_contraction=no_contraction,
-        )
 
     # -- per-array primitives ---------------------------------------------- #
     def compress(self, x, key=None, state=None):
@@ -679,6 +438,27 @@ class Compressor:
             return self.compression_error(x, payload)
         return x - self.decompress(payload).astype(jnp.result_type(x))
 
+    def check_state(self, x, state, name: str = "state") -> None:
+        """Raise ``ValueError`` if ``state`` is not shaped like ``init_state(x)`` (stateful compressors).
+
+        A compressor's per-array state (PowerSGD's ``Q``, signum's momentum) is built for one
+        shape; an update with another shape must fail here, not deep inside the arithmetic.
+        Checked on shapes and dtypes only (``jax.eval_shape``), so it costs nothing at run time.
+        """
+        if self.init_state is no_state and not jax.tree_util.tree_leaves(state):
+            return  # stateless: nothing shaped to compare
+        want = jax.eval_shape(self.init_state, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)))
+        got_def: Any = jax.tree_util.tree_structure(state)
+        want_def: Any = jax.tree_util.tree_structure(want)
+        got = [tuple(jnp.shape(a)) for a in jax.tree_util.tree_leaves(state)]
+        expect = [tuple(a.shape) for a in jax.tree_util.tree_leaves(want)]
+        if got_def != want_def or got != expect:
+            raise ValueError(
+                f"updates: a tensor of shape {tuple(jnp.shape(x))} does not match its {self.name!r} {name}, "
+                f"initialised for another shape (state shapes {got}, expected {expect}); init and update must see "
+                "the same tree with the same leaf shapes"
+            )
+
     # -- optax gradient transformation ------------------------------------- #
     def init(self, params_tree) -> CompressorState:
         """optax ``init``: the key ``PRNGKey(seed)`` and one compressor state per leaf."""
@@ -708,7 +488,7 @@ class Compressor:
             )
         for g, s in zip(leaves, state.leaf_states):
             check_float_input(g, "updates", nonempty=True)
-            check_state_matches(self, g, s)
+            self.check_state(g, s)
         key, keys = step_keys(state.key, len(leaves))
         out, new_states = [], []
         for i, (g, s) in enumerate(zip(leaves, state.leaf_states)):
@@ -727,35 +507,12 @@ class Compressor:
 # --------------------------------------------------------------------------- #
 _REGISTRY: dict[str, Callable[..., Compressor]] = {}
 
-DETERMINISTIC = frozenset(
-    {
-        "adaptive",
-        "bf16",
-        "clipping",
-        "efsignsgd",
-        "eightbit",
-        "fp16",
-        "inceptionn",
-        "none",
-        "onebit",
-        "scaled_sign",
-        "signsgd",
-        "signum",
-        "sketchml",
-        "threshold",
-        "topk",
-    }
-)
-"""Built-in compressors whose ``compress`` ignores its key (``stochastic=False``: the key may be omitted).
-Every other registered compressor is declared ``stochastic=True``."""
-
 
 def register(name: str, *, overwrite: bool = False):
-    """Decorator: register a compressor factory under ``name``.
+    """Decorator: register a compressor factory under ``name`` (returned unchanged).
 
-    The registered factory attaches the declared error bound of ``name``
-    (``jaxcomm.compressors._bounds.BOUNDS``, for the built-in names) to every
-    compressor it builds, unless the factory declared one itself.
+    A factory declares its compressor's facts itself (the error bound and its source,
+    whether ``compress`` draws from its key), as :class:`Compressor` fields.
 
     Args:
       name: the registry name (``make(name, ...)``).
@@ -772,18 +529,8 @@ def register(name: str, *, overwrite: bool = False):
             raise ValueError(
                 f"compressor {name!r} is already registered; pass register({name!r}, overwrite=True) to replace it"
             )
-
-        @functools.wraps(factory)
-        def build(*args, **kwargs):
-            from ._bounds import declare
-
-            c = declare(factory(*args, **kwargs))
-            if c.stochastic is None:  # the built-ins' randomness, declared in one place
-                c = dataclasses.replace(c, stochastic=c.name not in DETERMINISTIC)
-            return c
-
-        _REGISTRY[name] = build
-        return build
+        _REGISTRY[name] = factory
+        return factory
 
     return deco
 

@@ -7,8 +7,6 @@ summed as they are, so their strategy is ``allreduce`` (GRACE Table I,
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 
 from ._base import Compressor, DensePayload, register
@@ -18,6 +16,8 @@ __all__ = ["none", "fp16", "bf16"]
 
 
 def _cast_compressor(name: str, wire_dtype, seed: int) -> Compressor:
+    """A dense compressor that sends ``x`` cast to ``wire_dtype`` (``None``: as it is, exact)."""
+
     def compress(x, key, state):
         del key
         # NaN/Inf are carried through as they are (IEEE casts preserve them).
@@ -27,14 +27,31 @@ def _cast_compressor(name: str, wire_dtype, seed: int) -> Compressor:
     def decompress(p: DensePayload):
         return saturate(p.data, p.dtype).astype(p.dtype)  # e.g. bf16's 65536 back to float16: 65504, not Inf
 
-    return Compressor.create(
+    return Compressor(
         name=name,
-        compress=compress,
-        decompress=decompress,
-        unbiased=True,
+        compress_fn=compress,
+        decompress_fn=decompress,
+        unbiased=wire_dtype is None,
         strategy="allreduce",
         seed=seed,
         params={},
+        stochastic=False,
+        **(dict(variance_factor=0.0, bound="exact: Q(x) = x") if wire_dtype is None else _rounding_bound(wire_dtype)),
+    )
+
+
+def _rounding_bound(wire_dtype) -> dict:
+    """The contraction of round-to-nearest in ``wire_dtype``: unit roundoff ``u = 2^-(p+1)`` for ``p`` stored
+    mantissa bits, ``|Q(x)_i − x_i| ≤ u |x_i|`` for entries in the normal range, so ``δ = 1 − u²``."""
+    info = jnp.finfo(wire_dtype)
+    p = int(info.nmant) + 1
+    return dict(
+        contraction=1.0 - 2.0 ** (-2 * p),
+        bound=(
+            f"round to nearest {jnp.dtype(wire_dtype).name} (unit roundoff u = 2^-{p}): |Q(x)_i − x_i| ≤ u |x_i| for "
+            f"entries in the normal range [{float(info.smallest_normal):.2g}, {float(info.max):.5g}], so δ = 1 − u²; "
+            "subnormal and overflowing entries are outside the bound"
+        ),
     )
 
 
@@ -56,7 +73,7 @@ def fp16(*, seed: int = 0) -> Compressor:
     does, as an allreduce-able lossless-in-practice baseline). Values beyond
     65504 overflow to +-Inf; NaN/Inf pass through. Wire bits: ``16 d``.
     """
-    return dataclasses.replace(_cast_compressor("fp16", jnp.float16, seed), unbiased=False)
+    return _cast_compressor("fp16", jnp.float16, seed)
 
 
 @register("bf16")
@@ -66,4 +83,4 @@ def bf16(*, seed: int = 0) -> Compressor:
     Round-to-nearest-even, so deterministic and biased; same range as float32.
     NaN/Inf pass through. Wire bits: ``16 d``.
     """
-    return dataclasses.replace(_cast_compressor("bf16", jnp.bfloat16, seed), unbiased=False)
+    return _cast_compressor("bf16", jnp.bfloat16, seed)

@@ -7,7 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._base import Compressor, Payload, check_positive_int, payload_dataclass, register, static_field
+from .._validate import check_int
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.bitpack import pack_codes, packed_code_bits, unpack_codes
 from ._primitives import flat32, restore, size_of
 from ._quantize import jitted_compressor
@@ -54,7 +55,7 @@ def clipping(*, bits: int = 7, seed: int = 0) -> Compressor:
     Args:
       bits: mantissa bits kept, an integer in ``[0, 23]``.
     """
-    bits = check_positive_int(bits, "bits", minimum=0, why="it fixes the code width, an array shape")
+    bits = check_int(bits, "bits", minimum=0, why="it fixes the code width, an array shape")
     if bits > 23:
         raise ValueError(f"bits must be in [0, 23] (float32 has 23 mantissa bits); got {bits}")
     width, drop = 9 + bits, 23 - bits
@@ -68,4 +69,18 @@ def clipping(*, bits: int = 7, seed: int = 0) -> Compressor:
         u = unpack_codes(p.codes, width, size_of(p.shape)).astype(jnp.uint32) << drop
         return restore(jax.lax.bitcast_convert_type(u, jnp.float32), p.shape, p.dtype)
 
-    return jitted_compressor("clipping", compress, decompress, unbiased=False, seed=seed, params=dict(bits=bits))
+    return jitted_compressor(
+        "clipping",
+        compress,
+        decompress,
+        unbiased=False,
+        seed=seed,
+        params=dict(bits=bits),
+        stochastic=False,
+        contraction=1.0 - (2.0**bits + 1.0) ** -2,
+        bound=(
+            "truncation of the mantissa to `bits` bits: for a normal 2^e <= |x_i| < 2^(e+1) the error "
+            "r = |x_i − Q(x)_i| < 2^(e − bits) and |Q(x)_i| >= 2^e, so r/|x_i| <= r/(2^e + r) < 1/(2^bits + 1), "
+            "δ = 1 − (2^bits + 1)^-2 (bits = 0, sign and exponent only: δ = 3/4)"
+        ),
+    )

@@ -66,10 +66,10 @@ def contractive(compressor: Compressor) -> Compressor:
         total = inner_sum(gathered, dtype)
         return (total.astype(jnp.float32) * scale_of(total.shape)).astype(total.dtype)
 
-    return Compressor.create(
+    return Compressor(
         name="contractive",
-        compress=compressor.compress_fn,
-        decompress=decompress,
+        compress_fn=compressor.compress_fn,
+        decompress_fn=decompress,
         unbiased=False,
         strategy=compressor.strategy,
         init_state=compressor.init_state,

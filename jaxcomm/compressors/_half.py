@@ -236,10 +236,10 @@ def half(compressor: Compressor, dtype: str = "float16") -> Compressor:
         return inner_sum(_restore(gathered), acc_dtype)
 
     declared = _declare(inner, u)
-    return Compressor.create(
+    return Compressor(
         name="half",
-        compress=compress,
-        decompress=decompress,
+        compress_fn=compress,
+        decompress_fn=decompress,
         unbiased=inner.unbiased,
         strategy=inner.strategy,
         init_state=inner.init_state,

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import jax
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._bitcount import BitCount
-from ._base import Compressor, Payload, check_positive_int, check_ratio, payload_dataclass, register, static_field
+from .._validate import check_int, check_ratio
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
+from ._bounds import ratio_of
 from ._kernels.bitpack import pack, unpack
 from ._kernels.scatter import scatter, scatter_count, subtract_sparse, sum_scatter
 from ._kernels.select import magnitude_keys, top_indices
@@ -155,14 +158,22 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
         vals = jnp.where(j < c0, p.means[0], jnp.where(j < c0 + c1, p.means[1], 0.0))
         return scatter_count(vals, p.indices, c0 + c1, p.shape, p.dtype, unique=True)
 
-    return Compressor.create(
+    return Compressor(
         name="adaptive",
-        compress=compress,
-        decompress=decompress,
+        compress_fn=compress,
+        decompress_fn=decompress,
         unbiased=False,
         strategy="allgather",
         seed=seed,
         params=dict(ratio=ratio),
+        stochastic=False,
+        contraction=lambda d: 1.0 / (d * num_selected(ratio, d)),
+        bound=(
+            "each sign's k_s kept entries decode to their mean (a projection), removing (Σ kept)²/k_s ≥ "
+            "max² / k_s of ‖x‖² where max is that sign's largest magnitude; the larger of the two is ≥ ‖x‖²/d "
+            "and k_s ≤ k = round(ratio d), so δ = 1/(d k) (weak: the worst case is one large entry among small "
+            "ones of the same sign)"
+        ),
     )
 
 
@@ -226,7 +237,7 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
       levels: QSGD's ``s >= 1`` (number of positive levels).
     """
     ratio = check_ratio(ratio, "ratio")
-    levels = check_positive_int(levels, "levels", minimum=1, why="it fixes the number of quantization levels")
+    levels = check_int(levels, "levels", minimum=1, why="it fixes the number of quantization levels")
     width = _level_width(levels)
 
     def compress(x, key, state):
@@ -264,14 +275,43 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
     def compression_error(x, p: QSparsePayload):
         return subtract_sparse(x, values(p), p.indices)
 
-    return Compressor.create(
+    return Compressor(
         name="qsparse",
-        compress=compress,
-        decompress=decompress,
+        compress_fn=compress,
+        decompress_fn=decompress,
         decompress_sum=decompress_sum,
         compression_error=compression_error,
         unbiased=False,
         strategy="allgather",
         seed=seed,
         params=dict(ratio=ratio, levels=levels),
+        stochastic=True,
+        **_qsparse_bound(ratio, levels),
+    )
+
+
+def _qsparse_bound(ratio: float, s: int) -> dict:
+    """Qsparse's declared bound: a contraction ``δ(d)`` and a data-dependent ``δ(x)``, and their source."""
+
+    def omega_k(d):
+        k = num_selected(ratio, d)
+        return min(k / s**2, math.sqrt(k) / s)
+
+    def delta(d):
+        return (1.0 - omega_k(d)) * num_selected(ratio, d) / d if omega_k(d) < 1.0 else float("nan")
+
+    def local(x):
+        d = x.size
+        top = jnp.sort(jnp.square(jnp.ravel(x).astype(jnp.float32)))[d - num_selected(ratio, d) :]
+        return (1.0 - omega_k(d)) * ratio_of(x, jnp.sum(top))
+
+    return dict(
+        contraction=delta,
+        local_contraction=local,
+        bound=(
+            "QSGD_s on top_k (Basu et al. 2019): E‖Q(x) − x‖² ≤ ‖x‖² − (1 − ω_k) ‖top_k(x)‖² with "
+            "ω_k = min(k/s², √k/s) (Alistarh et al. 2017, Lemma 3.1), so δ(x) = (1 − ω_k) ‖top_k(x)‖²/‖x‖² "
+            "(negative where ω_k > 1: QSGD's variance may then expand x); with ‖top_k(x)‖² ≥ (k/d) ‖x‖², "
+            "δ = (1 − ω_k) k/d where ω_k < 1"
+        ),
     )

@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from .._bitcount import BitCount
-from ._base import Compressor, Payload, check_finite_scalar, payload_dataclass, register, static_field
+from .._validate import check_finite_scalar
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
+from ._bounds import absolute
 from ._kernels.bitpack import pack, unpack
 from ._kernels.select import class_ranks
 from ._primitives import flat32, packed_size, restore, size_of
@@ -151,5 +153,18 @@ def inceptionn(*, error_bound: float = 2.0**-10, seed: int = 0) -> Compressor:
         return restore(y, p.shape, p.dtype)
 
     return jitted_compressor(
-        "inceptionn", compress, decompress, unbiased=False, seed=seed, params=dict(error_bound=error_bound)
+        "inceptionn",
+        compress,
+        decompress,
+        unbiased=False,
+        seed=seed,
+        params=dict(error_bound=error_bound),
+        stochastic=False,
+        contraction=0.0,
+        local_contraction=absolute(quantum),
+        bound=(
+            "fixed-point truncation toward zero with step Δ = 2^floor(log2 error_bound) (entries below Δ dropped, "
+            "large ones sent raw): |x_i − Q(x)_i| ≤ min(|x_i|, Δ), so non-expansive (δ = 0) and "
+            "δ(x) = 1 − Σ min(x_i², Δ²)/‖x‖²"
+        ),
     )

@@ -136,20 +136,22 @@ def nan_unless_finite(y, scale):
 
 
 def jitted_compressor(
-    name: str, compress, decompress, *, unbiased: bool, seed: int, params: dict, init_state=None
+    name: str, compress, decompress, *, unbiased: bool, seed: int, params: dict, init_state=None, **facts
 ) -> Compressor:
-    """:meth:`Compressor.create` of a quantizer: ``compress``/``decompress`` jitted, strategy ``"allgather"``.
+    """A quantizer's :class:`Compressor`: ``compress``/``decompress`` jitted, strategy ``"allgather"``;
+    ``facts``: its declared bound and randomness (``bound=``, ``stochastic=``, ...), passed on.
 
     ``jax.jit`` compiles one XLA program per input shape and dtype when called
     eagerly, and is inlined under an outer ``jit``.
     """
-    return Compressor.create(
+    return Compressor(
         name=name,
-        compress=jax.jit(compress),
-        decompress=jax.jit(decompress),
+        compress_fn=jax.jit(compress),
+        decompress_fn=jax.jit(decompress),
         unbiased=unbiased,
         strategy="allgather",
         init_state=init_state,
         seed=seed,
         params=params,
+        **facts,
     )

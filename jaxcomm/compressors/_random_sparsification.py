@@ -7,7 +7,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import Compressor, check_ratio, register
+from .._validate import check_ratio
+from ._base import Compressor, register
 from ._kernels.bitpack import pack
 from ._kernels.random_bits import uniform_bits
 from ._kernels.select import compact
@@ -93,12 +94,16 @@ def random_sparsification(*, p: float, seed: int = 0) -> Compressor:
             return _decompress_mask(payload)
         return _decompress_count(payload)
 
-    return Compressor.create(
+    return Compressor(
         name="random_sparsification",
-        compress=compress,
-        decompress=decompress,
+        compress_fn=compress,
+        decompress_fn=decompress,
         unbiased=True,
         strategy="allgather",
         seed=seed,
         params=dict(p=p),
+        stochastic=True,
+        variance_factor=1.0 / _keep_threshold(p)[1] - 1.0,
+        bound="Wangni et al. 2018: keep x_i/p with probability p gives E‖Q(x) − x‖² = (1/p − 1) ‖x‖², ω = 1/p − 1 "
+        "(p the exact keep probability)",
     )

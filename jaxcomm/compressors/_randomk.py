@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import Compressor, Payload, check_ratio, payload_dataclass, register, static_field
+from .._validate import check_bool, check_ratio
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.random_bits import bits_at, key_words
 from ._kernels.scatter import scatter
 from ._kernels.select import top_indices
@@ -125,12 +126,8 @@ def randomk(*, ratio: float, unbiased: bool = False, replacement: bool = False, 
       ValueError/TypeError: ``ratio`` outside (0, 1], ``unbiased`` or ``replacement`` not a bool.
     """
     ratio = check_ratio(ratio, "ratio", "it fixes the number of entries sent k, an array shape")
-    if not isinstance(unbiased, (bool, np.bool_)):
-        raise TypeError(f"unbiased must be a bool; got {unbiased!r}")
-    unbiased = bool(unbiased)
-    if not isinstance(replacement, (bool, np.bool_)):
-        raise TypeError(f"replacement must be a bool; got {replacement!r}")
-    replacement = bool(replacement)
+    unbiased = check_bool(unbiased, "unbiased")
+    replacement = check_bool(replacement, "replacement")
     positions = randomk_draws if replacement else randomk_indices
 
     def compress(x, key, state):
@@ -148,12 +145,43 @@ def randomk(*, ratio: float, unbiased: bool = False, replacement: bool = False, 
         # distinct positions, or repeated ones carrying the same value: written, not added
         return scatter(p.values, idx, p.shape, p.dtype, p.scale, unique=not replacement, repeats=replacement)
 
-    return Compressor.create(
+    return Compressor(
         name="randomk",
-        compress=compress,
-        decompress=decompress,
+        compress_fn=compress,
+        decompress_fn=decompress,
         unbiased=unbiased,
         strategy="allreduce",
         seed=seed,
         params=dict(ratio=ratio, unbiased=unbiased, replacement=replacement),
+        stochastic=True,
+        **_bound(ratio, unbiased, replacement),
+    )
+
+
+def _bound(ratio: float, unbiased: bool, replacement: bool) -> dict:
+    """Random-k's declared bound (``variance_factor`` or ``contraction``, and ``bound``, its source)."""
+    if replacement:
+
+        def prob(d: int) -> float:
+            return inclusion_probability(d, num_selected(ratio, d), True)
+
+        if unbiased:
+            return dict(
+                variance_factor=lambda d: 1.0 / prob(d) - 1.0,
+                bound="k draws with replacement reach each position with probability p = 1 − (1 − 1/d)^k; "
+                "Q = x ⊙ b / p is unbiased with E‖Q(x) − x‖² = (1/p − 1) ‖x‖², ω = 1/p − 1",
+            )
+        return dict(
+            contraction=prob,
+            bound="k draws with replacement reach each position with probability p = 1 − (1 − 1/d)^k: "
+            "E‖x − C(x)‖² = (1 − p) ‖x‖², δ = p",
+        )
+    if unbiased:
+        return dict(
+            variance_factor=lambda d: d / num_selected(ratio, d) - 1.0,
+            bound="Stich et al. 2018: (d/k) rand_k is unbiased with E‖Q(x) − x‖² = (d/k − 1) ‖x‖², ω = d/k − 1",
+        )
+    return dict(
+        contraction=lambda d: num_selected(ratio, d) / d,
+        bound="Stich et al. 2018, Lemma A.1: E‖x − rand_k(x)‖² = (1 − k/d) ‖x‖², δ = k/d",
     )

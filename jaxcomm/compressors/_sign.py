@@ -25,7 +25,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._base import Compressor, Payload, check_finite_scalar, payload_dataclass, register, static_field
+from .._validate import check_finite_scalar
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.bitpack import pack, pack_reduce, packed_size, popcount, unpack
 from ._primitives import flat32, restore, size_of
 from ._quantize import jitted_compressor, nan_unless_finite
@@ -173,8 +174,33 @@ def onebit(*, threshold: float = 0.0, seed: int = 0) -> Compressor:
         y = jnp.where(jnp.isfinite(p.mean_low) & jnp.isfinite(p.mean_high), y, jnp.nan)
         return restore(y, p.shape, p.dtype)
 
+    return _sign_compressor("onebit", compress, decompress, seed, dict(threshold=threshold), **_onebit_bound(threshold))
+
+
+def _sign_compressor(name: str, compress, decompress, seed: int, params: dict, **facts) -> Compressor:
+    """A sign-based compressor: biased and deterministic (``facts``: its declared bound, its state)."""
     return jitted_compressor(
-        "onebit", compress, decompress, unbiased=False, seed=seed, params=dict(threshold=threshold)
+        name, compress, decompress, unbiased=False, seed=seed, params=params, stochastic=False, **facts
+    )
+
+
+def _onebit_bound(threshold) -> dict:
+    """1-bit SGD's declared contraction and its source (a traced ``threshold`` may be non-zero)."""
+    if isinstance(threshold, jax.core.Tracer) or threshold != 0.0:
+        return dict(
+            contraction=0.0,
+            bound=(
+                "1-bit SGD with a threshold τ ≠ 0 decodes to the means of the two groups split at τ: the orthogonal "
+                "projection onto the two group indicators, non-expansive (δ = 0) but with no uniform δ > 0 (both "
+                "groups can share a sign)"
+            ),
+        )
+    return dict(
+        contraction=lambda d: 1.0 / d,
+        bound=(
+            "group means (Seide et al. 2014) with τ = 0: ‖x − Q(x)‖² = ‖x‖² − S₊²/n₊ − S₋²/n₋ ≤ ‖x‖² − ‖x‖₁²/d "
+            "(Cauchy-Schwarz), δ ≥ 1/d"
+        ),
     )
 
 
@@ -195,7 +221,11 @@ def signsgd(*, seed: int = 0) -> Compressor:
     def decompress(p: SignPayload):
         return restore(_signs(p.signs, p.shape), p.shape, p.dtype)
 
-    return jitted_compressor("signsgd", compress, decompress, unbiased=False, seed=seed, params={})
+    why = (
+        "sign(x) has no scale, so ‖Q(x) − x‖ is not bounded by any multiple of ‖x‖ (a small x is sent as ±1); "
+        "jaxcomm.compressors.efsignsgd() sends (‖x‖₁/d) sign(x), a contraction with δ ≥ 1/d"
+    )
+    return _sign_compressor("signsgd", compress, decompress, seed, {}, no_contraction=why)
 
 
 class SignumState(NamedTuple):
@@ -239,9 +269,12 @@ def signum(*, momentum: float = 0.9, seed: int = 0) -> Compressor:
     def decompress(p: SignPayload):
         return restore(_signs(p.signs, p.shape), p.shape, p.dtype)
 
-    return jitted_compressor(
-        "signum", compress, decompress, unbiased=False, seed=seed, params=dict(momentum=beta), init_state=init_state
+    why = (
+        "the sign of the momentum has no scale, so ‖Q(x) − x‖ is not bounded by any multiple of ‖x‖; "
+        "jaxcomm.compressors.efsignsgd() sends (‖x‖₁/d) sign(x), a contraction with δ ≥ 1/d"
     )
+    params = dict(momentum=beta)
+    return _sign_compressor("signum", compress, decompress, seed, params, init_state=init_state, no_contraction=why)
 
 
 @register("efsignsgd")
@@ -281,4 +314,15 @@ def efsignsgd(*, seed: int = 0) -> Compressor:
         y = _signs(p.signs, p.shape) * p.scale
         return restore(nan_unless_finite(y, p.scale), p.shape, p.dtype)
 
-    return jitted_compressor("efsignsgd", compress, decompress, unbiased=False, seed=seed, params={})
+    return _sign_compressor(
+        "efsignsgd",
+        compress,
+        decompress,
+        seed,
+        {},
+        contraction=lambda d: 1.0 / d,
+        bound=(
+            "Karimireddy et al. 2019, Lemma 8: Q(x) = (‖x‖₁/d) sign(x) has ‖Q(x) − x‖² = (1 − ‖x‖₁²/(d‖x‖²)) ‖x‖², "
+            "δ ≥ 1/d"
+        ),
+    )

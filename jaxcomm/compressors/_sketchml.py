@@ -7,7 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._base import Compressor, Payload, check_positive_int, payload_dataclass, register, static_field
+from .._validate import check_int
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.bitpack import code_width, pack_codes, packed_code_bits, unpack_codes
 from ._kernels.select import materialize
 from ._primitives import flat32, restore, size_of
@@ -93,7 +94,7 @@ def sketchml(*, buckets: int = 64, seed: int = 0) -> Compressor:
     bucket mean): all NaN. Bucket sums that overflow are redone at ``2^-64``
     scale, so finite input gives finite means.
     """
-    buckets = check_positive_int(buckets, "buckets", minimum=2, why="it fixes the number of buckets and the code width")
+    buckets = check_int(buckets, "buckets", minimum=2, why="it fixes the number of buckets and the code width")
     if buckets > _CELLS:
         raise ValueError(f"buckets must be <= {_CELLS}; got {buckets}")
     width = code_width(buckets)
@@ -118,4 +119,15 @@ def sketchml(*, buckets: int = 64, seed: int = 0) -> Compressor:
         y = jnp.where(jnp.all(jnp.isfinite(p.means)), p.means[code], jnp.nan)
         return restore(y, p.shape, p.dtype)
 
-    return jitted_compressor("sketchml", compress, decompress, unbiased=False, seed=seed, params=dict(buckets=buckets))
+    return jitted_compressor(
+        "sketchml",
+        compress,
+        decompress,
+        unbiased=False,
+        seed=seed,
+        params=dict(buckets=buckets),
+        stochastic=False,
+        contraction=0.0,
+        bound="bucket means are a least-squares projection onto the bucket indicators (non-expansive, δ = 0) "
+        "with no uniform δ > 0",
+    )

@@ -8,12 +8,14 @@ expectation exact, drawing its uniforms from
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ._base import Compressor, Payload, check_positive_int, payload_dataclass, register, static_field
+from .._validate import check_int
+from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.bitpack import code_width, pack, pack_codes, packed_code_bits, unpack, unpack_codes
 from ._kernels.random_bits import uniform_bits, uniform_floats
 from ._primitives import flat32, packed_size, restore, size_of
@@ -48,6 +50,13 @@ class QSGDPayload(Payload):
         return packed_code_bits(size_of(self.shape), code_width(2 * self.levels + 1)) + 32
 
 
+def _unbiased_quantizer(name: str, compress, decompress, seed: int, params: dict, **bound) -> Compressor:
+    """A random, unbiased quantizer (``bound``: its declared variance factor and the source)."""
+    return jitted_compressor(
+        name, compress, decompress, unbiased=True, seed=seed, params=params, stochastic=True, **bound
+    )
+
+
 @register("qsgd")
 def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
     """QSGD stochastic quantization with ``s = levels`` levels (Alistarh et al. 2017; GRACE Sec. III-A).
@@ -71,7 +80,7 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
     (``~1e20``) quantize as well as unit ones; decoded values beyond a float16
     tensor's range saturate at 65504.
     """
-    levels = check_positive_int(levels, "levels", why="it fixes the number of quantization levels and the code width")
+    levels = check_int(levels, "levels", why="it fixes the number of quantization levels and the code width")
     if levels > _MAX_LEVELS:
         raise ValueError(f"levels must be <= {_MAX_LEVELS}; got {levels}")
     width = code_width(2 * levels + 1)
@@ -97,7 +106,15 @@ def qsgd(*, levels: int = 64, seed: int = 0) -> Compressor:
         scale = jnp.where(jnp.isfinite(p.norm), p.norm / p.levels, jnp.nan)
         return restore(code.astype(jnp.float32) * scale, p.shape, p.dtype)
 
-    return jitted_compressor("qsgd", compress, decompress, unbiased=True, seed=seed, params=dict(levels=levels))
+    return _unbiased_quantizer(
+        "qsgd",
+        compress,
+        decompress,
+        seed,
+        dict(levels=levels),
+        variance_factor=lambda d: min(d / levels**2, math.sqrt(d) / levels),
+        bound="Alistarh et al. 2017, Lemma 3.1: ω = min(d/s², √d/s) with s levels",
+    )
 
 
 @payload_dataclass
@@ -159,7 +176,15 @@ def natural(*, seed: int = 0) -> Compressor:
         bits = (sign << 31) | (p.exponents.astype(jnp.uint32) << 23)
         return restore(jax.lax.bitcast_convert_type(bits, jnp.float32), p.shape, p.dtype)
 
-    return jitted_compressor("natural", compress, decompress, unbiased=True, seed=seed, params={})
+    return _unbiased_quantizer(
+        "natural",
+        compress,
+        decompress,
+        seed,
+        {},
+        variance_factor=1.0 / 8.0,
+        bound="Horváth et al. 2019 (natural compression), Theorem 1: ω = 1/8",
+    )
 
 
 @payload_dataclass
@@ -208,7 +233,15 @@ def terngrad(*, seed: int = 0) -> Compressor:
         t = ((code & 1) - (code >> 1)).astype(jnp.float32)  # 0 -> 0, 1 -> +1, 2 -> -1
         return restore(t * nan_unless_finite(p.scale, p.scale), p.shape, p.dtype)
 
-    return jitted_compressor("terngrad", compress, decompress, unbiased=True, seed=seed, params={})
+    return _unbiased_quantizer(
+        "terngrad",
+        compress,
+        decompress,
+        seed,
+        {},
+        variance_factor=lambda d: math.sqrt(d) - 1.0,
+        bound="Wen et al. 2017: E‖Q(x) − x‖² = ‖x‖₁‖x‖∞ − ‖x‖² ≤ (√d − 1) ‖x‖², ω = √d − 1",
+    )
 
 
 @payload_dataclass
@@ -249,7 +282,7 @@ def stochastic_rounding(*, bits: int = 4, seed: int = 0) -> Compressor:
     NaN. Scales up to the float32 maximum are exact (``x + M`` is formed at
     ``2^-8`` scale there, :func:`~._quantize.big_scale_factor`).
     """
-    bits = check_positive_int(bits, "bits", why="it fixes the number of levels and the code width")
+    bits = check_int(bits, "bits", why="it fixes the number of levels and the code width")
     if bits > 16:
         raise ValueError(f"bits must be in [1, 16]; got {bits}")
     top = float((1 << bits) - 1)  # L - 1
@@ -271,6 +304,15 @@ def stochastic_rounding(*, bits: int = 4, seed: int = 0) -> Compressor:
         y = p.scale * (k * (2.0 / top) - 1.0)
         return restore(nan_unless_finite(y, p.scale), p.shape, p.dtype)
 
-    return jitted_compressor(
-        "stochastic_rounding", compress, decompress, unbiased=True, seed=seed, params=dict(bits=bits)
+    return _unbiased_quantizer(
+        "stochastic_rounding",
+        compress,
+        decompress,
+        seed,
+        dict(bits=bits),
+        variance_factor=lambda d: d / ((1 << bits) - 1) ** 2,
+        bound=(
+            "unbiased rounding to a grid of spacing D = 2M/(2^bits − 1), M = max|x|: per entry variance ≤ D²/4, "
+            "so E‖Q(x) − x‖² ≤ d M²/(2^bits − 1)² ≤ d/(2^bits − 1)² ‖x‖², ω = d/(2^bits − 1)²"
+        ),
     )

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._base import Compressor, check_finite_scalar, check_positive_int, check_ratio, register
+from .._validate import check_finite_scalar, check_int, check_ratio
+from ._base import Compressor, register
+from ._bounds import absolute
 from ._kernels.bitpack import pack_bits, popcount
 from ._kernels.random_bits import uniform_indices
 from ._kernels.select import SMALL, compact, compact_words, top_indices
@@ -68,7 +70,16 @@ def threshold(*, v: float, max_ratio: float = 1.0, seed: int = 0) -> Compressor:
         vals, idx = _sparse_payload(x, pos, count)
         return CountSparsePayload(values=vals, indices=idx, count=count, shape=tuple(np.shape(x)), dtype=x.dtype), state
 
-    return _count_sparse("threshold", compress, seed, dict(v=v, max_ratio=max_ratio))
+    why = "entries with |x_i| ≥ v are sent exactly, the others dropped: non-expansive, δ = 0"
+    if isinstance(v, jax.core.Tracer) or max_ratio < 1.0:
+        bound = dict(bound=why + " (no absolute bound: a traced v, or a buffer that can drop entries ≥ v)")
+    else:
+        bound = dict(
+            bound=why + "; with every qualifying entry sent (max_ratio = 1), |x_i − Q(x)_i| ≤ min(|x_i|, v), so "
+            "δ(x) = 1 − Σ min(x_i², v²)/‖x‖²",
+            local_contraction=absolute(float(v)),
+        )
+    return _count_sparse("threshold", compress, seed, dict(v=v, max_ratio=max_ratio), stochastic=False, **bound)
 
 
 class DGCPlan(NamedTuple):
@@ -160,7 +171,7 @@ def dgc(
     lower_bound = check_finite_scalar(lower_bound, "lower_bound", why=_LOOP_CONSTANT)
     if not 0.0 < lower_bound < 1.0:
         raise ValueError(f"lower_bound must be in (0, 1); got {lower_bound}")
-    max_adaptation_iters = check_positive_int(
+    max_adaptation_iters = check_int(
         max_adaptation_iters, "max_adaptation_iters", minimum=0, why="it bounds the adaptation loop, a Python branch"
     )
 
@@ -253,20 +264,28 @@ def dgc(
             lower_bound=lower_bound,
             max_adaptation_iters=max_adaptation_iters,
         ),
+        stochastic=True,
+        bound="sends entries x_i exactly at or above a sampled threshold (a mask: non-expansive, δ = 0), the first "
+        "k of them in index order when between k and upper_bound·k qualify, so the largest entry can be missed "
+        "(no uniform δ > 0)",
     )
 
 
-def _count_sparse(name: str, compress, seed: int, params: dict) -> Compressor:
+def _count_sparse(name: str, compress, seed: int, params: dict, **facts) -> Compressor:
     """A biased all-gather compressor whose payload is a :class:`CountSparsePayload` (a fixed-capacity
-    buffer and its count), with that payload's decoder, gathered sum and in-place error."""
-    return Compressor.create(
+    buffer and its count), with that payload's decoder, gathered sum and in-place error. It sends
+    entries exactly or drops them, so it is non-expansive (``contraction=0``); ``facts``: the rest of
+    its declared bound (``bound=``, the source; ``local_contraction=``) and its randomness."""
+    return Compressor(
         name=name,
-        compress=compress,
-        decompress=_decompress_count,
+        compress_fn=compress,
+        decompress_fn=_decompress_count,
         decompress_sum=_decompress_sum_count,
         compression_error=_error_count,
         unbiased=False,
         strategy="allgather",
         seed=seed,
         params=params,
+        contraction=0.0,
+        **facts,
     )

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import Compressor, check_positive_int, check_ratio, register
+from .._validate import check_bool, check_int, check_ratio
+from ._base import Compressor, no_state, register
 from ._kernels.select import magnitude_keys, reuse_state, top_indices, top_indices_reusing
 from ._sparse import (
     SparsePayload,
@@ -75,9 +76,8 @@ def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False, dense_be
         (default): every tensor is sparsified.
     """
     ratio = check_ratio(ratio, "ratio", "it fixes the number of entries sent k, an array shape")
-    dense_below = check_positive_int(dense_below, "dense_below", minimum=0)
-    if not isinstance(reuse_threshold, bool):
-        raise TypeError(f"reuse_threshold must be a bool; got {type(reuse_threshold).__name__}")
+    dense_below = check_int(dense_below, "dense_below", minimum=0)
+    reuse_threshold = check_bool(reuse_threshold, "reuse_threshold")
 
     def payload(x, idx):
         vals, idx = _sparse_payload(x, idx)
@@ -97,16 +97,19 @@ def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False, dense_be
         d = int(np.size(x))
         return reuse_state(selected(ratio, dense_below, d), d)
 
-    return Compressor.create(
+    return Compressor(
         name="topk",
-        compress=compress,
-        decompress=_decompress_sparse,
+        compress_fn=compress,
+        decompress_fn=_decompress_sparse,
         decompress_sum=_decompress_sum_sparse,
         compression_error=_error_sparse,
-        init_state=init_state if reuse_threshold else None,
+        init_state=init_state if reuse_threshold else no_state,
         unbiased=False,
         strategy="allgather",
         seed=seed,
+        stochastic=False,
+        contraction=lambda d: selected(ratio, dense_below, d) / d,
+        bound="Stich, Cordonnier & Jaggi 2018, Lemma A.1: ‖x − top_k(x)‖² ≤ (1 − k/d) ‖x‖², δ = k/d",
         params={
             "ratio": ratio,
             **({"reuse_threshold": True} if reuse_threshold else {}),

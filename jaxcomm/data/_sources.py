@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._validate import check_choice
 from ._idx import DatasetError, _check_exists, check_labels, read_csv_images, read_idx
 
 __all__ = [
@@ -99,8 +100,7 @@ def data_dir() -> Path:
 
 
 def _check_split(split: str) -> str:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
+    check_choice(split, "split", SPLITS)
     return split
 
 

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from .._validate import check_int
 from ._sources import Dataset
 
 __all__ = ["Batch", "BatchPosition", "WorkerBatches", "split_iid", "split_by_label"]
@@ -44,14 +45,6 @@ class BatchPosition(NamedTuple):
     epoch: int
     # Shadows tuple.index (a method) on purpose: `index` is the public, checkpointed field name.
     index: int  # type: ignore[assignment]
-
-
-def _check_int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}; got {value}")
-    return int(value)
 
 
 def _key_words(key) -> list[int]:
@@ -91,7 +84,7 @@ def split_iid(dataset: Dataset, num_workers: int, key) -> list[Dataset]:
     Returns:
       list of ``p`` :class:`Dataset` shards.
     """
-    num_workers = _check_int(num_workers, "num_workers", 1)
+    num_workers = check_int(num_workers, "num_workers", 1)
     shards = _iid_index_shards(dataset.check().num_examples, num_workers, key)
     return [dataset.take(idx) for idx in shards]
 
@@ -121,8 +114,8 @@ def split_by_label(
       ValueError: ``labels_per_worker`` outside ``1..num_classes``, or
         ``num_workers * labels_per_worker < num_classes`` (some classes would be dropped).
     """
-    num_workers = _check_int(num_workers, "num_workers", 1)
-    labels_per_worker = _check_int(labels_per_worker, "labels_per_worker", 1)
+    num_workers = check_int(num_workers, "num_workers", 1)
+    labels_per_worker = check_int(labels_per_worker, "labels_per_worker", 1)
     c = int(dataset.check().num_classes)
     if labels_per_worker > c:
         raise ValueError(f"labels_per_worker must be <= num_classes ({c}); got {labels_per_worker}")
@@ -195,7 +188,7 @@ class WorkerBatches:
         if len(shards) == 0:
             raise ValueError("shards must hold at least one worker's data")
         self.num_workers = len(shards)
-        batch_size = _check_int(batch_size, "batch_size", 1)
+        batch_size = check_int(batch_size, "batch_size", 1)
         if batch_size % self.num_workers:
             raise ValueError(
                 f"batch_size={batch_size} is not divisible by the number of workers ({self.num_workers}); "

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .._validate import check_int
 from ._idx import DatasetError, _check_exists
 from ._sources import FETCH_HINT, data_dir
-from ._split import BatchPosition, WorkerBatches, _check_int, _iid_index_shards
+from ._split import BatchPosition, WorkerBatches, _iid_index_shards
 
 __all__ = ["load_shakespeare", "CharCorpus", "strip_play_markdown"]
 
@@ -132,7 +133,7 @@ class CharCorpus:
         Returns:
           ``(inputs, targets)``, each ``int32 [num_windows, seq_len]``.
         """
-        seq_len = _check_int(seq_len, "seq_len", 1)
+        seq_len = check_int(seq_len, "seq_len", 1)
         if split not in ("train", "valid"):
             raise ValueError(f"split must be 'train' or 'valid'; got {split!r}")
         ids = self.train if split == "train" else self.valid
@@ -171,6 +172,6 @@ class CharCorpus:
         split_key, order_key = jax.random.split(key)
         if num_workers is None:
             return WorkerBatches([(inputs, targets)], batch_size, order_key, start=start, worker_axis=False)
-        num_workers = _check_int(num_workers, "num_workers", 1)
+        num_workers = check_int(num_workers, "num_workers", 1)
         shards = [(inputs[i], targets[i]) for i in _iid_index_shards(len(inputs), num_workers, split_key)]
         return WorkerBatches(shards, batch_size, order_key, start=start)

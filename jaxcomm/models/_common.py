@@ -8,6 +8,8 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
+from .._validate import check_finite_scalar
+
 __all__ = ["ParamCount", "count_params"]
 
 
@@ -42,19 +44,10 @@ def dropout_keys(rngs: Any, n: int) -> Sequence[Any]:
     return [rngs] * n
 
 
-def check_features(value, name: str) -> int:
-    """Validate a positive layer width."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int; got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1; got {value}")
-    return value
-
-
 def check_rate(rate, name: str) -> float:
-    """Validate a dropout rate in [0, 1)."""
-    rate = float(rate)
-    if not 0.0 <= rate < 1.0:
+    """``rate`` as a ``float`` in ``[0, 1)``: a dropout rate (1 would drop every unit)."""
+    rate = check_finite_scalar(rate, name, nonnegative=True)
+    if rate >= 1.0:
         raise ValueError(f"{name} must be in [0, 1); got {rate}")
     return rate
 

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._common import check_features, check_rate, dropout_keys, make_dropout
+from .._validate import check_int
+from ._common import check_rate, dropout_keys, make_dropout
 
 __all__ = ["CharLSTM", "LSTMLayer"]
 
@@ -76,7 +77,7 @@ class CharLSTM(nnx.Module):
 
     def __init__(self, vocab_size: int, embed: int, hidden: int, layers: int, rngs: nnx.Rngs, *, dropout: float = 0.0):
         for v, n in ((vocab_size, "vocab_size"), (embed, "embed"), (hidden, "hidden"), (layers, "layers")):
-            check_features(v, n)
+            check_int(v, n)
         self.vocab_size = vocab_size
         self.embed = nnx.Embed(vocab_size, embed, rngs=rngs)
         self.lstms = nnx.List([LSTMLayer(embed if l == 0 else hidden, hidden, rngs=rngs) for l in range(layers)])

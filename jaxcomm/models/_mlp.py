@@ -9,7 +9,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from ._common import check_features, check_rate, dropout_keys, make_dropout
+from .._validate import check_int
+from ._common import check_rate, dropout_keys, make_dropout
 
 __all__ = ["MLP", "LinearRegression"]
 
@@ -41,9 +42,9 @@ class MLP(nnx.Module):
         dropout: float = 0.0,
     ):
         hidden = (hidden,) if isinstance(hidden, int) else tuple(hidden)
-        sizes = [check_features(in_features, "in_features")]
-        sizes += [check_features(h, "hidden") for h in hidden]
-        sizes.append(check_features(num_classes, "num_classes"))
+        sizes = [check_int(in_features, "in_features")]
+        sizes += [check_int(h, "hidden") for h in hidden]
+        sizes.append(check_int(num_classes, "num_classes"))
         self.in_features = sizes[0]
         self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
         rate = check_rate(dropout, "dropout")
@@ -81,7 +82,7 @@ class LinearRegression(nnx.Module):
     """
 
     def __init__(self, features: int, rngs: nnx.Rngs, *, zero_init: bool = False):
-        self.features = check_features(features, "features")
+        self.features = check_int(features, "features")
         init = nnx.initializers.zeros_init() if zero_init else nnx.initializers.lecun_normal()
         self.linear = nnx.Linear(self.features, 1, kernel_init=init, rngs=rngs)
 

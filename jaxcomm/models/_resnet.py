@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._common import check_features
+from .._validate import check_choice, check_int
 
 __all__ = ["ResNet20", "BasicBlock"]
 
@@ -120,11 +120,10 @@ class ResNet20(nnx.Module):
         norm_groups: int = 8,
         rngs: nnx.Rngs,
     ):
-        check_features(num_classes, "num_classes")
-        check_features(in_channels, "in_channels")
-        if norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
-        check_features(norm_groups, "norm_groups")
+        check_int(num_classes, "num_classes")
+        check_int(in_channels, "in_channels")
+        check_choice(norm, "norm", NORMS)
+        check_int(norm_groups, "norm_groups")
         if 16 % norm_groups:
             raise ValueError(f"norm_groups must divide 16 (the narrowest stage); got {norm_groups}")
         self.norm_kind = norm

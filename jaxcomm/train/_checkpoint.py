@@ -51,6 +51,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from .._validate import check_int
+
 __all__ = [
     "ACCEPTABLE_CHANGES",
     "CheckpointError",
@@ -175,10 +177,8 @@ class Checkpointer:
     """
 
     def __init__(self, directory, *, max_to_keep: int | None = 3, async_save: bool = True):
-        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)):
-            raise TypeError(f"max_to_keep must be a positive int or None; got {max_to_keep!r}")
-        if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be >= 1 or None; got {max_to_keep}")
+        if max_to_keep is not None:  # None: keep every checkpoint
+            max_to_keep = check_int(max_to_keep, "max_to_keep")
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=bool(async_save)

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .._validate import check_int
+
 __all__ = ["make_mesh", "shard_workers", "stack_workers", "unstack_worker"]
 
 
@@ -19,8 +21,7 @@ def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
     available = jax.device_count()
     if num_workers is None:
         num_workers = available
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive integer; got {num_workers!r}")
+    num_workers = check_int(num_workers, "num_workers")
     if not isinstance(axis_name, str) or not axis_name:
         raise TypeError(f"axis_name must be a non-empty string; got {axis_name!r}")
     if num_workers > available:
@@ -35,8 +36,7 @@ def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
 
 def stack_workers(tree, num_workers: int):
     """Repeat every leaf on a new leading worker axis: ``(n, *leaf.shape)``."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive integer; got {num_workers!r}")
+    num_workers = check_int(num_workers, "num_workers")
     return jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x), (num_workers, *jnp.shape(x))), tree)
 
 

@@ -19,6 +19,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from .._validate import check_int
+
 __all__ = [
     "PureModel",
     "split_model",
@@ -180,8 +182,7 @@ def evaluate_classifier(eval_batch: Callable, params, model_state, x, y, batch_s
       x, y: host or device arrays with a common leading axis ``N``.
       batch_size: examples per call (the last batch may be smaller).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+    batch_size = check_int(batch_size, "batch_size")
     total_loss, total_correct, count = 0.0, 0.0, 0
     for i in range(0, len(x), batch_size):
         xb, yb = jnp.asarray(x[i : i + batch_size]), jnp.asarray(y[i : i + batch_size])

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._progress import progress_bar
+from .._validate import check_int
 
 __all__ = ["SimulationResult", "simulate"]
 
@@ -47,12 +48,6 @@ class SimulationResult(NamedTuple):
     outputs: Any
     wall_s: float
     first_call_s: float
-
-
-def _check_int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
-    return int(value)
 
 
 def _concat(chunks: list, scanned: bool):
@@ -105,9 +100,9 @@ def simulate(
     Raises:
       ValueError / TypeError: bad counts or non-callable hooks, naming the argument.
     """
-    num_rounds = _check_int(num_rounds, "num_rounds", 1)
-    per_call = _check_int(rounds_per_call, "rounds_per_call", 1)
-    eval_every = _check_int(eval_every, "eval_every", 0)
+    num_rounds = check_int(num_rounds, "num_rounds", 1)
+    per_call = check_int(rounds_per_call, "rounds_per_call", 1)
+    eval_every = check_int(eval_every, "eval_every", 0)
     if num_rounds % per_call:
         raise ValueError(f"num_rounds={num_rounds} is not a multiple of rounds_per_call={per_call}")
     for name, fn in (

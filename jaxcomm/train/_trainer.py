@@ -114,7 +114,7 @@ class Trainer:
     replicated_params: bool = False
 
     def __post_init__(self):
-        from ..compressors._base import check_seed
+        from .._validate import check_seed
 
         self.seed = int(check_seed(self.seed))
         if not (callable(getattr(self.tx, "init", None)) and callable(getattr(self.tx, "update", None))):

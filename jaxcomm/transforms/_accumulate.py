@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .._validate import check_int, check_same_tree
 from .._vma import typed_cond
-from ..compressors._base import check_positive_int, check_same_tree
 
 __all__ = ["AccumulateState", "accumulate", "warn_multisteps", "zero_counters"]
 
@@ -124,7 +124,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> optax.Gradi
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(f"inner must be an optax GradientTransformation; got {type(inner).__name__}")
-    every_k = check_positive_int(every_k, "every_k", minimum=1)
+    every_k = check_int(every_k, "every_k", minimum=1)
     inner = optax.with_extra_args_support(inner)
 
     def init(params):

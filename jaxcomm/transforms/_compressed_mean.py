@@ -18,9 +18,10 @@ import optax
 from .. import compressors as compressors_lib
 from .. import memory as memory_lib
 from .._bitcount import BitCount
+from .._validate import check_bool, check_int
 from .._vma import typed_switch
 from ..comm import Communicator, resolve
-from ..compressors._base import Compressor, check_positive_int
+from ..compressors import Compressor
 from ._hierarchical import Grid, HierarchicalState, Hierarchy, check_axes, refuse_outer_comm
 from ._pipeline import (
     FUSE_MAX_BYTES,
@@ -230,8 +231,7 @@ def compressed_mean(
         if axis_name is not None and comm is not None:
             refuse_outer_comm(comm, axis_name)
         comm_obj = resolve(axis_name, comm)
-    if not isinstance(fuse, bool):
-        raise TypeError(f"fuse must be a bool; got {type(fuse).__name__}")
+    fuse = check_bool(fuse, "fuse")
     skip = check_skip_nonfinite(skip_nonfinite)
     stages = check_warmup(warmup, compressor)
     main = _Phase(compressor, strategy, memory, None)
@@ -326,7 +326,7 @@ def check_warmup(warmup, compressor: Compressor) -> list[tuple[Compressor, int]]
         if not isinstance(stage, tuple) or len(stage) != 2:
             raise TypeError(f"warmup[{j}] must be a (steps, Compressor) pair; got {stage!r}")
         steps, c = stage
-        steps = check_positive_int(steps, f"warmup[{j}] steps", minimum=1, why="it is a phase boundary of the step")
+        steps = check_int(steps, f"warmup[{j}] steps", minimum=1, why="it is a phase boundary of the step")
         c = check_compressor(c, f"warmup[{j}] compressor")
         got = jax.eval_shape(c.init_state, probe)
         if jax.tree.structure(got) != jax.tree.structure(want) or jax.tree.leaves(got) != jax.tree.leaves(want):

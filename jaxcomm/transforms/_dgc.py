@@ -16,8 +16,8 @@ from __future__ import annotations
 import optax
 
 from .. import memory as memory_lib
-from ..compressors import topk
-from ..compressors._base import Compressor, check_finite_scalar, check_positive_int, check_ratio
+from .._validate import check_finite_scalar, check_int, check_ratio
+from ..compressors import Compressor, topk
 from ._compressed_mean import compressed_mean
 from ._gradient_dropping import _check_drop_ratio, dgc_density
 from ._local_clip import local_clip
@@ -59,7 +59,7 @@ def topk_warmup(
     """
     final_ratio = check_ratio(final_ratio, "final_ratio", "it fixes the number of entries sent k, an array shape")
     initial_drop_ratio = _check_drop_ratio(initial_drop_ratio, "initial_drop_ratio")
-    steps_per_stage = check_positive_int(steps_per_stage, "steps_per_stage", minimum=1)
+    steps_per_stage = check_int(steps_per_stage, "steps_per_stage", minimum=1)
     if initial_drop_ratio > 1.0 - final_ratio:
         raise ValueError(
             f"initial_drop_ratio ({initial_drop_ratio}) must not exceed the final drop ratio 1 - final_ratio "
@@ -148,7 +148,7 @@ def deep_gradient_compression(
     memory = memory_lib.dgc(momentum)
     if clip_norm is not None:
         clip_norm = check_finite_scalar(clip_norm, "clip_norm", positive=True)
-    steps_per_stage = check_positive_int(steps_per_stage, "steps_per_stage", minimum=0)
+    steps_per_stage = check_int(steps_per_stage, "steps_per_stage", minimum=0)
     stages = topk_warmup(ratio, steps_per_stage, initial_drop_ratio, dense_below=dense_below) if steps_per_stage else ()
     if not steps_per_stage:
         _check_drop_ratio(initial_drop_ratio, "initial_drop_ratio")

@@ -39,8 +39,9 @@ from .. import compressors as compressors_lib
 from .. import memory as memory_lib
 from .._bitcount import BitCount
 from .._keys import step_keys
+from .._validate import check_bool, check_finite_scalar, check_int
 from .._vma import cast_varying, typed_switch, varying_axes
-from ..compressors._base import Compressor, check_finite_scalar, check_positive_int, wire_bits
+from ..compressors import Compressor, wire_bits
 from ._compressed_mean import compressed_mean
 from ._pipeline import (
     LOCAL,
@@ -99,7 +100,7 @@ def fragment_leaves(sizes: Sequence[int], fragments: int) -> list[list[int]]:
     Raises:
       ValueError: ``fragments`` outside ``[1, len(sizes)]``.
     """
-    fragments = check_positive_int(fragments, "fragments", minimum=1)
+    fragments = check_int(fragments, "fragments", minimum=1)
     count = len(sizes)
     if fragments > count:
         raise ValueError(f"fragments must be at most the number of parameter arrays ({count}); got {fragments}")
@@ -205,19 +206,18 @@ def diloco(
     for name, tx in (("inner", inner), ("outer", outer)):
         if tx is not None and not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise TypeError(f"{name} must be an optax GradientTransformation (e.g. optax.sgd(0.1)); got {tx!r}")
-    every = check_positive_int(every, "every", minimum=1)
-    fragments = check_positive_int(fragments, "fragments", minimum=1)
+    every = check_int(every, "every", minimum=1)
+    fragments = check_int(fragments, "fragments", minimum=1)
     if every % fragments:
         raise ValueError(f"every ({every}) must be a multiple of fragments ({fragments}): a fragment syncs every H/F")
     period = every // fragments
-    delay = check_positive_int(delay, "delay", minimum=0)
+    delay = check_int(delay, "delay", minimum=0)
     if delay >= period:
         raise ValueError(f"delay must be in [0, every / fragments) = [0, {period}); got {delay}")
     blend = check_finite_scalar(blend, "blend", nonnegative=True)
     if blend >= 1.0:
         raise ValueError(f"blend must be in [0, 1) (the local fragment's weight); got {blend}")
-    if not isinstance(carry_local, bool):
-        raise TypeError(f"carry_local must be a bool; got {carry_local!r}")
+    carry_local = check_bool(carry_local, "carry_local")
     if carry_local and blend:
         raise ValueError(f"carry_local=True replaces the blend: blend must be 0; got {blend}")
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
@@ -226,8 +226,7 @@ def diloco(
     mean = compressed_mean(
         compressor, axis_name, comm=comm, memory=memory, strategy=strategy, fuse=fuse, skip_nonfinite=skip_nonfinite
     )
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be a bool; got {overlap!r}")
+    overlap = check_bool(overlap, "overlap")
     if overlap and skip_nonfinite:
         raise ValueError(
             "skip_nonfinite=True needs the pipeline's exchange, but overlap=True sends the payloads from an MPI "

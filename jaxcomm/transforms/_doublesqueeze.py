@@ -45,8 +45,9 @@ import optax
 from .. import memory as memory_lib
 from .._bitcount import BitCount
 from .._keys import step_keys
+from .._validate import check_choice
 from ..comm import resolve
-from ..compressors._base import Compressor
+from ..compressors import Compressor
 from ._pipeline import (
     LOCAL,
     CompressionState,
@@ -166,8 +167,7 @@ def doublesqueeze(
     server_c = _single_round(server_c, "server_compressor")
     worker_mem = memory_lib.residual() if worker_memory is None else check_memory(worker_memory, "worker_memory")
     server_mem = memory_lib.residual() if server_memory is None else check_memory(server_memory, "server_memory")
-    if server not in SERVER_MODES:
-        raise ValueError(f"server must be one of {SERVER_MODES}; got {server!r}")
+    check_choice(server, "server", SERVER_MODES)
     skip = check_skip_nonfinite(skip_nonfinite)
     if server == "sharded":
         for c, name in ((compressor, "compressor"), (server_c, "server_compressor")):

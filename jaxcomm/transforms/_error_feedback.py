@@ -10,7 +10,7 @@ from __future__ import annotations
 import optax
 
 from .. import memory as memory_lib
-from ..compressors._base import Compressor
+from ..compressors import Compressor
 from ._pipeline import (
     LOCAL,
     CompressionState,

@@ -50,10 +50,10 @@ import optax
 
 from .. import memory as memory_lib
 from .._bitcount import BitCount
+from .._validate import check_choice, check_finite_scalar, check_int
 from .._vma import cast_varying, typed_cond, varying_axes
 from ..comm import resolve
-from ..compressors import index_dtype, topk
-from ..compressors._base import Compressor, check_finite_scalar, check_positive_int
+from ..compressors import Compressor, index_dtype, topk
 from ..compressors.payloads import DensePayload, SparsePayload
 from ._local_clip import clip_leaves
 from ._pipeline import (
@@ -131,7 +131,7 @@ def drop_ratio_warmup(drop_ratio: float = 0.99, warmup_steps: int = 1000) -> Dro
       ValueError: ``warmup_steps < 1`` or ``drop_ratio`` outside ``[0, 1)``.
     """
     drop_ratio = _check_drop_ratio(drop_ratio, "drop_ratio")
-    warmup_steps = check_positive_int(warmup_steps, "warmup_steps", minimum=1)
+    warmup_steps = check_int(warmup_steps, "warmup_steps", minimum=1)
 
     # R^e = exp(e·ln R) with ln R taken in float64: float32(0.99)^1000 would be off by 1e-5 (relative).
     log_ratio = math.log(drop_ratio) if drop_ratio > 0 else -math.inf
@@ -167,7 +167,7 @@ def dgc_warmup(
     """
     final_drop_ratio = _check_drop_ratio(final_drop_ratio, "final_drop_ratio")
     initial_drop_ratio = _check_drop_ratio(initial_drop_ratio, "initial_drop_ratio")
-    steps_per_stage = check_positive_int(steps_per_stage, "steps_per_stage", minimum=1)
+    steps_per_stage = check_int(steps_per_stage, "steps_per_stage", minimum=1)
     if initial_drop_ratio > final_drop_ratio:
         raise ValueError(
             f"initial_drop_ratio ({initial_drop_ratio}) must not exceed final_drop_ratio ({final_drop_ratio})"
@@ -283,12 +283,9 @@ def gradient_dropping(
         schedule, or updates whose tree differs from the one ``init`` saw.
       TypeError: ``skip_nonfinite`` not a bool.
     """
-    if mode not in COMBINATIONS:
-        raise ValueError(f"mode must be one of {COMBINATIONS}; got {mode!r}")
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}; got {scope!r}")
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {EXCHANGES}; got {exchange!r}")
+    check_choice(mode, "mode", COMBINATIONS)
+    check_choice(scope, "scope", SCOPES)
+    check_choice(exchange, "exchange", EXCHANGES)
     scheduled = callable(drop_ratio)
     if not scheduled:
         drop_ratio = _check_drop_ratio(drop_ratio, "drop_ratio")
@@ -415,8 +412,8 @@ def _threshold_rule(k) -> Compressor:
         selected = jnp.where(magnitude >= threshold, flat, jnp.zeros_like(flat))  # lines 5-6
         return DensePayload(data=selected.reshape(jnp.shape(x)), dtype=x.dtype), state
 
-    return Compressor.create(
-        name="threshold_rule", compress=compress, decompress=_dense_data, unbiased=False, strategy="allreduce"
+    return Compressor(
+        name="threshold_rule", compress_fn=compress, decompress_fn=_dense_data, unbiased=False, strategy="allreduce"
     )
 
 
@@ -522,7 +519,7 @@ def periodic_average(
     Raises:
       ValueError: ``every < 1``, or ``update`` called without ``params``.
     """
-    every = check_positive_int(every, "every", minimum=1)
+    every = check_int(every, "every", minimum=1)
     communicator = resolve(axis_name=axis_name, comm=comm)
 
     def init(params):

@@ -28,8 +28,9 @@ import numpy as np
 from .. import compressors as compressors_lib
 from .._bitcount import BitCount
 from .._keys import step_keys
+from .._validate import check_float_input
 from ..comm import MeshAxis
-from ..compressors._base import Compressor, check_float_input
+from ..compressors import Compressor
 from ._pipeline import CompressionState, check_compressor, check_per_worker, check_stateless
 
 __all__ = ["HierarchicalState", "Hierarchy", "check_axes"]

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .._validate import check_finite_scalar
 from ..comm import resolve
-from ..compressors._base import check_finite_scalar
 
 __all__ = ["local_clip", "clip_leaves"]
 

@@ -68,6 +68,7 @@ import numpy as np
 from .. import memory as memory_lib
 from .._bitcount import BitCount
 from .._keys import step_keys
+from .._validate import check_bool, check_choice, check_float_input
 from .._vma import typed_cond, varying_axes
 from ..comm import (
     ALL_GATHER,
@@ -75,14 +76,14 @@ from ..comm import (
     PERMUTE,
     SUM,
     Local,
-    _packing,
     all_gather_counted,
     all_gather_packed,
+    fits_counted_gather,
     has_counted_fields,
     require,
     sum_packed,
 )
-from ..compressors._base import Compressor, check_float_input, check_state_matches, wire_bits
+from ..compressors import Compressor, wire_bits
 
 __all__ = [
     "STRATEGIES",
@@ -212,8 +213,7 @@ def check_memory(memory, name: str = "memory") -> memory_lib.Memory:
 
 def choose_strategy(compressor: Compressor, strategy: str) -> str:
     """The strategy a step uses: ``compressor.strategy`` for ``"auto"``; ``ValueError`` if it cannot serve."""
-    if strategy != "auto" and strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {('auto',) + STRATEGIES}; got {strategy!r}")
+    check_choice(strategy, "strategy", ("auto", *STRATEGIES))
     chosen = compressor.strategy if strategy == "auto" else strategy
     if chosen == "allreduce" and compressor.strategy != "allreduce" and compressor.rounds is None:
         raise ValueError(
@@ -546,9 +546,7 @@ def _gather_payloads(comm, payloads: list, fuse: bool) -> tuple[list, list, int]
     sizes = [sum(map(_array_bits, jax.tree.leaves(p))) for p in payloads]
     bits: list[Any] = [BitCount.of(b) for b in sizes]
     # A buffer past int32 byte offsets cannot go through the variable-length gather: whole, leaf by leaf.
-    counted = [
-        i for i, p in enumerate(payloads) if has_counted_fields(p) and sizes[i] <= 8 * _packing._MAX_BUFFER_BYTES
-    ]
+    counted = [i for i, p in enumerate(payloads) if has_counted_fields(p) and fits_counted_gather(sizes[i])]
     small = [i for i, b in enumerate(sizes) if fuse and b <= 8 * FUSE_MAX_BYTES]
     small_fixed = [i for i in small if i not in counted]
     small_counted = [i for i in small if i in counted]
@@ -865,7 +863,7 @@ def compress_step(
     phis = [group_vector(phi_leaves, idx) for idx in groups]
     compressors = [compressor if isinstance(compressor, Compressor) else compressor(phi) for phi in phis]
     for c, phi, cs in zip(compressors, phis, state.compressor_states):
-        check_state_matches(c, phi, cs, "compressor state")
+        c.check_state(phi, cs, "compressor state")
     owner = owner_step(keys) if owner_step is not None else None
     ex = exchange(
         comm,
@@ -905,9 +903,7 @@ def compress_step(
 # --------------------------------------------------------------------------- #
 def check_skip_nonfinite(skip_nonfinite) -> bool:
     """``skip_nonfinite`` if it is a bool; ``TypeError`` naming it otherwise."""
-    if not isinstance(skip_nonfinite, (bool, np.bool_)):
-        raise TypeError(f"skip_nonfinite must be a bool; got {skip_nonfinite!r}")
-    return bool(skip_nonfinite)
+    return check_bool(skip_nonfinite, "skip_nonfinite")
 
 
 def _each_compression_state(fn, state):
