@@ -372,7 +372,7 @@ def diloco(
         sends = [phase == ((p + 1) * period) % every for p in range(fragments)]
         send_index = _which(sends)
         pending, exchange_states = typed_switch(send_index, [no_send] + [sender(p) for p in range(fragments)], None)
-        synced = None
+        synced: list | None = None
         if carry_local:  # each fragment's local parameters at its sync: what the worker learnt since is carried
             if state.synced is None or jax.tree.structure(state.synced) != treedef:
                 raise ValueError("diloco(carry_local=True): the state has no synced parameters; make it with this init")
@@ -402,7 +402,7 @@ def diloco(
                 new_local, new_anchor = list(local), list(anchor)
                 for j, g in zip(groups[q], new_global):
                     g = g.astype(anchor[j].dtype)
-                    if carry_local:
+                    if synced is not None:  # carry_local
                         mixed = g + (local[j] - synced[j])
                     else:
                         mixed = g if blend == 0.0 else blend * local[j] + (1.0 - blend) * g
