@@ -325,6 +325,23 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         assert (tmp_path / name).stat().st_size > 10_000
 
 
+def test_the_default_learning_rates_are_the_committed_sweeps_choices():
+    """``SWEPT_LEARNING_RATES`` is what :func:`choose_learning_rates` picks from the sweeps committed
+    with the main job's results, method by method, and every default method has its swept rate."""
+    from pathlib import Path
+
+    from jaxcomm.experiments.network.config import SWEPT_LEARNING_RATES, TimeToAccuracyConfig
+    from jaxcomm.experiments.network.worker import choose_learning_rates
+
+    results = Path(__file__).resolve().parents[1] / "experiments/benchmarks/results"
+    chosen: dict[str, float] = {}
+    for name in ("time_to_accuracy_main_lr_sweep.json", "time_to_accuracy_main_sparseloco_dgc_variants.json"):
+        picked = choose_learning_rates(json.loads((results / name).read_text())["training"]["sweep"])
+        chosen.update({m: lr for m, lr in picked.items() if m in SWEPT_LEARNING_RATES})
+    assert chosen == SWEPT_LEARNING_RATES
+    assert set(TimeToAccuracyConfig.default().methods) <= set(SWEPT_LEARNING_RATES)
+
+
 def test_the_network_page_quotes_the_cost_model_of_its_results():
     """Every "comm predicted" of the end-to-end table in docs/network.md is the cost model's
     prediction (per worker's messages) recomputed from the committed results it was measured
