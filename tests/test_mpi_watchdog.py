@@ -204,12 +204,13 @@ def test_bad_arguments(kwargs, error, match):
         MPIWatchdog(**kwargs)
 
 
-def judge(mine: tuple, peers: dict, now: float = 100.0, timeout: float = 2.0, late: float = 0.0) -> str | None:
+def judge(mine: tuple, peers: dict, now: float = 100.0, timeout: float = 2.0, late: float = 0.0, resumed=-np.inf):
     """Run the verdict rule on a fake 4-process state: ``mine = (entered, left, closing, since)``,
     ``peers[q] = (entered, left, closing, idle_s, heard_s_ago)``; ``late``: the longest silence
-    seen from a peer that then spoke again."""
+    seen from a peer that then spoke again; ``resumed``: when this thread last ran again after
+    not running."""
     wd = MPIWatchdog.__new__(MPIWatchdog)
-    wd.rank, wd.size, wd.timeout_s, wd._late_s = 0, 4, timeout, late
+    wd.rank, wd.size, wd.timeout_s, wd._late_s, wd._resumed = 0, 4, timeout, late, resumed
     wd._entered, wd._left, wd._closing, wd._changed = mine[0], mine[1], mine[2], now - mine[3]
     wd._peers = sorted(peers)
     wd._state = {q: np.array([q, e, l, int(1e3 * idle), c, 0], np.int64) for q, (e, l, c, idle, _) in peers.items()}
@@ -250,6 +251,12 @@ def test_verdict_rule_names_only_who_holds_the_step_up():
     assert judge((4, 3, 0, 2.5), {1: (4, 3, 0, 2.5, 0.1), 2: (1, 1, 0, 0.2, 2.3), 3: (4, 3, 0, 2.5, 0.1)}) is None
     v = judge((4, 3, 0, 4.5), {1: (4, 3, 0, 4.5, 0.1), 2: (1, 1, 0, 0.2, 4.3), 3: (4, 3, 0, 4.5, 0.1)})
     assert v.startswith("culprit ranks [2]:") and "ranks [2] sent no heartbeat for {2: 4.3} s" in v
+    # This process's own thread did not run until 1 s ago (itself stopped or starved): rank 2's
+    # heartbeats since are unread, not silence; its silence counts from then.
+    late_me = {1: (4, 3, 0, 9.0, 0.1), 2: (1, 1, 0, 0.2, 9.0), 3: (4, 3, 0, 9.0, 0.1)}
+    assert judge((4, 3, 0, 9.0), late_me).startswith("culprit ranks [2]:")
+    assert judge((4, 3, 0, 9.0), late_me, resumed=99.0) is None
+    assert judge((4, 3, 0, 9.0), late_me, now=104.5, resumed=99.0).startswith("culprit ranks [2]:")
     # Rank 2 waits inside step 2 for silent rank 3 (last heard before step 2): rank 3, by silence.
     v = judge((4, 3, 0, 4.5), {1: (4, 3, 0, 4.5, 0.1), 2: (3, 2, 0, 4.5, 0.1), 3: (2, 2, 0, 0.2, 4.3)})
     assert v.startswith("culprit ranks [3]:")

@@ -45,7 +45,9 @@ names it.) The watchdog works outside jit:
      heartbeat for longer than ``timeout_s + max(timeout_s, late_s)``, where
      ``late_s`` is the longest silence this process has seen from any peer that
      then spoke again: at least twice the timeout, and longer on a machine where
-     healthy heartbeats have been seen to be late.
+     healthy heartbeats have been seen to be late. Silence is counted only while
+     this process's own watchdog thread runs: a process that was itself stopped
+     or starved does not blame its peers for the heartbeats it did not read.
 
   Without a culprit (every process in the same step and alive: a long step) it
   keeps waiting, so a slow process is never named. With one, it prints one line
@@ -209,6 +211,7 @@ class MPIWatchdog:
         self._state = {q: np.zeros(_B_LEN, np.int64) for q in self._peers}
         self._heard = dict.fromkeys(self._peers, now)
         self._late_s = 0.0
+        self._resumed = float("-inf")  # when this thread last ran again after not running (see _run)
         self._stop = threading.Event()
         self._thread = None
         # One pending receive per peer (its newest heartbeat lands in its buffer) and at most
@@ -376,8 +379,16 @@ class MPIWatchdog:
         bufs, recvs, sends = self._bufs, self._recvs, self._sends
         next_beat = 0.0
         heard_from: set[int] = set()
+        nap = min(self.poll_s, 0.05)
+        last = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
+            absent = now - last - nap
+            if absent > self.poll_s:
+                # This thread did not run (this process stopped, starved, or its GIL held): what
+                # the peers said meanwhile is unread, so their silence counts from now.
+                self._resumed = now
+            last = now
             if now >= next_beat:
                 msg = self._beat()
                 for q in self._peers:
@@ -406,7 +417,7 @@ class MPIWatchdog:
                 )
                 sys.stderr.flush()
                 self._verdict = verdict
-            self._stop.wait(min(self.poll_s, 0.05))
+            self._stop.wait(nap)
 
     def _judge(self, now: float) -> str | None:
         """The verdict line if this process has waited too long and someone is to blame, else ``None``.
@@ -426,10 +437,11 @@ class MPIWatchdog:
         if not (self._entered > self._left or self._closing) or waited <= self.timeout_s:
             return None
         mine, states, limit = self._entered, self._state, self.timeout_s
-        age = {q: now - self._heard[q] for q in self._peers}
+        # Silence counts only while this thread ran; a peer not heard since it ran again is unknown.
+        age = {q: now - max(self._heard[q], self._resumed) for q in self._peers}
         entered = {q: int(st[_B_ENTERED]) for q, st in states.items()}
         closing = [q for q, st in states.items() if st[_B_CLOSING]]
-        silent = [q for q in self._peers if age[q] > limit]
+        silent = [q for q in self._peers if age[q] > limit or self._heard[q] < self._resumed]
         if self._closing:  # held up by whoever has not closed
             blockers = [q for q in self._peers if q not in closing]
             mismatched = [q for q in blockers if entered[q] > mine]
@@ -456,7 +468,7 @@ class MPIWatchdog:
             if q in silent:
                 continue  # what it reached is as old as its silence: judged by the silence below
             st = states[q]
-            idle = st[_B_IDLE_MS] / 1e3 + age[q]
+            idle = st[_B_IDLE_MS] / 1e3 + now - self._heard[q]
             inside = st[_B_ENTERED] > st[_B_LEFT]
             if idle <= limit:
                 progressing = True
