@@ -91,7 +91,7 @@ def test_host_side_members_of_every_communicator():
     for c in (Local(), MeshAxis(AXIS)):
         assert require_host(c) is c and c.rank == 0 and c.agree_min(np.int64(7)) == 7 == c.agree_min(7)
         assert isinstance(c.agree_min(-1), int)
-        with pytest.raises(TypeError, match="value must be an int; got 2.5"):
+        with pytest.raises(TypeError, match=r"value must be an int; got 2\.5"):
             c.agree_min(2.5)
     assert Local.watchdog is None and MeshAxis.watchdog is None
     assert callable(MPIComm.watchdog) and callable(MPIComm.agree_min)

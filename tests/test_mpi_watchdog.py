@@ -112,7 +112,9 @@ def test_raise_mode_reaches_every_callers_except_when_the_late_rank_arrives():
     assert len(caught) == SIZE, text[-3000:]
     for r in range(CULPRIT):
         assert caught[r].startswith(f"rank {r} caught rank {r}: MPI watchdog: culprit ranks [2]:"), caught[r]
-    assert caught[CULPRIT].startswith(f"rank {CULPRIT} caught rank {CULPRIT}: MPI watchdog: ranks [0, 1] reached"), caught
+    assert caught[CULPRIT].startswith(f"rank {CULPRIT} caught rank {CULPRIT}: MPI watchdog: ranks [0, 1] reached"), (
+        caught
+    )
     assert not finals(text)
 
 

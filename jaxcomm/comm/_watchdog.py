@@ -205,6 +205,7 @@ class MPIWatchdog:
         self._closed = False
         # The verdict line (on_verdict="raise"); written once by the watchdog thread.
         self._verdict: str | None = None
+        self._gathered = np.zeros((self.size, 2), np.int64)  # at close: every rank's (steps, verdict)
         # Peers' last heartbeat, when it arrived, and the longest silence seen from a peer that then
         # spoke again (late_s of the silence rule).
         self._peers = [q for q in range(self.size) if q != self.rank]
@@ -295,7 +296,6 @@ class MPIWatchdog:
         ``False`` if it did not complete; then the watchdog stops without meeting the others."""
         self._changed = time.monotonic()
         self._closing = True
-        self._gathered = np.zeros((self.size, 2), np.int64)
         mine = np.array([self._entered, self._verdict is not None], np.int64)
         if self.size > 1:
             # The watchdog thread keeps beating (and judging) while we wait here.
