@@ -23,8 +23,10 @@ names it.) The watchdog works outside jit:
 
   1. *Call-count mismatch.* Some processes are closing while others wait in a
      step: the culprits are the ranks whose step count differs from the most
-     common one (among the counts known: a closing process's count is final,
-     a silent one's only a lower bound).
+     common one, among the counts whose side is known: a closing process's
+     count is final, a stepping process's only a lower bound (its heartbeat
+     may predate its last steps), so it votes only if that bound already puts
+     it beyond the closers.
   2. *Behind.* Otherwise the *blockers* are the processes that have not reached
      where this one waits: in step ``k``, those that have not entered it; at
      close, those that have not closed. A blocker whose heartbeats still arrive
@@ -452,8 +454,12 @@ class MPIWatchdog:
             where = f"step {mine - 1}"
         parts = [f"rank {self.rank} waited {waited:.1f} s in {where}"]
         culprits: list[int] = []
-        if mismatched:  # counts known to differ: closing ranks' are final, and no count goes down
-            known = [q for q in self._peers if q in closing or q in mismatched or q not in silent]
+        if mismatched:
+            # Vote with the counts whose side is known: a closing rank's count is final; a stepping
+            # rank's is a lower bound, so it is known to be beyond the closers only at or past this
+            # step (closing here: past this count). Others (maybe stale, maybe about to close) abstain.
+            past = mine if not self._closing else mine + 1
+            known = [q for q in self._peers if q in closing or entered[q] >= past]
             counts = {**{q: entered[q] for q in known}, self.rank: mine}
             culprits = _odd_ones(counts)
             closers = sorted(closing + ([self.rank] if self._closing else []))
