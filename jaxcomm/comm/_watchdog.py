@@ -30,10 +30,10 @@ names it.) The watchdog works outside jit:
   2. *Behind.* Otherwise the *blockers* are the processes that have not reached
      where this one waits: in step ``k``, those that have not entered it; at
      close, those that have not closed. A blocker whose heartbeats still arrive
-     (the last one is at most ``timeout_s`` old) is named *hung* when it has made
-     no progress for ``timeout_s`` (its heartbeat's idle time plus the
-     heartbeat's age) and is not itself waiting inside an earlier step for a
-     process further behind. While such a blocker still progresses, nobody is
+     (the last one is at most ``timeout_s`` old) is named *hung* when it has
+     itself reported no progress for ``timeout_s`` (the idle time in its
+     heartbeat; a late heartbeat is not read as idleness) and is not itself
+     waiting inside an earlier step for a process further behind. While such a blocker still progresses, nobody is
      named. A process that has reached this step is never named while another
      is identifiably behind, however late its heartbeats: on a busy machine a
      healthy process's heartbeat thread can be held up for seconds (starved of
@@ -474,7 +474,7 @@ class MPIWatchdog:
             if q in silent:
                 continue  # what it reached is as old as its silence: judged by the silence below
             st = states[q]
-            idle = st[_B_IDLE_MS] / 1e3 + now - self._heard[q]
+            idle = st[_B_IDLE_MS] / 1e3  # as the peer reported it: not extrapolated over a late heartbeat
             inside = st[_B_ENTERED] > st[_B_LEFT]
             if idle <= limit:
                 progressing = True
