@@ -249,11 +249,10 @@ def test_verdict_rule_names_only_who_holds_the_step_up():
     # ... nor while rank 3 is behind but still progressing: nobody is named yet.
     assert judge((4, 3, 0, 9.0), {1: (4, 3, 0, 9.0, 9.0), 2: (4, 3, 0, 9.0, 0.1), 3: (3, 3, 0, 0.5, 0.1)}) is None
     # Idleness is what a rank reports, not the age of its last heartbeat: rank 1's, 1.9 s old (its
-    # GIL held), still shows it inside step 6, busy; it is not named, and nobody is while it may
-    # still be on its way. Once it reports step 7 entered, hung rank 2 is named.
-    v = {2: (7, 7, 0, 2.5, 0.1), 3: (8, 7, 0, 2.1, 0.1)}
-    assert judge((8, 7, 0, 2.1), {1: (7, 6, 0, 0.2, 1.9), **v}) is None
-    assert judge((8, 7, 0, 2.1), {1: (8, 7, 0, 0.2, 0.1), **v}).startswith("culprit ranks [2]:")
+    # GIL held), still shows it inside step 6, busy; it is not named beside hung rank 2, nor alone.
+    stale = {1: (7, 6, 0, 0.2, 1.9), 3: (8, 7, 0, 2.1, 0.1)}
+    assert judge((8, 7, 0, 2.1), {**stale, 2: (7, 7, 0, 2.5, 0.1)}).startswith("culprit ranks [2]: ")
+    assert judge((8, 7, 0, 2.1), {**stale, 2: (8, 7, 0, 2.1, 0.1)}) is None
     # What a silent rank reached is as old as its silence (a healthy rank's last heartbeat may show
     # it steps behind): it is judged by silence, past twice the timeout, not as behind.
     assert judge((4, 3, 0, 2.5), {1: (4, 3, 0, 2.5, 0.1), 2: (1, 1, 0, 0.2, 2.3), 3: (4, 3, 0, 2.5, 0.1)}) is None
