@@ -26,15 +26,18 @@ from jaxcomm.comm import (
     ALL_TO_ALL,
     BROADCAST,
     CAPABILITIES,
+    HOST_MEMBERS,
     PERMUTE,
     REDUCE_SCATTER,
     SUM,
+    Local,
     MeshAxis,
     MPIComm,
     capabilities_of,
     current,
     is_communicator,
     require,
+    require_host,
     resolve,
     serves,
     use,
@@ -79,6 +82,22 @@ def test_vocabulary_and_backends_declare_everything():
     assert all(serves(comm, c) for c in CAPABILITIES)
     for c in CAPABILITIES:  # the capability names the method that serves it
         assert callable(getattr(MeshAxis, c)) and callable(getattr(MPIComm, c))
+
+
+def test_host_side_members_of_every_communicator():
+    """rank, agree_min and watchdog (declared None where not served) on every backend, outside
+    jit; one process here: the agreement is the value itself. MPIComm's, over several processes:
+    tests/mpi_scripts/collectives.py."""
+    for c in (Local(), MeshAxis(AXIS)):
+        assert require_host(c) is c and c.rank == 0 and c.agree_min(np.int64(7)) == 7 == c.agree_min(7)
+        assert isinstance(c.agree_min(-1), int)
+        with pytest.raises(TypeError, match=r"value must be an int; got 2\.5"):
+            c.agree_min(2.5)
+    assert Local.watchdog is None and MeshAxis.watchdog is None
+    assert callable(MPIComm.watchdog) and callable(MPIComm.agree_min)
+    assert set(HOST_MEMBERS) == {"rank", "agree_min", "watchdog"}
+    with pytest.raises(TypeError, match=r"the checkpoint needs .*Minimal.* lacks \['rank', 'agree_min', 'watchdog'\]"):
+        require_host(Minimal(), for_what="the checkpoint")
 
 
 class Minimal:

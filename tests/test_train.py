@@ -26,7 +26,9 @@ import digits_job
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def _digits_run(tmp=None, steps=6, stop=None, compressor="qsgd", hidden=32, shards=None, resume=True, every=3):
+def _digits_run(
+    tmp=None, steps=6, stop=None, compressor="qsgd", hidden=32, shards=None, resume=True, every=3, until=None
+):
     ds = data.load_digits()
     model = models.MLP(in_features=64, hidden=(hidden,), num_classes=10, rngs=nnx.Rngs(0))
     c = jc.compressors.make(compressor, **({"ratio": 0.1} if compressor == "topk" else {}))
@@ -45,6 +47,7 @@ def _digits_run(tmp=None, steps=6, stop=None, compressor="qsgd", hidden=32, shar
         metadata={"hidden": hidden},
         resume=resume,
         progress=False,
+        stop=until,
     )
     return trainer, state, history
 
@@ -66,7 +69,12 @@ def test_replicas_identical_and_wire_bits_are_the_compressed_ones():
 
 def test_resume_is_bit_identical(tmp_path):
     _, full, _ = _digits_run(tmp_path / "a", steps=6)
-    _digits_run(tmp_path / "b", steps=6, stop=3)  # "killed" after 3 steps (checkpoint at 3)
+    # Stopped by fit's stop condition after step 3 of 6, checkpoints due only at the end: fit
+    # checks it after every step and saves the step where it stops.
+    asked = []
+    _, _, stopped = _digits_run(tmp_path / "b", steps=6, every=0, until=lambda s, row: asked.append((s, row)) or s == 3)
+    assert [r["step"] for r in stopped] == [1, 2, 3] and asked == [(r["step"], r) for r in stopped]
+    assert sorted(int(p.name) for p in (tmp_path / "b").iterdir() if p.name.isdigit()) == [3]
     _, resumed, history = _digits_run(tmp_path / "b", steps=6)
     assert [r["step"] for r in history] == [4, 5, 6]
     for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
@@ -312,6 +320,25 @@ def test_process_trainer_state_does_not_alias_the_model():
         not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trained.params))
     ]
     assert any(moved)
+    # fit's stop condition is checked up front and must answer with a bool.
+    with pytest.raises(TypeError, match="stop must be a callable"):
+        trainer.fit(trainer.init_state(), batches, 2, progress=False, stop="step 1")
+    with pytest.raises(TypeError, match="stop must return a bool; it returned None at step 1"):
+        trainer.fit(trainer.init_state(), batches, 2, progress=False, stop=lambda step, row: None)
+
+
+def test_process_trainer_needs_the_host_side_protocol():
+    """A communicator without ``agree_min`` (a backend that forgot it) is refused by name before
+    anything is built: it would otherwise resume its processes from different checkpoints."""
+    from jaxcomm.comm import Local
+
+    class Forgetful:
+        capabilities, size, rank, watchdog = Local.capabilities, 1, 0, None
+        index, varying, sum, mean = Local.index, Local.varying, Local.sum, Local.mean
+
+    model = models.MLP(in_features=64, hidden=(8,), num_classes=10, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"Trainer\(comm=...\) needs .* lacks \['agree_min'\]"):
+        Trainer(model, optax.sgd(0.1), comm=Forgetful())
 
 
 def test_linen_module_is_refused_with_the_wrapping_and_the_wrapped_one_trains():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._protocol import CAPABILITIES
+from ._protocol import CAPABILITIES, _host_int
 
 __all__ = ["Local"]
 
@@ -22,8 +22,18 @@ class Local:
 
     capabilities = CAPABILITIES
 
+    rank = 0
+    """The one process's rank (host side)."""
+
+    watchdog = None
+    """No watchdog: there is no other process to wait for."""
+
     def __repr__(self):
         return "Local()"
+
+    def agree_min(self, value: int) -> int:
+        """``value``: the only process agrees with itself."""
+        return _host_int(value)
 
     @property
     def size(self) -> int:

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ._protocol import CAPABILITIES
+from ._protocol import CAPABILITIES, _host_int
 
 __all__ = ["MeshAxis"]
 
@@ -58,6 +59,9 @@ class MeshAxis:
     capabilities = CAPABILITIES
     """Every collective of the vocabulary."""
 
+    watchdog = None
+    """No watchdog: the mesh's workers are driven by one program per process, no MPI step to guard."""
+
     def __init__(self, axis_name: str):
         if not isinstance(axis_name, str) or not axis_name:
             raise TypeError(f"axis_name must be a non-empty string; got {axis_name!r}")
@@ -79,6 +83,20 @@ class MeshAxis:
     def size(self) -> int:
         """The axis size ``n`` (a Python ``int``)."""
         return self._check_bound()
+
+    @property
+    def rank(self) -> int:
+        """This host program's rank, ``jax.process_index()`` (``0`` on one process; host side)."""
+        return int(jax.process_index())
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the host programs (``jax.process_count()`` of them; host side)."""
+        value = _host_int(value)
+        if jax.process_count() == 1:
+            return value
+        from jax.experimental import multihost_utils
+
+        return int(np.min(multihost_utils.process_allgather(np.int64(value))))
 
     def index(self):
         """This worker's position on the axis, an int32 scalar in ``[0, n)``."""

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._validate import check_bool
-from ._protocol import CAPABILITIES
+from ._protocol import CAPABILITIES, _host_int
 
 __all__ = ["MPIComm"]
 
@@ -195,13 +195,18 @@ class MPIComm:
         """Identity: across processes every value is already per worker."""
         return tree
 
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` (an ``int``) over the processes, on every process (``MPI_Allreduce``
+        with ``MPI.MIN`` from the host; collective, outside jit)."""
+        return int(self.comm.allreduce(_host_int(value), op=self._MPI.MIN))
+
     def watchdog(self, timeout_s: float, **kwargs):
         """An :class:`~jaxcomm.comm.MPIWatchdog` on this communicator's processes (opt-in).
 
         A process that hangs or stops while the others wait inside a jitted
         step ends the job within about ``timeout_s`` seconds, named; see
         :class:`~jaxcomm.comm.MPIWatchdog` (``kwargs``: ``poll_s``,
-        ``abort_on_fault``). Collective.
+        ``on_verdict``, ``abort_on_fault``). Collective.
         """
         from ._watchdog import MPIWatchdog
 

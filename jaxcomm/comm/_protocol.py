@@ -13,6 +13,14 @@ A communicator *declares* the collectives it serves in ``capabilities``, a
 :func:`require`, which raises a ``ValueError`` naming the communicator, the
 missing collective and what needed it; nothing probes for methods.
 
+A communicator that runs one worker per process (the ``comm`` of
+:class:`~jaxcomm.train.Trainer`) also has the *host-side* members of
+:data:`HOST_MEMBERS`, used outside jit: ``rank`` (this process's rank, a Python
+``int``), ``agree_min(value)`` (the smallest ``int`` over the processes, e.g. the
+checkpoint step they all resume from) and ``watchdog`` (a watchdog factory, or
+``None``: declared not served). :func:`require_host` checks them; a backend that
+lacks one is refused by name, never run without checkpoint agreement.
+
 Which communicator a transform uses is decided in one place, :func:`resolve`:
 an explicit ``comm=``, else ``axis_name=`` (a :class:`~jaxcomm.comm.MeshAxis`),
 else the ambient communicator of :func:`use` (looked up at trace time), else a
@@ -35,6 +43,7 @@ __all__ = [
     "BROADCAST",
     "CAPABILITIES",
     "Communicator",
+    "HOST_MEMBERS",
     "PERMUTE",
     "REDUCE_SCATTER",
     "SUM",
@@ -42,6 +51,7 @@ __all__ = [
     "current",
     "is_communicator",
     "require",
+    "require_host",
     "resolve",
     "serves",
     "use",
@@ -67,6 +77,9 @@ CAPABILITIES: frozenset[str] = frozenset({SUM, ALL_GATHER, REDUCE_SCATTER, ALL_T
 
 # Members every communicator has, whatever it declares.
 _CORE = ("size", "index", "varying")
+
+HOST_MEMBERS = ("rank", "agree_min", "watchdog")
+"""The host-side members a communicator needs to run one worker per process (see :func:`require_host`)."""
 # The methods that serve each capability.
 _METHODS = {
     SUM: (SUM, "mean"),
@@ -118,6 +131,18 @@ class Communicator(Protocol):
         ``(source, destination)`` pairs with distinct sources and distinct
         destinations; a worker receives the value of the source that names it
         (zeros if none).
+
+    Host-side (:data:`HOST_MEMBERS`, outside jit; needed by the trainer's
+    ``comm``, checked by :func:`require_host`):
+      rank: this process's rank among the processes that run the program, a
+        Python ``int`` (``0`` where one process drives every worker).
+      agree_min(value): collective over those processes: the smallest of their
+        ``value`` (a Python ``int``), returned on every process; ``value``
+        itself where there is one process.
+      watchdog: ``watchdog(timeout_s, **kwargs)``, a context manager whose
+        ``watch(step)`` guards a jitted step against a process that holds it
+        up (:class:`~jaxcomm.comm.MPIWatchdog`), or ``None``: the communicator
+        declares that it serves none.
     """
 
     @property
@@ -143,6 +168,39 @@ class Communicator(Protocol):
     def broadcast(self, tree: PyTree, root: int = 0) -> PyTree: ...
 
     def permute(self, tree: PyTree, perm: Sequence[tuple[int, int]]) -> PyTree: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    def agree_min(self, value: int) -> int: ...
+
+    watchdog: Any
+
+
+def require_host(comm, for_what: str = "this use"):
+    """Return ``comm`` if it has every host-side member (:data:`HOST_MEMBERS`); else ``TypeError``.
+
+    A communicator declares the watchdog it does not serve with ``watchdog =
+    None``; one that lacks ``rank``, ``agree_min`` or ``watchdog`` altogether is
+    refused, naming what it lacks and ``for_what`` needed it, so a new backend
+    cannot silently skip the agreement on a checkpoint step.
+    """
+    missing = [m for m in HOST_MEMBERS if not hasattr(comm, m)]
+    if missing:
+        raise TypeError(
+            f"{for_what} needs a communicator with the host-side members {list(HOST_MEMBERS)} (rank, "
+            f"agree_min(int), and watchdog or watchdog = None); {comm!r} lacks {missing}"
+        )
+    return comm
+
+
+def _host_int(value, name: str = "value") -> int:
+    """``value`` as a Python ``int`` for :meth:`Communicator.agree_min` (``TypeError`` otherwise)."""
+    import numpy as np
+
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int; got {value!r}")
+    return int(value)
 
 
 def _check_declared(caps, owner) -> frozenset[str]:

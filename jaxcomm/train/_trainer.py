@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._progress import progress_bar
+from ..comm import require_host
 from ._checkpoint import Checkpointer, check_accept_changes, check_metadata
 from ._describe import describe
 from ._mesh import make_mesh
@@ -93,7 +94,11 @@ class Trainer:
       task: ``"classification"`` (batch ``{"x", "y"}``) or ``"language_model"``,
         or a custom loss ``(params, model_state, batch, key) -> (loss, (state, metrics))``.
       num_workers: mesh size (default: every device); ignored with ``comm``.
-      comm: a communicator for one worker per process (e.g. ``MPIComm()``).
+      comm: a communicator for one worker per process (e.g. ``MPIComm()``, or
+        ``Local()`` for one process alone): it must have the protocol's
+        host-side members (:func:`~jaxcomm.comm.require_host`: ``rank``,
+        ``agree_min`` for the checkpoint step every process resumes from, and
+        ``watchdog`` or ``watchdog = None``), else ``TypeError``.
       seed: seeds the per-worker PRNG keys (dropout, stochastic compressors).
       replicated_params: on a mesh, keep one replicated copy of the parameters
         (spec ``P()``, no worker axis) instead of one per worker. ``jax.grad`` of
@@ -142,6 +147,7 @@ class Trainer:
                 raise ValueError(
                     "replicated_params applies to a device mesh; with comm=... every process holds its own copy already"
                 )
+            require_host(self.comm, for_what="Trainer(comm=...)")
             self.num_workers = int(self.comm.size)
             self.step_fn = make_train_step(self.loss_fn, self.tx, comm=self.comm)
         self._eval_fn = classification_eval(self.pure)
@@ -152,7 +158,7 @@ class Trainer:
         n = int(self.num_workers or 1)  # set in __post_init__
         keys = jax.random.split(jax.random.PRNGKey(self.seed), n)
         if self.mesh is None:
-            rank = int(self.comm.rank) if hasattr(self.comm, "rank") else 0
+            rank = int(self.comm.rank)
             # Copies: the step donates its state, and the model's own arrays must outlive it
             # (a second init_state, evaluation of the initial model).
             params, model_state = jax.tree.map(jnp.copy, (self.pure.params, self.pure.model_state))
@@ -170,7 +176,7 @@ class Trainer:
     def worker_batch(self, batch):
         """Device placement of one global batch ``(num_workers, per_worker, ...)``."""
         if self.mesh is None:
-            rank = int(self.comm.rank) if hasattr(self.comm, "rank") else 0
+            rank = int(self.comm.rank)
             return jax.tree.map(lambda x: jnp.asarray(np.asarray(x)[rank]), batch)
         return to_workers(batch, self.mesh)
 
@@ -215,8 +221,9 @@ class Trainer:
         callback: Callable[[int, TrainState, dict], TrainState] | None = None,
         watchdog_s: float | None = None,
         accept_changes=(),
+        stop: Callable[[int, dict], bool] | None = None,
     ):
-        """Train until ``state.step == num_steps``; returns ``(state, history)``.
+        """Train until ``state.step == num_steps`` or ``stop`` says so; returns ``(state, history)``.
 
         Args:
           batches: a :class:`jaxcomm.data.WorkerBatches` (or any iterator of global
@@ -243,6 +250,16 @@ class Trainer:
             difference is reported by a ``UserWarning``.
           callback: ``(step, state, row) -> state`` after each step (e.g. periodic
             parameter averaging).
+          stop: ``(step, row) -> bool``, called after every step once that step
+            is complete -- after ``callback``, the evaluation due at it, its
+            history row and the checkpoint due at it -- with the step count
+            ``state.step`` and that row. ``True`` ends ``fit`` there as
+            ``num_steps`` would: a checkpoint is saved at that step (if
+            ``checkpoint_dir`` and none was due) and ``(state, history)`` is
+            returned, so a later ``fit`` resumes bit-identically. It must return
+            a ``bool`` (``TypeError`` otherwise). With ``comm``, every process
+            must decide alike (from values equal on every process: the step, or
+            an agreed value), or their step counts differ.
           watchdog_s: with an ``MPIComm`` (one process per worker), run the steps
             under its :class:`~jaxcomm.comm.MPIWatchdog` with this timeout in
             seconds: a process that holds up a step for longer (hung or stopped)
@@ -251,7 +268,9 @@ class Trainer:
             gap between steps (evaluation, checkpoints) and the first step's
             compilation. An exception leaving ``fit`` on one process (e.g.
             :class:`NonFiniteLossError`) then aborts the job, since the others
-            would wait in the step forever. Default ``None``: no watchdog.
+            would wait in the step forever. The communicator must serve a
+            watchdog (``comm.watchdog`` is not ``None``), else ``ValueError``
+            naming ``watchdog_s``. Default ``None``: no watchdog.
         Returns:
           ``(state, history)``: history is a list of per-step dicts with ``step``,
           ``loss``, metrics averaged over workers, ``wire_bits`` (per worker, this
@@ -264,14 +283,17 @@ class Trainer:
                 raise ValueError(f"{name} must be an int >= 0 (0: only at the end); got {value!r}")
         check_metadata(metadata)
         accept_changes = check_accept_changes(accept_changes)
+        if stop is not None and not callable(stop):
+            raise TypeError(f"stop must be a callable (step, row) -> bool; got {type(stop).__name__}")
+        if watchdog_s is not None and (self.comm is None or self.comm.watchdog is None):
+            raise ValueError(
+                f"watchdog_s needs a communicator that serves a watchdog (e.g. MPIComm); comm={self.comm!r} "
+                "declares none"
+            )
         run = self.describe_run() if checkpoint_dir is not None else None
         if checkpoint_dir is not None and self.comm is not None and (self.num_workers or 1) > 1:
             # One process per worker: each keeps its own state (memories, keys) in its own folder.
-            checkpoint_dir = Path(checkpoint_dir) / f"rank_{int(getattr(self.comm, 'rank', 0)):05d}"
-        if watchdog_s is not None and not callable(getattr(self.comm, "watchdog", None)):
-            raise ValueError(
-                f"watchdog_s needs a communicator with a watchdog (MPIComm); got comm={type(self.comm).__name__}"
-            )
+            checkpoint_dir = Path(checkpoint_dir) / f"rank_{int(self.comm.rank):05d}"
         ckpt = Checkpointer(checkpoint_dir) if checkpoint_dir is not None else None  # one manager for the run
         with contextlib.ExitStack() as stack:
             if ckpt is not None:
@@ -314,11 +336,18 @@ class Trainer:
                 history.append(row)
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.4f}")
-                if ckpt is not None and (
-                    (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == num_steps
-                ):
-                    position = getattr(batches, "position", None)
-                    ckpt.save(step + 1, state, position=position, metadata=metadata, run=run)
+                due = (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == num_steps
+                if ckpt is not None and due:
+                    ckpt.save(step + 1, state, position=getattr(batches, "position", None), metadata=metadata, run=run)
+                if stop is not None:
+                    verdict = stop(step + 1, row)
+                    if not isinstance(verdict, (bool, np.bool_)):
+                        raise TypeError(f"stop must return a bool; it returned {verdict!r} at step {step + 1}")
+                    if verdict:
+                        if ckpt is not None and not due:
+                            position = getattr(batches, "position", None)
+                            ckpt.save(step + 1, state, position=position, metadata=metadata, run=run)
+                        break
             bar.close()
             return state, history
 
@@ -338,11 +367,9 @@ class Trainer:
 
     def _agreed_step(self, latest: int | None) -> int | None:
         """The step every process resumes from: the smallest of their latest complete checkpoints
-        (``None``, a fresh start, if one has none), so processes never resume at different steps."""
-        mpi = getattr(self.comm, "comm", None)  # MPIComm's mpi4py communicator
-        if mpi is None or (self.num_workers or 1) == 1:
+        (``None``, a fresh start, if one has none; ``comm.agree_min``), so processes never resume at
+        different steps."""
+        if self.comm is None:
             return latest
-        from mpi4py import MPI
-
-        agreed = mpi.allreduce(-1 if latest is None else int(latest), op=MPI.MIN)
+        agreed = self.comm.agree_min(-1 if latest is None else int(latest))
         return None if agreed < 0 else agreed

@@ -158,6 +158,9 @@ def main() -> None:
 
     check_counted_gather(comm, n, r)
 
+    # host side: the smallest value over the processes, on every process (the resume step)
+    assert comm.rank == r and comm.agree_min(10 - r) == 10 - (n - 1), comm.agree_min(10 - r)
+
     ok = MPI.COMM_WORLD.allreduce(1, op=MPI.SUM) == n
     if r == 0 and ok:
         print(f"collectives ok on {n} processes")

@@ -9,6 +9,10 @@ Scenarios, the fault striking before or in step ``FAULT_STEP``:
 * ``hang``: the culprit's application sleeps forever between two steps (its
   watchdog thread keeps beating): the others wait inside the next step.
 * ``stop``: the culprit stops itself (``SIGSTOP``) inside a step: no more heartbeats.
+* ``late``: with ``on_verdict="raise"``, the culprit waits between two steps until
+  every other rank has reached its verdict, then goes on: every rank's ``except``
+  runs (the others' when their blocked step returns, the culprit's at close) and
+  the job exits 0.
 * ``raise``: the culprit raises inside a step.
 * ``exit`` / ``kill``: the culprit exits with status 3 / is killed (``SIGKILL``)
   inside a step: ``mpirun`` itself ends the job and names it.
@@ -16,10 +20,16 @@ Scenarios, the fault striking before or in step ``FAULT_STEP``:
   they wait inside their last step).
 * ``fewer_local``: as ``fewer`` with a step without collectives, so every rank
   reaches the close-time count check.
+
+In ``hang``, ``stop``, ``fewer`` and ``late`` the healthy rank 0 holds the GIL for
+``1.25 * TIMEOUT`` s inside the step where the fault strikes, so its heartbeats are
+late by more than the timeout (as on a busy machine) but by less than the silence
+that names a rank when nobody is behind (twice the timeout): it must not be named.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -31,7 +41,8 @@ import numpy as np
 import optax
 
 import jaxcomm as jc
-from jaxcomm.comm import MPIComm
+from jaxcomm.comm import MPIComm, MPIWatchdogError
+from jaxcomm.comm._watchdog import _B_VERDICT
 from jaxcomm.transforms import compressed_mean
 
 STEPS = 8
@@ -56,7 +67,13 @@ def main(scenario: str, timeout: float) -> None:
         u, state = tx.update(g, state, x)
         return optax.apply_updates(x, u), state
 
+    fault_step = STEPS - 1 if scenario in ("fewer", "late") else FAULT_STEP
+    late_beats = scenario in ("hang", "stop", "fewer", "late") and comm.rank == 0
+
     def body(x, state, key, t):
+        if late_beats and t == fault_step:
+            # A C call that keeps the GIL: this process's watchdog thread cannot beat meanwhile.
+            ctypes.PyDLL(None).usleep(int(1.25 * timeout * 1e6))
         if bad and t == FAULT_STEP:
             if scenario in ("stop", "raise", "exit", "kill"):
                 print(f"rank {comm.rank} fault at {time.time():.3f}", flush=True)
@@ -76,17 +93,26 @@ def main(scenario: str, timeout: float) -> None:
         # compile before the watched loop.
         jstep(x, state, jax.random.PRNGKey(0))
     steps = STEPS - 1 if (bad and scenario.startswith("fewer")) else STEPS
-    with comm.watchdog(timeout_s=timeout) as wd:
-        step = wd.watch(body)
-        for t in range(steps):
-            if bad and t == FAULT_STEP:
-                if scenario in ("hang", "slow"):
-                    print(f"rank {comm.rank} fault at {time.time():.3f}", flush=True)
-                if scenario == "hang":
-                    time.sleep(3600)
-                elif scenario == "slow":
-                    time.sleep(timeout / 3)
-            x, state = step(x, state, jax.random.PRNGKey(t), t)
+    on_verdict = "raise" if scenario == "late" else "abort"
+    try:
+        with comm.watchdog(timeout_s=timeout, on_verdict=on_verdict) as wd:
+            step = wd.watch(body)
+            for t in range(steps):
+                if bad and t == FAULT_STEP:
+                    if scenario in ("hang", "slow"):
+                        print(f"rank {comm.rank} fault at {time.time():.3f}", flush=True)
+                    if scenario == "hang":
+                        time.sleep(3600)
+                    elif scenario == "slow":
+                        time.sleep(timeout / 3)
+                if bad and scenario == "late" and t == fault_step:
+                    backstop = time.monotonic() + 60.0
+                    while not all(wd._state[q][_B_VERDICT] for q in wd._peers) and time.monotonic() < backstop:
+                        time.sleep(0.01)
+                x, state = step(x, state, jax.random.PRNGKey(t), t)
+    except MPIWatchdogError as e:  # only with on_verdict="raise"; an abort never gets here
+        print(f"rank {comm.rank} caught {e}", flush=True)
+        return
     print(f"rank {comm.rank} done {np.asarray(x).tolist()}", flush=True)
 
 
