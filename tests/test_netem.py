@@ -206,6 +206,10 @@ def test_missing_requirements_names_what_is_needed():
         ({"timeout": "60"}, r"--timeout"),
         ({"report": "{tmp}/missing/r.json"}, r"--report: the folder .*missing' does not exist"),
         ({"report": "{tmp}"}, r"--report: .* is a folder"),
+        ({"devices_per_process": 0}, r"--devices-per-process: must be an integer from 1 to 1024; got 0"),
+        ({"devices_per_process": True}, r"--devices-per-process"),
+        ({"devices_per_process": 2, "n": 255}, r"-n: the number of nodes of a jax.distributed job .* 1 to 254"),
+        ({"devices_per_process": 2, "mpirun_args": ["--bind-to", "none"]}, r"mpirun_args: a jax.distributed job"),
     ],
 )
 def test_bad_launch_options_fail_before_the_job(tmp_path, kwargs, message):
@@ -455,3 +459,68 @@ def test_compressed_mean_step_bytes_match_cost_model(namespaces, tmp_path, n, ro
             want["strategy"], c["wire_bits"] / 8, n, cost_model.Network(rate / 1e9, 0.0), messages=c["messages"]
         )
         assert t == pytest.approx(8 * predicted / rate)
+
+
+# --------------------------------------------------------------------------- #
+# An emulated cluster of nodes: jax.distributed, N processes x K CPU devices
+# --------------------------------------------------------------------------- #
+CLUSTER = ROOT / "experiments" / "benchmarks" / "cluster.py"
+
+
+def _cluster_bench():
+    """``experiments/benchmarks/cluster.py`` as a module (its ``Step``, the job's worker)."""
+    spec = importlib.util.spec_from_file_location("cluster_bench", CLUSTER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_jax_cluster_hierarchical_step_matches_one_process_and_the_link_carries_the_slow_axis(
+    namespaces, tmp_path, monkeypatch, capsys
+):
+    """``jaxcomm launch --jax -n 2 --devices-per-process 2``: 2 nodes x 2 CPU devices under
+    jax.distributed (gloo over TCP), the hierarchical compressed mean (top-k 1 % with the residual
+    memory over ``("node", "local")``) of two ``(64, 1024)`` float32 leaves per worker.
+
+    * The two steps' updates and the slow axis' reported bytes equal those of the same step on this
+      process's 2x2 mesh.
+    * The nodes sent the slow axis' all-gathers: per step ``N · Cluster.node_bytes`` (``L`` groups of
+      ``N (N − 1) P`` payload bytes), at least that and at most 4 KiB more (gloo's per-message
+      headers and the coordinator's keep-alives: about 1.2 KB measured). The fast axis' dense
+      reduce-scatter and all-gather (512 KiB per worker in float32) stay in memory: counted on the
+      link they would exceed the bound a hundredfold.
+    """
+    import jax
+
+    from jaxcomm import cost_model
+
+    bench = _cluster_bench()
+    rows, n, k = 64, 2, 2
+    out, updates, report = tmp_path / "job.json", tmp_path / "updates.npz", tmp_path / "report.json"
+    config = {"rows": rows, "rounds": 1, "routes": ["hierarchical"], "methods": ["topk"], "out": str(out)}
+    config["updates"] = str(updates)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    argv = ["launch", "--jax", "-n", str(n), "--devices-per-process", str(k), "--bandwidth", "100mbit"]
+    argv += ["--timeout", "240", "--report", str(report), "--", sys.executable, str(CLUSTER), "--worker"]
+    assert cli.main([*argv, json.dumps(config)]) == 0, capsys.readouterr().err[-3000:]
+    assert "2 nodes x 2 devices, each node's link 100 Mbit/s" in capsys.readouterr().err
+    job, total = json.loads(out.read_text()), json.loads(report.read_text())
+    assert (job["nodes"], job["devices_per_node"]) == (n, k)
+    assert total["devices_per_process"] == k and len(total["node_bytes"]) == n and all(total["node_bytes"])
+
+    # the one-process reference: the same step on this process's first 4 devices
+    step = bench.Step("hierarchical", "topk", jax.devices()[: n * k], n, k, rows)
+    state = step.init(step.zeros())
+    with np.load(updates) as got:
+        for t in range(2):
+            u, state = step.update(step.grads(t), state)
+            for leaf in bench.LEAVES:
+                np.testing.assert_array_equal(np.asarray(u[leaf]), got[f"hierarchical/topk/{t}/{leaf}"])
+    row = job["configs"]["hierarchical/topk"]
+    assert row["reported_bytes"] == bench.reported(state)[0] > 0
+
+    predicted = n * cost_model.Cluster(n, k).node_bytes("allgather", row["reported_bytes"], n)
+    assert predicted == k * n * (n - 1) * row["reported_bytes"]
+    (m,) = row["measured"]
+    assert m["window"]["drops"] == 0 and m["window"]["retransmitted"] == 0 and m["window"]["qdisc"] == "tbf"
+    assert predicted <= m["payload_bytes"] <= predicted + 4096, (m, predicted)
