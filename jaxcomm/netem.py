@@ -107,6 +107,7 @@ __all__ = [
     "measure_window",
     "missing_requirements",
     "mpirun_netem_env",
+    "node_address",
     "parse_qdisc_stats",
     "parse_rate",
     "parse_size",
@@ -699,11 +700,13 @@ def measure(run: Callable[[], Any], world=None, *, tries: int = 5, root: int = 0
       ``window.retransmitted`` is 0 unless every try had a retransmission), ``None`` on the others.
     """
     retried: list = []
+    base: Window | None
+    meas: Window | None
     for attempt in range(tries):
         if world is None:  # every process holds the same sums: all decide alike
-            base, meas = cluster_window(lambda: None), cluster_window(run)
-            again = base.retransmitted > 0 or meas.retransmitted > 0
-            mine = True
+            barriers, window = cluster_window(lambda: None), cluster_window(run)
+            again = barriers.retransmitted > 0 or window.retransmitted > 0
+            base, meas, mine = barriers, window, True
         else:
             base = measure_window(lambda: None, world, root)
             meas = measure_window(run, world, root)
@@ -1033,7 +1036,7 @@ def launch(
             + "; ".join(missing)
             + ". Run as root (e.g. sudo, or a container with --cap-add NET_ADMIN --cap-add SYS_ADMIN)."
         )
-    if cluster:
+    if devices_per_process is not None:
         job_env, mpi_cmd = cluster_env(n, devices_per_process, env), command
     else:
         from .comm._launch import mpirun_path
