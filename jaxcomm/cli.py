@@ -214,7 +214,7 @@ def _cmd_launch(args) -> int:
     from . import netem
 
     if args.check:
-        why = netem.unavailable()
+        why = netem.unavailable(cluster=args.jax)
         print(why or "jaxcomm launch: network emulation is available here", file=sys.stderr)
         return 0 if why is None else 1
     if args.n is None:
@@ -292,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         "--devices-per-process", type=int, default=None, metavar="K", help="with --jax: CPU devices per process"
     )
     p_launch.add_argument(
-        "--check", action="store_true", help="only check that this machine can emulate a network (exit 0 or 1)"
+        "--check",
+        action="store_true",
+        help="only check that this machine can emulate a network (with --jax: a cluster) (exit 0 or 1)",
     )
     p_launch.add_argument(
         "--bandwidth",

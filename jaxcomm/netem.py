@@ -857,18 +857,21 @@ def initialize_distributed(**kwargs) -> tuple[int, int]:
     return pid, count
 
 
-def unavailable(timeout: float = 30.0) -> str | None:
+def unavailable(timeout: float = 30.0, *, cluster: bool = False) -> str | None:
     """``None`` if this machine can run :func:`launch`, else one sentence saying why not.
 
     Checks :func:`missing_requirements`, then tries it: a child process makes a private
     network namespace and installs a token-bucket qdisc on its loopback (a container may
-    grant the capabilities and still refuse namespaces or qdiscs). Nothing outside that
-    namespace is touched.
+    grant the capabilities and still refuse namespaces or qdiscs); with ``cluster`` (a
+    ``jax.distributed`` job's needs) it also makes a bridge and a veth pair there. Nothing
+    outside that namespace is touched.
     """
     missing = missing_requirements()
     if missing:
         return "network namespaces are not available here: lacks " + "; ".join(missing)
     probe = "ip link set lo up && tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 400ms"
+    if cluster:
+        probe += f" && ip link add {_BRIDGE} type bridge && ip link add jcn0 type veth peer name eth0"
     try:
         proc = subprocess.run(
             ["sh", "-c", probe], preexec_fn=_enter_private_netns, capture_output=True, text=True,
@@ -877,7 +880,8 @@ def unavailable(timeout: float = 30.0) -> str | None:
     except (OSError, subprocess.SubprocessError) as err:
         return f"cannot make a private network namespace here: {err}"
     if proc.returncode != 0:
-        return f"cannot shape a private loopback here: {proc.stderr.strip() or proc.returncode}"
+        what = "shape a private loopback or make a bridge and veth links" if cluster else "shape a private loopback"
+        return f"cannot {what} here: {proc.stderr.strip() or proc.returncode}"
     return None
 
 

@@ -13,7 +13,8 @@ machine is shared and noisy, so the routes alternate):
   all-gather inside a node);
 
 each with ``topk`` (top-k 1 % with the residual memory), ``bf16`` (dense bfloat16) and ``none``
-(dense float32). A step
+(dense float32); ``sign`` (scaled sign with the residual memory) is there for the suite's
+smallest job. A step
 is measured between barriers by :func:`jaxcomm.netem.measure` (the kernel's count of what the
 nodes sent into the switch, the barriers' own bytes and time subtracted). Per configuration the
 results hold the bytes a worker reports (``state.wire_bits``; the slow axis' for
@@ -40,7 +41,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 ROUTES = ("flat", "hierarchical")
-METHODS = ("topk", "bf16", "none")
+METHODS = ("topk", "bf16", "none", "sign")
+"""Every method :func:`transform` knows; the study runs the first three (``--methods``)."""
 COLS = 1024
 LEAVES = ("w0", "w1")
 
@@ -61,6 +63,8 @@ def transform(route: str, method: str):
         compressor, memory = jc.compressors.topk(ratio=0.01), jc.memory.residual()
     elif method in ("bf16", "none"):
         compressor, memory = jc.compressors.make(method), None
+    elif method == "sign":  # EF-SignSGD: scaled sign with the residual memory (cheap to compile)
+        compressor, memory = jc.compressors.make("scaled_sign"), jc.memory.residual()
     else:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
     axis = "data" if route == "flat" else ("node", "local")
@@ -143,7 +147,7 @@ def worker(config: dict) -> None:
     local = jax.local_device_count()
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     rows, rounds = int(config["rows"]), int(config["rounds"])
-    methods = config.get("methods", list(METHODS))
+    methods = config.get("methods", list(METHODS[:3]))
     routes = config.get("routes", list(ROUTES))
     out: dict = {"nodes": nodes, "devices_per_node": local, "rows": rows, "configs": {}}
     warm: dict = {}
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="jobs per shape")
     parser.add_argument("--rounds", type=int, default=3, help="measured steps per configuration and job")
     parser.add_argument("--rows", type=int, default=512, help="rows of each of the two (rows, 1024) leaves")
-    parser.add_argument("--methods", default="", help="comma-separated subset of topk,bf16,none")
+    parser.add_argument("--methods", default="", help="comma-separated, of topk,bf16,none,sign (default: the first 3)")
     parser.add_argument("--bandwidth", default="100mbit")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--out", default=str(HERE / "results" / "cluster.json"))
