@@ -1136,29 +1136,41 @@ def _inner(spec_path: str) -> int:
     if error:
         result_path.write_text(json.dumps({"setup_error": error}))
         return 3
-    cluster = spec.get("nodes") is not None
-    before = None if cluster else asdict(link_counters())
-    # The launcher ends the job with SIGTERM to the process group: this process then outlives
-    # the job by the moment it takes to read the counters (a handler, not SIG_IGN: exec resets it).
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.signal(signal.SIGINT, lambda *_: None)
-    t0 = time.perf_counter()
-    if cluster:
+    if spec.get("nodes") is None:
+        record = _run_counted(spec["command"], "lo")
+    else:
+        # The launcher ends the job with SIGTERM to the process group; the nodes end theirs.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        signal.signal(signal.SIGINT, lambda *_: None)
+        t0 = time.perf_counter()
         record = _run_nodes(spec_path, spec, result_path)
         record["wall_s"] = time.perf_counter() - t0
-        result_path.write_text(json.dumps(record))
-        return int(record.get("returncode") or 0)
-    job = subprocess.Popen(spec["command"], preexec_fn=_die_with_parent)
+    result_path.write_text(json.dumps(record))
+    return int(record.get("returncode") or 0)
+
+
+def _run_counted(command, dev: str, env: dict | None = None, forward: bool = False) -> dict:
+    """Run ``command`` (it dies with this process) and read ``dev``'s counters around it: the record
+    ``{"before", "after", "returncode", "wall_s"}``.
+
+    The launcher ends a job with SIGTERM to its process group: this process then outlives the job
+    by the moment it takes to read the counters (a handler, not SIG_IGN: exec resets it); with
+    ``forward`` the handler also ends the job (a node's, whose job the switch ends through it).
+    """
+    before = asdict(link_counters(dev))
+    jobs: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, lambda *_: [job.terminate() for job in jobs if forward])
+    signal.signal(signal.SIGINT, lambda *_: None)
+    t0 = time.perf_counter()
+    jobs.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
     try:
-        rc = job.wait()
+        rc = jobs[0].wait()
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+        if jobs[0].poll() is None:
+            jobs[0].kill()
+            jobs[0].wait()
     wall = time.perf_counter() - t0
-    after = asdict(link_counters())
-    result_path.write_text(json.dumps({"before": before, "after": after, "returncode": rc, "wall_s": wall}))
-    return rc
+    return {"before": before, "after": asdict(link_counters(dev)), "returncode": rc, "wall_s": wall}
 
 
 def _run_setup(commands) -> str | None:
@@ -1262,21 +1274,9 @@ def _node(spec_path: str, index: int, go_fd: int) -> int:
     if error:
         result_path.write_text(json.dumps({"setup_error": error}))
         return 3
-    before = asdict(link_counters("eth0"))
-    job = subprocess.Popen(
-        spec["command"], env={**os.environ, "JAX_PROCESS_ID": str(index)}, preexec_fn=_die_with_parent
-    )
-    signal.signal(signal.SIGTERM, lambda *_: job.terminate())
-    signal.signal(signal.SIGINT, lambda *_: None)
-    try:
-        rc = job.wait()
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    after = asdict(link_counters("eth0"))
-    result_path.write_text(json.dumps({"before": before, "after": after, "returncode": rc}))
-    return rc
+    record = _run_counted(spec["command"], "eth0", {**os.environ, "JAX_PROCESS_ID": str(index)}, forward=True)
+    result_path.write_text(json.dumps(record))
+    return int(record["returncode"])
 
 
 if __name__ == "__main__":  # the launcher's process inside the namespace

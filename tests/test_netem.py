@@ -373,12 +373,17 @@ def test_timeout_ends_every_process(namespaces):
 STEP_SCRIPT = ROOT / "tests" / "mpi_scripts" / "netem_step_bytes.py"
 
 
-def _step_script():
-    """``tests/mpi_scripts/netem_step_bytes.py`` as a module (its ``gradient``, ``THRESHOLD_V``)."""
-    spec = importlib.util.spec_from_file_location("netem_step_bytes", STEP_SCRIPT)
+def _module(path: Path):
+    """The script at ``path`` as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _step_script():
+    """``tests/mpi_scripts/netem_step_bytes.py`` as a module (its ``gradient``, ``THRESHOLD_V``)."""
+    return _module(STEP_SCRIPT)
 
 
 def step_expectations(case: str, n: int, rows: int, cols: int) -> dict:
@@ -467,14 +472,6 @@ def test_compressed_mean_step_bytes_match_cost_model(namespaces, tmp_path, n, ro
 CLUSTER = ROOT / "experiments" / "benchmarks" / "cluster.py"
 
 
-def _cluster_bench():
-    """``experiments/benchmarks/cluster.py`` as a module (its ``Step``, the job's worker)."""
-    spec = importlib.util.spec_from_file_location("cluster_bench", CLUSTER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_jax_cluster_hierarchical_step_matches_one_process_and_the_link_carries_the_slow_axis(
     namespaces, tmp_path, monkeypatch, capsys
 ):
@@ -499,7 +496,7 @@ def test_jax_cluster_hierarchical_step_matches_one_process_and_the_link_carries_
 
     from jaxcomm import cost_model
 
-    bench = _cluster_bench()
+    bench = _module(CLUSTER)  # its Step, the job's worker
     rows, n, k = 64, 2, 2
     out, updates, report = tmp_path / "job.json", tmp_path / "updates.npz", tmp_path / "report.json"
     config = {"rows": rows, "rounds": 1, "routes": ["hierarchical"], "methods": ["sign"], "out": str(out)}
@@ -530,3 +527,28 @@ def test_jax_cluster_hierarchical_step_matches_one_process_and_the_link_carries_
     (m,) = row["measured"]
     assert m["window"]["drops"] == 0 and m["window"]["retransmitted"] == 0 and m["window"]["qdisc"] == "tbf"
     assert predicted <= m["payload_bytes"] <= predicted + 4096, (m, predicted)
+
+
+def test_jax_job_environment_and_a_failing_node_ends_the_others(namespaces, tmp_path):
+    """Every process of ``launch(..., devices_per_process=3)`` finds its node's address as its host name
+    and the jax.distributed environment; when node 1 exits with 3, node 0 (asleep) is ended and the
+    job's status is 3 (before its timeout)."""
+    why = netem.unavailable(cluster=True)
+    if why:
+        pytest.skip(why)
+    keys = ["JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PLATFORMS"]
+    keys += ["JAX_CPU_COLLECTIVES_IMPLEMENTATION", "XLA_FLAGS"]
+    code = (
+        "import json, os, socket, sys, time\n"
+        "pid, out = os.environ['JAX_PROCESS_ID'], sys.argv[1]\n"
+        f"open(out + pid, 'w').write(json.dumps([socket.gethostname(), *[os.environ[k] for k in {keys!r}]]))\n"
+        "while not all(os.path.exists(out + p) for p in '01'): time.sleep(0.05)\n"
+        "sys.exit(3) if pid == '1' else time.sleep(300)\n"
+    )
+    out = tmp_path / "env"
+    res = netem.launch(2, [sys.executable, "-c", code, str(out)], devices_per_process=3, timeout=120)
+    assert (res.returncode, res.timed_out, res.devices_per_process, res.qdisc) == (3, False, 3, "pfifo")
+    for pid in (0, 1):
+        host, *env = json.loads(Path(f"{out}{pid}").read_text())
+        assert host == f"192.0.2.{pid + 1}" == netem.node_address(pid)
+        assert env == [str(pid), "192.0.2.1:8476", "2", "cpu", "gloo", "--xla_force_host_platform_device_count=3"]
