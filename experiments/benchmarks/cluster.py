@@ -194,16 +194,18 @@ def worker(config: dict) -> None:
     multihost_utils.sync_global_devices("cluster.py:end")
 
 
-def predict(row: dict, nodes: int, local: int, bandwidth_bps: float) -> dict:
+def predict(row: dict, nodes: int, local: int, bandwidth_bps: float | None) -> dict:
     """The cost model's bytes per node and step time for one configuration's report."""
     from jaxcomm import cost_model
 
     strategy = "allgather" if row["method"] == "topk" else "allreduce"
     workers = nodes * local if row["route"] == "flat" else nodes
     cluster = cost_model.Cluster(nodes, local)
-    net = cost_model.Network(bandwidth_bps / 1e9, 0.0)
     per_node = float(cluster.node_bytes(strategy, row["reported_bytes"], workers))
-    seconds = float(cost_model.step_time(strategy, row["reported_bytes"], workers, net, topology=cluster))
+    seconds = 0.0  # an unlimited link: the model prices no time
+    if bandwidth_bps is not None:
+        net = cost_model.Network(bandwidth_bps / 1e9, 0.0)
+        seconds = float(cost_model.step_time(strategy, row["reported_bytes"], workers, net, topology=cluster))
     return {"strategy": strategy, "bytes_per_node": per_node, "bytes_all_nodes": per_node * nodes, "step_s": seconds}
 
 
@@ -257,7 +259,7 @@ def run(args) -> dict:
                 "step_s_max": max(times),
                 "samples": len(times),
                 "model": model,
-                "model_over_measured_time": model["step_s"] / mean_t,
+                "model_over_measured_time": model["step_s"] / mean_t if mean_t > 0 else None,
                 "measured_over_model_bytes": statistics.fmean(sent) / model["bytes_all_nodes"],
             }
     return {"jobs": jobs, "summary": summary}
