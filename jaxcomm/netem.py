@@ -1159,7 +1159,12 @@ def _run_counted(command, dev: str, env: dict | None = None, forward: bool = Fal
     """
     before = asdict(link_counters(dev))
     jobs: list[subprocess.Popen] = []
-    signal.signal(signal.SIGTERM, lambda *_: [job.terminate() for job in jobs if forward])
+
+    def on_term(*_) -> None:
+        for job in jobs if forward else ():
+            job.terminate()
+
+    signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, lambda *_: None)
     t0 = time.perf_counter()
     jobs.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
