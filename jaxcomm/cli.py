@@ -6,6 +6,7 @@
     jaxcomm run EXPERIMENT [--smoke | --full] [--devices N] [--set key=value ...] [--out DIR]
     jaxcomm demo [--devices N]                    # every compressor on a real model's gradients
     jaxcomm launch -n N [--bandwidth 200mbit] [--latency 0.1ms] [--report FILE] -- CMD ARGS...
+    jaxcomm launch --jax -n N --devices-per-process K [--bandwidth 100mbit] -- python script.py
     jaxcomm launch --check                        # can this machine emulate a network?
 
 ``--devices N`` simulates N CPU devices (it sets ``XLA_FLAGS`` before jax is
@@ -22,8 +23,13 @@ command-line page, section "Method specs" (``docs/api/cli.md``).
 
 ``launch`` runs ``mpirun -n N CMD ARGS...`` on an emulated network (a private
 network namespace whose loopback is throttled; :mod:`jaxcomm.netem`) and prints
-the bytes the kernel sent through it; it needs root. ``launch --check`` tries to
-make such a namespace and exits 0 if it can, else 1 with the reason.
+the bytes the kernel sent through it; it needs root. ``launch --jax`` runs N
+processes of CMD under ``jax.distributed`` instead (gloo over TCP), K CPU devices
+each (``--devices-per-process``, default 1), each process an emulated node with its
+own link to a switch: the traffic inside a node stays in memory, the traffic
+between nodes crosses the shaped links and is counted (the script calls
+``jaxcomm.netem.initialize_distributed()``). ``launch --check`` tries to make such
+a namespace and exits 0 if it can, else 1 with the reason.
 
 Errors. Every command checks all of its input before it starts any work: the
 options, every configuration key against its study's config (types; ranges such
@@ -33,7 +39,8 @@ batch the workers can share), the method specs (grammar, names and argument name
 checked without importing JAX), and that ``--out`` or ``--report`` can be written.
 A bad input is one line on stderr, ``error: ...`` naming the option or key and,
 where there is one, the limit (``--devices`` at most 1024; ``launch -n`` at most
-256 processes, a rate at most 1tbit, ``--timeout`` at most 7 days); the exit
+256 processes, 254 with ``--jax``, ``--devices-per-process`` at most 1024, a rate at
+most 1tbit, ``--timeout`` at most 7 days); the exit
 status is 2, there is no traceback and nothing is created (no output folder).
 Such errors appear in well under a second, except for a method spec whose
 argument values need the compressor itself to be built (``topk(ratio=5)``),
@@ -207,11 +214,14 @@ def _cmd_launch(args) -> int:
     from . import netem
 
     if args.check:
-        why = netem.unavailable()
+        why = netem.unavailable(cluster=args.jax)
         print(why or "jaxcomm launch: network emulation is available here", file=sys.stderr)
         return 0 if why is None else 1
     if args.n is None:
         return _fail("launch: give the number of processes, -n N")
+    if args.devices_per_process is not None and not args.jax:
+        return _fail("--devices-per-process: only with --jax (a jax.distributed job); an MPI job has no devices")
+    devices = (1 if args.devices_per_process is None else args.devices_per_process) if args.jax else None
     command = list(args.cmd)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -227,13 +237,17 @@ def _cmd_launch(args) -> int:
             mtu=args.mtu,
             timeout=args.timeout,
             report=args.report,
+            devices_per_process=devices,
         )
     except (netem.NetemError, netem.NetemUnavailable) as e:
         return _fail(e)
     s = result.settings
     rate = "unlimited" if s["bandwidth_bps"] is None else f"{s['bandwidth_bps'] / 1e6:g} Mbit/s"
+    job = f"{result.n} processes, link"
+    if devices is not None:
+        job = f"{result.n} nodes x {devices} devices, each node's link"
     print(
-        f"jaxcomm launch: {result.n} processes, link {rate}, latency {s['latency_s'] * 1e3:g} ms, "
+        f"jaxcomm launch: {job} {rate}, latency {s['latency_s'] * 1e3:g} ms, "
         f"qdisc {result.qdisc}: {result.bytes} bytes in {result.packets} packets "
         f"({result.drops} dropped), {result.wall_s:.2f} s" + (" (timed out)" if result.timed_out else ""),
         file=sys.stderr,
@@ -265,15 +279,28 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.set_defaults(func=_cmd_demo)
     p_launch = sub.add_parser(
         "launch",
-        help="run an MPI job on an emulated network (root) and count its bytes",
+        help="run an MPI or jax.distributed job on an emulated network (root) and count its bytes",
         description="Run mpirun -n N CMD in a private network namespace whose loopback is throttled "
-        "(Open MPI over TCP only), and report the bytes the kernel sent through it.",
+        "(Open MPI over TCP only), or with --jax N processes of CMD under jax.distributed, each an emulated "
+        "node with its own throttled link to a switch, and report the bytes the kernel sent through the links.",
     )
-    p_launch.add_argument("-n", type=int, default=None, help="number of MPI processes")
+    p_launch.add_argument("-n", type=int, default=None, help="number of MPI processes (with --jax: nodes)")
     p_launch.add_argument(
-        "--check", action="store_true", help="only check that this machine can emulate a network (exit 0 or 1)"
+        "--jax", action="store_true", help="a jax.distributed job (gloo over TCP), one process per emulated node"
     )
-    p_launch.add_argument("--bandwidth", default="unlimited", help="shared link rate: 200mbit, 1gbit, ... or unlimited")
+    p_launch.add_argument(
+        "--devices-per-process", type=int, default=None, metavar="K", help="with --jax: CPU devices per process"
+    )
+    p_launch.add_argument(
+        "--check",
+        action="store_true",
+        help="only check that this machine can emulate a network (with --jax: a cluster) (exit 0 or 1)",
+    )
+    p_launch.add_argument(
+        "--bandwidth",
+        default="unlimited",
+        help="shared link rate (with --jax: each node's link): 200mbit, 1gbit, ... or unlimited",
+    )
     p_launch.add_argument("--latency", default="0", help="delay added per packet: 0.1ms, 50us, ... (needs sch_netem)")
     p_launch.add_argument("--burst", default="256kb", help="token bucket size (default 256kb)")
     p_launch.add_argument(

@@ -43,7 +43,11 @@ allreduces (``messages=59``) pays 20.7 ms of latency, which is why tensor fusion
 worker's ``state.wire_bits`` (ring algorithms; the derivations are in its docstring), and
 :func:`step_time` turns them into seconds on a *shared* link (every byte crosses one link of
 the given rate, as on :mod:`jaxcomm.netem`'s emulated network):
-``8 · step_bytes / B + step_latency_rounds · α``.
+``8 · step_bytes / B + step_latency_rounds · α``. With ``topology=Cluster(nodes, devices)`` it
+prices a two-level cluster instead (the emulated cluster of ``jaxcomm launch --jax``): the
+traffic inside a node is free, and every node has its own link of ``B`` to a switch
+(:meth:`Cluster.node_bytes`), for a flat mean over all devices and for the slow axis of the
+hierarchical one.
 
 Every function is plain arithmetic, so ``bits`` may be a Python number, a NumPy array or a
 (possibly traced) JAX array; the result has the same kind and broadcasts over ``bits``.
@@ -63,6 +67,7 @@ import numpy as np
 from ._validate import check_choice, check_finite_scalar, check_int
 
 __all__ = [
+    "Cluster",
     "Network",
     "DEFAULT_LATENCY_S",
     "STANDARD_NETWORKS",
@@ -468,12 +473,69 @@ def step_latency_rounds(strategy: str, workers: int, messages: int = 1) -> int:
     return 2 * (n - 1) * (m // n)
 
 
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A two-level cluster: ``nodes`` nodes (``N``) of ``devices`` devices (``L``) each.
+
+    Inside a node the devices share memory: their traffic costs nothing here. Between nodes every
+    node has one full-duplex link of the :class:`Network`'s bandwidth to a non-blocking switch (the
+    emulated cluster of :func:`jaxcomm.netem.launch` with ``devices_per_process``). The workers of a
+    flat collective are numbered node-major (node ``a``'s devices are workers ``a L`` to
+    ``a L + L − 1``, as ``jax.devices()`` orders a ``jax.distributed`` job's devices).
+
+    Attributes:
+      nodes: ``N >= 1``; devices: ``L >= 1``.
+    """
+
+    nodes: int
+    devices: int
+
+    def __post_init__(self):
+        check_int(self.nodes, "nodes", 1)
+        check_int(self.devices, "devices", 1)
+
+    def node_bytes(self, strategy: str, payload_bytes, workers: int):
+        """Bytes each node sends to the switch in one step (every node alike), payload only.
+
+        - ``workers == N L``, a flat mean over every device: the ring of :func:`step_bytes` runs
+          through the devices in node-major order, so ``N`` of its ``N L`` edges leave a node, one
+          per node, and every edge carries the same share: ``step_bytes(strategy, P, N L) / (N L)``
+          (``2 (N L − 1) P / (N L)`` for a ring all-reduce, ``(N L − 1) P`` for an all-gather).
+        - ``workers == N`` (``L > 1``), the slow axis of the hierarchical mean
+          (``compressed_mean(..., axis_name=(slow, fast))``, ``P`` = one worker's
+          ``state.slow.wire_bits.sum() / 8``): ``L`` independent collectives over the ``N`` nodes,
+          one per device index, all through the node's one link:
+          ``L · step_bytes(strategy, P, N) / N``.
+
+        Raises:
+          ValueError: ``workers`` neither ``N L`` nor ``N``; ``strategy == "broadcast"`` (its root
+            sends more than its share).
+        """
+        n = check_int(workers, "workers", 1)
+        if _check_strategy(strategy) == "broadcast":
+            raise ValueError("a Cluster does not price 'broadcast' (its root sends more than its share)")
+        if n == self.nodes * self.devices:
+            groups = 1
+        elif n == self.nodes:
+            groups = self.devices
+        else:
+            raise ValueError(
+                f"workers must be nodes x devices = {self.nodes * self.devices} (a flat mean over every device) "
+                f"or nodes = {self.nodes} (the slow axis of the hierarchical mean); got {workers}"
+            )
+        if self.nodes == 1:
+            return 0 * _check_bits(payload_bytes, "payload_bytes")
+        return groups * step_bytes(strategy, payload_bytes, n) / n
+
+
 TOPOLOGIES = ("shared", "switched")
 """The networks :func:`step_time` models: one link shared by all workers, or one full-duplex
 link per worker to a non-blocking switch."""
 
 
-def step_time(strategy: str, payload_bytes, workers: int, net: Network, *, messages: int = 1, topology: str = "shared"):
+def step_time(
+    strategy: str, payload_bytes, workers: int, net: Network, *, messages: int = 1, topology: str | Cluster = "shared"
+):
     """Seconds of one step's communication:
     ``8 · step_bytes(strategy, P, n) / (L · B) + step_latency_rounds(strategy, n, messages) · α``.
 
@@ -487,6 +549,11 @@ def step_time(strategy: str, payload_bytes, workers: int, net: Network, *, messa
       all-reduce, ``(n − 1) P`` for an all-gather (the α-β times of
       :func:`allreduce_time` and :func:`allgather_time`). A broadcast's root sends more than
       its share, so ``"broadcast"`` is priced only on a shared link.
+    - ``topology=Cluster(N, L)``: two levels, free inside a node and one link of ``B`` per node
+      between nodes; the nodes send at once, so the bandwidth term is one node's bytes,
+      ``8 · Cluster.node_bytes(strategy, P, n) / B``, with ``n = N L`` for a flat mean over every
+      device and ``n = N`` for the slow axis of the hierarchical mean (``P`` and ``messages``
+      from ``state.slow``); the latency term is that of the ``n``-worker collective.
 
     Message steps are sequential and each pays ``α``. Computation and protocol headers are
     left out.
@@ -494,12 +561,17 @@ def step_time(strategy: str, payload_bytes, workers: int, net: Network, *, messa
     Args:
       strategy: one of :data:`STEP_STRATEGIES`; payload_bytes: one worker's
         ``state.wire_bits.sum() / 8``; workers: ``n >= 1``; net: the :class:`Network`;
-      messages: ``state.messages``; topology: one of :data:`TOPOLOGIES`.
+      messages: ``state.messages``; topology: one of :data:`TOPOLOGIES`, or a :class:`Cluster`.
     Returns:
       seconds, same kind as ``payload_bytes``.
     """
     net = _check_net(net)
-    check_choice(topology, "topology", TOPOLOGIES)
+    if isinstance(topology, Cluster):
+        sent = topology.node_bytes(strategy, payload_bytes, workers)
+        rounds = step_latency_rounds(strategy, workers, messages) if topology.nodes > 1 else 0
+        return 8 * sent / net.bits_per_s + rounds * net.latency_s
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {TOPOLOGIES} or a Cluster; got {topology!r}")
     if topology == "switched" and strategy == "broadcast":
         raise ValueError("topology='switched' does not price 'broadcast' (its root sends more than its share)")
     total = step_bytes(strategy, payload_bytes, workers)

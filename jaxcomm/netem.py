@@ -28,9 +28,31 @@ IPv4 packet, ``14 + 20 + 32 = 66`` bytes of Ethernet, IPv4 and TCP headers
 (with the timestamp option) -- :data:`HEADER_BYTES` -- plus Open MPI's own
 fragment headers and the receivers' ACK packets (66 bytes each).
 
-The namespace exists only as long as the processes in it: :func:`launch`
+**A cluster of nodes** (``launch(n, command, devices_per_process=K)``, ``jaxcomm launch --jax``):
+``n`` processes of ``command`` under ``jax.distributed`` (gloo collectives over TCP), ``K`` CPU
+devices each, one per emulated *node*. Each node is a network namespace of its own (and a UTS
+namespace whose host name is the node's address, the address gloo binds to):
+
+* traffic between two devices of one node (one process) goes through that node's own loopback:
+  in memory, neither shaped nor counted;
+* traffic between nodes leaves through the node's ``eth0``, one end of a virtual Ethernet pair
+  whose other end is a port of a bridge (the switch) in the launcher's private namespace. The
+  root qdisc of every node's ``eth0`` is the table's, so every node sends into the switch at
+  ``R`` bit/s (a full-duplex link per node to a non-blocking switch: the ``"switched"``
+  topology of :mod:`jaxcomm.cost_model`), and its counters are the node's bytes sent.
+
+The nodes' addresses are :data:`CLUSTER_SUBNET` ``.1`` to ``.n`` (TEST-NET-1 of RFC 5737,
+which no real network uses), on interfaces that exist only inside the job's namespaces; the
+coordinator of ``jax.distributed`` listens on node 0 (:data:`COORDINATOR_PORT`). Each process
+finds in its environment ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``,
+``XLA_FLAGS`` with ``--xla_force_host_platform_device_count=K``, ``JAX_PLATFORMS=cpu`` and
+``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``; :func:`initialize_distributed` starts
+``jax.distributed`` from them, and :func:`measure` (without ``world``) counts what a function
+sends between the nodes. :func:`launch` reports the sum of the nodes' counters.
+
+The namespaces exist only as long as the processes in them: :func:`launch`
 ends every one of them on every exit path (normal exit, timeout, ``Ctrl-C``).
-Only the namespace's own loopback is ever configured or used.
+Only the namespaces' own interfaces are ever configured or used.
 
 Needs: root, or the ``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN`` capabilities, and
 the ``tc`` and ``ip`` tools of iproute2 (:func:`missing_requirements`).
@@ -40,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -55,12 +78,16 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CLUSTER_SUBNET",
+    "COORDINATOR_PORT",
     "HEADER_BYTES",
     "LOOPBACK_MTU",
     "LaunchResult",
     "LinkCounters",
     "LinkSettings",
     "MAX_BURST_BYTES",
+    "MAX_DEVICES_PER_PROCESS",
+    "MAX_NODES",
     "MAX_PROCESSES",
     "MAX_RATE_BPS",
     "MAX_TIMEOUT_S",
@@ -69,6 +96,9 @@ __all__ = [
     "NetemUnavailable",
     "RING_COLLECTIVES",
     "all_gather_bytes",
+    "cluster_env",
+    "cluster_window",
+    "initialize_distributed",
     "launch",
     "link_bytes",
     "link_counters",
@@ -77,6 +107,7 @@ __all__ = [
     "measure_window",
     "missing_requirements",
     "mpirun_netem_env",
+    "node_address",
     "parse_qdisc_stats",
     "parse_rate",
     "parse_size",
@@ -104,6 +135,18 @@ MAX_BURST_BYTES = 2**30
 """The largest token bucket accepted, in bytes (``1gb``)."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """The longest ``timeout`` of a job accepted, in seconds (7 days)."""
+MAX_NODES = 254
+"""The most processes (nodes) of a ``jax.distributed`` job (``-n`` with ``--jax``): one address each
+in :data:`CLUSTER_SUBNET`."""
+MAX_DEVICES_PER_PROCESS = 1024
+"""The most CPU devices of one process of a ``jax.distributed`` job (``--devices-per-process``)."""
+CLUSTER_SUBNET = "192.0.2"
+"""The nodes' addresses, ``192.0.2.1`` (node 0) to ``192.0.2.n``: TEST-NET-1 (RFC 5737), reserved
+for documentation, so no real network uses it; it exists only inside the job's namespaces."""
+COORDINATOR_PORT = 8476
+"""The port of ``jax.distributed``'s coordinator on node 0 (the namespaces are private: always free)."""
+_VETH_MTU = 65535  # the largest MTU of a veth device (the loopback's 65536 is one more)
+_BRIDGE = "jcswitch"
 
 RING_COLLECTIVES = {
     "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
@@ -118,6 +161,7 @@ _TBF_QUEUE_LATENCY = "400ms"  # tbf's bound on queueing time (its `latency`), no
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWUTS = 0x04000000
 
 
 class NetemError(ValueError):
@@ -611,25 +655,67 @@ class Measured:
         }
 
 
-def measure(run: Callable[[], Any], world, *, tries: int = 5, root: int = 0) -> Measured | None:
+def cluster_window(run: Callable[[], Any]) -> Window:
+    """:func:`measure_window` for a ``jax.distributed`` job of :func:`launch` (``devices_per_process``):
+    every process calls it; each reads its node's ``eth0`` counters (the bytes its node sent into
+    the switch) around ``run()`` between barriers (``sync_global_devices``), and the counts of all
+    nodes are summed (``process_allgather``). The barriers after the first reading fall inside the
+    window, as with :func:`measure_window`.
+
+    Returns:
+      the :class:`Window` of all nodes together, on every process (``wall_s`` this process's).
+    """
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("jaxcomm.netem.cluster_window:start")
+    c0, x0 = link_counters("eth0"), tcp_retransmissions()
+    multihost_utils.sync_global_devices("jaxcomm.netem.cluster_window:run")
+    t0 = time.perf_counter()
+    run()
+    multihost_utils.sync_global_devices("jaxcomm.netem.cluster_window:end")
+    wall = time.perf_counter() - t0
+    c, x = link_counters("eth0") - c0, tcp_retransmissions() - x0
+    mine = np.asarray([c.bytes, c.packets, c.drops, x], np.int64)
+    total = np.asarray(multihost_utils.process_allgather(mine), np.int64).reshape(-1, 4).sum(axis=0)
+    return Window(int(total[0]), int(total[1]), int(total[2]), c.kind, wall, int(total[3]))
+
+
+def measure(run: Callable[[], Any], world=None, *, tries: int = 5, root: int = 0) -> Measured | None:
     """The bytes ``run()`` puts on the link: a barriers-only window, then a window with ``run()``.
 
     Measured again, up to ``tries`` times in all, while TCP retransmitted a segment in either
     window (such a segment crosses the link twice); each try calls ``run()`` once. Every rank
     calls this with the same arguments.
 
+    Args:
+      run: the function measured (it must run the same collectives on every rank).
+      world: an ``mpi4py`` communicator (an MPI job: :func:`measure_window`), or ``None`` in a
+        ``jax.distributed`` job of :func:`launch` with ``devices_per_process`` (:func:`cluster_window`:
+        the bytes sent between the nodes).
+      tries: the most windows measured; root: the rank that reads the link (MPI only).
+
     Returns:
-      the :class:`Measured` on rank ``root`` (its ``window.retransmitted`` is 0 unless every try
-      had a retransmission), ``None`` on the others.
+      the :class:`Measured` on rank ``root`` (on every process without ``world``; its
+      ``window.retransmitted`` is 0 unless every try had a retransmission), ``None`` on the others.
     """
     retried: list = []
+    base: Window | None
+    meas: Window | None
     for attempt in range(tries):
-        base = measure_window(lambda: None, world, root)
-        meas = measure_window(run, world, root)
-        again = world.bcast(
-            base is not None and meas is not None and (base.retransmitted > 0 or meas.retransmitted > 0), root=root
-        )
-        if world.Get_rank() == root and base is not None and meas is not None:
+        if world is None:  # every process holds the same sums: all decide alike
+            barriers, window = cluster_window(lambda: None), cluster_window(run)
+            again = barriers.retransmitted > 0 or window.retransmitted > 0
+            base, meas, mine = barriers, window, True
+        else:
+            base = measure_window(lambda: None, world, root)
+            meas = measure_window(run, world, root)
+            again = world.bcast(
+                base is not None and meas is not None and (base.retransmitted > 0 or meas.retransmitted > 0),
+                root=root,
+            )
+            mine = world.Get_rank() == root
+        if mine and base is not None and meas is not None:
             if not again or attempt == tries - 1:
                 return Measured(meas, base, retried)
             retried.append((base, meas))
@@ -675,6 +761,9 @@ class LaunchResult:
       qdisc: the root qdisc's kind.
       n: the number of processes.
       stdout, stderr: the job's output when :func:`launch` captured it (``None`` otherwise).
+      devices_per_process: ``K`` of a ``jax.distributed`` job (``None`` for an MPI job).
+      node_bytes: a ``jax.distributed`` job's bytes per node (what each node sent into the
+        switch; ``bytes`` is their sum); ``None`` for an MPI job.
     """
 
     returncode: int
@@ -689,6 +778,8 @@ class LaunchResult:
     n: int = 0
     stdout: str | None = None
     stderr: str | None = None
+    devices_per_process: int | None = None
+    node_bytes: list[int] | None = None
 
     def to_json(self) -> dict:
         """The result as a JSON-ready dict (the ``--report`` file)."""
@@ -714,18 +805,73 @@ def mpirun_netem_env(base: dict | None = None, single_thread: bool = True) -> di
     return env
 
 
-def unavailable(timeout: float = 30.0) -> str | None:
+def node_address(index: int) -> str:
+    """Node ``index``'s address in a ``jax.distributed`` job: ``CLUSTER_SUBNET.(index + 1)``."""
+    return f"{CLUSTER_SUBNET}.{index + 1}"
+
+
+def cluster_env(nodes: int, devices_per_process: int, base: dict | None = None) -> dict:
+    """The environment every process of a ``jax.distributed`` job starts with (its
+    ``JAX_PROCESS_ID`` is added by its node).
+
+    ``base`` (default ``os.environ``) with ``JAX_COORDINATOR_ADDRESS`` (node 0,
+    :data:`COORDINATOR_PORT`), ``JAX_NUM_PROCESSES``, ``JAX_PLATFORMS=cpu``,
+    ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`` and ``XLA_FLAGS`` whose
+    ``--xla_force_host_platform_device_count`` is ``devices_per_process`` (other flags kept).
+    """
+    env = dict(os.environ if base is None else base)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    env.update(
+        JAX_COORDINATOR_ADDRESS=f"{node_address(0)}:{COORDINATOR_PORT}",
+        JAX_NUM_PROCESSES=str(nodes),
+        JAX_PLATFORMS="cpu",
+        JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+        XLA_FLAGS=" ".join(flags),
+    )
+    env.pop("JAX_PROCESS_ID", None)
+    return env
+
+
+def initialize_distributed(**kwargs) -> tuple[int, int]:
+    """``jax.distributed.initialize`` from the environment :func:`launch` gives a ``jax.distributed``
+    job's processes (:func:`cluster_env`); ``(process_id, num_processes)``.
+
+    Call it before anything else uses JAX. ``kwargs`` go to ``jax.distributed.initialize``
+    (e.g. ``initialization_timeout``).
+
+    Raises:
+      RuntimeError: not in such a job (naming the missing variables).
+    """
+    names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+    missing = [name for name in names if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"initialize_distributed: {', '.join(missing)} not set; start the script with "
+            "jaxcomm launch --jax -n N --devices-per-process K -- python script.py"
+        )
+    import jax
+
+    pid, count = int(os.environ["JAX_PROCESS_ID"]), int(os.environ["JAX_NUM_PROCESSES"])
+    jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], count, pid, **kwargs)
+    return pid, count
+
+
+def unavailable(timeout: float = 30.0, *, cluster: bool = False) -> str | None:
     """``None`` if this machine can run :func:`launch`, else one sentence saying why not.
 
     Checks :func:`missing_requirements`, then tries it: a child process makes a private
     network namespace and installs a token-bucket qdisc on its loopback (a container may
-    grant the capabilities and still refuse namespaces or qdiscs). Nothing outside that
-    namespace is touched.
+    grant the capabilities and still refuse namespaces or qdiscs); with ``cluster`` (a
+    ``jax.distributed`` job's needs) it also makes a bridge and a veth pair there. Nothing
+    outside that namespace is touched.
     """
     missing = missing_requirements()
     if missing:
         return "network namespaces are not available here: lacks " + "; ".join(missing)
     probe = "ip link set lo up && tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 400ms"
+    if cluster:
+        probe += f" && ip link add {_BRIDGE} type bridge && ip link add jcn0 type veth peer name eth0"
     try:
         proc = subprocess.run(
             ["sh", "-c", probe], preexec_fn=_enter_private_netns, capture_output=True, text=True,
@@ -734,7 +880,8 @@ def unavailable(timeout: float = 30.0) -> str | None:
     except (OSError, subprocess.SubprocessError) as err:
         return f"cannot make a private network namespace here: {err}"
     if proc.returncode != 0:
-        return f"cannot shape a private loopback here: {proc.stderr.strip() or proc.returncode}"
+        what = "shape a private loopback or make a bridge and veth links" if cluster else "shape a private loopback"
+        return f"cannot {what} here: {proc.stderr.strip() or proc.returncode}"
     return None
 
 
@@ -816,8 +963,11 @@ def launch(
     capture_output: bool = False,
     cwd: str | Path | None = None,
     check_requirements: Callable[[], list[str]] | None = None,
+    devices_per_process: int | None = None,
 ) -> LaunchResult:
-    """Run ``mpirun -n n --oversubscribe COMMAND...`` on an emulated link and count its bytes.
+    """Run ``mpirun -n n --oversubscribe COMMAND...`` on an emulated link and count its bytes; with
+    ``devices_per_process``, ``n`` processes of ``COMMAND`` under ``jax.distributed`` instead, one per
+    emulated node (module docstring).
 
     The job runs in a new network namespace whose loopback carries every byte
     between ranks (:func:`mpirun_netem_env`), shaped by the qdisc that
@@ -839,6 +989,11 @@ def launch(
       cwd: the job's working directory.
       check_requirements: returns what is missing (default :func:`missing_requirements`;
         a test can inject a check).
+      devices_per_process: ``K``, 1 to :data:`MAX_DEVICES_PER_PROCESS`: run a ``jax.distributed``
+        job of ``n`` (at most :data:`MAX_NODES`) nodes with ``K`` CPU devices each, in the
+        environment of :func:`cluster_env` (over ``env``); ``bandwidth`` and ``latency`` shape every
+        node's link to the switch, and ``bytes`` is what the nodes sent into it (``mpirun_args`` is
+        refused).
 
     Returns:
       the :class:`LaunchResult`.
@@ -848,8 +1003,19 @@ def launch(
       NetemUnavailable: missing privileges, tools or ``mpirun``, or the kernel refused
         the qdisc (e.g. no ``sch_netem`` for ``latency``); nothing of the job has run.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PROCESSES:
-        raise NetemError(f"-n: the number of processes must be an integer from 1 to {MAX_PROCESSES}; got {n!r}")
+    cluster = devices_per_process is not None
+    most = MAX_NODES if cluster else MAX_PROCESSES
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
+        what = "nodes of a jax.distributed job" if cluster else "processes"
+        raise NetemError(f"-n: the number of {what} must be an integer from 1 to {most}; got {n!r}")
+    if cluster:
+        k = devices_per_process
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DEVICES_PER_PROCESS:
+            raise NetemError(
+                f"--devices-per-process: must be an integer from 1 to {MAX_DEVICES_PER_PROCESS}; got {k!r}"
+            )
+        if mpirun_args:
+            raise NetemError(f"mpirun_args: a jax.distributed job starts no mpirun; got {list(mpirun_args)!r}")
     command = [str(c) for c in command]
     if not command:
         raise NetemError("command: give the program to run (e.g. python script.py)")
@@ -858,6 +1024,8 @@ def launch(
     ):
         raise NetemError(f"--timeout: must be in (0, {MAX_TIMEOUT_S:g}] seconds (7 days); got {timeout!r}")
     settings = link_settings(bandwidth, latency, burst, mtu)
+    if cluster:  # the nodes' links are veth devices, whose MTU is at most 65535
+        settings = dataclasses.replace(settings, mtu=min(settings.mtu, _VETH_MTU))
     if report is not None:
         from ._paths import check_output_path
 
@@ -872,33 +1040,27 @@ def launch(
             + "; ".join(missing)
             + ". Run as root (e.g. sudo, or a container with --cap-add NET_ADMIN --cap-add SYS_ADMIN)."
         )
-    from .comm._launch import mpirun_path
+    if devices_per_process is not None:
+        job_env, mpi_cmd = cluster_env(n, devices_per_process, env), command
+    else:
+        from .comm._launch import mpirun_path
 
-    mpirun = mpirun_path()
-    if mpirun is None:
-        raise NetemUnavailable("mpirun not found: install the project's 'mpi' extra (pip install -e .[mpi])")
-    job_env = mpirun_netem_env(base=env)
-    mpi_cmd = [
-        mpirun,
-        "-n",
-        str(n),
-        "--oversubscribe",
-        *map(str, mpirun_args),
-        *command,
-    ]
+        mpirun = mpirun_path()
+        if mpirun is None:
+            raise NetemUnavailable("mpirun not found: install the project's 'mpi' extra (pip install -e .[mpi])")
+        job_env = mpirun_netem_env(base=env)
+        mpi_cmd = [mpirun, "-n", str(n), "--oversubscribe", *map(str, mpirun_args), *command]
 
     with tempfile.TemporaryDirectory(prefix="jaxcomm-netem-") as tmp:
         spec = Path(tmp) / "spec.json"
         out = Path(tmp) / "result.json"
-        spec.write_text(
-            json.dumps(
-                {
-                    "setup": qdisc_commands(settings),
-                    "command": mpi_cmd,
-                    "result": str(out),
-                }
-            )
-        )
+        if cluster:  # the switch here; each node's link and qdisc in its own namespace
+            setup = [["ip", "link", "set", "dev", "lo", "up"], ["ip", "link", "add", _BRIDGE, "type", "bridge"],
+                     ["ip", "link", "set", "dev", _BRIDGE, "up"]]  # fmt: skip
+            nodes = {"count": n, "setup": qdisc_commands(settings, "eth0")}
+        else:
+            setup, nodes = qdisc_commands(settings), None
+        spec.write_text(json.dumps({"setup": setup, "command": mpi_cmd, "result": str(out), "nodes": nodes}))
         inner = [
             sys.executable,
             "-P",
@@ -958,6 +1120,8 @@ def launch(
         n=n,
         stdout=stdout if capture_output else None,
         stderr=stderr if capture_output else None,
+        devices_per_process=devices_per_process,
+        node_bytes=data.get("node_bytes"),
     )
     if report is not None:
         Path(report).write_text(json.dumps(result.to_json(), indent=2) + "\n")
@@ -968,34 +1132,161 @@ def _inner(spec_path: str) -> int:
     """Inside the new namespace: set the link up, run the job, record the counters around it."""
     spec = json.loads(Path(spec_path).read_text())
     result_path = Path(spec["result"])
-    for cmd in spec["setup"]:
+    error = _run_setup(spec["setup"])
+    if error:
+        result_path.write_text(json.dumps({"setup_error": error}))
+        return 3
+    if spec.get("nodes") is None:
+        record = _run_counted(spec["command"], "lo")
+    else:
+        # The launcher ends the job with SIGTERM to the process group; the nodes end theirs.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        signal.signal(signal.SIGINT, lambda *_: None)
+        t0 = time.perf_counter()
+        record = _run_nodes(spec_path, spec, result_path)
+        record["wall_s"] = time.perf_counter() - t0
+    result_path.write_text(json.dumps(record))
+    return int(record.get("returncode") or 0)
+
+
+def _run_counted(command, dev: str, env: dict | None = None, forward: bool = False) -> dict:
+    """Run ``command`` (it dies with this process) and read ``dev``'s counters around it: the record
+    ``{"before", "after", "returncode", "wall_s"}``.
+
+    The launcher ends a job with SIGTERM to its process group: this process then outlives the job
+    by the moment it takes to read the counters (a handler, not SIG_IGN: exec resets it); with
+    ``forward`` the handler also ends the job (a node's, whose job the switch ends through it).
+    """
+    before = asdict(link_counters(dev))
+    jobs: list[subprocess.Popen] = []
+
+    def on_term(*_) -> None:
+        for job in jobs if forward else ():
+            job.terminate()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    t0 = time.perf_counter()
+    jobs.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
+    try:
+        rc = jobs[0].wait()
+    finally:
+        if jobs[0].poll() is None:
+            jobs[0].kill()
+            jobs[0].wait()
+    wall = time.perf_counter() - t0
+    return {"before": before, "after": asdict(link_counters(dev)), "returncode": rc, "wall_s": wall}
+
+
+def _run_setup(commands) -> str | None:
+    """Run the ``ip``/``tc`` commands; ``None``, or what failed (with a hint for a missing ``sch_netem``)."""
+    for cmd in commands:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
         if proc.returncode != 0:
             hint = ""
             if "netem" in cmd and "unknown" in proc.stderr.lower():
                 hint = " (--latency needs the kernel's sch_netem module, which this kernel lacks)"
-            result_path.write_text(json.dumps({"setup_error": f"{' '.join(cmd)}: {proc.stderr.strip()}{hint}"}))
+            return f"{' '.join(cmd)}: {proc.stderr.strip()}{hint}"
+    return None
+
+
+def _enter_node_namespaces() -> None:
+    """In a node's launcher, before exec: new network and UTS namespaces, and death with the switch's."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNET | _CLONE_NEWUTS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNET | CLONE_NEWUTS): {os.strerror(err)}")
+    _die_with_parent()
+
+
+def _run_nodes(spec_path: str, spec: dict, result_path: Path) -> dict:
+    """In the switch's namespace: start every node (:func:`_node`), plug it into the bridge, let it
+    run, end the others when one fails; the record of the job (counters summed over the nodes)."""
+    count = spec["nodes"]["count"]
+    nodes: list[tuple[subprocess.Popen, int]] = []
+    error = None
+    for i in range(count):
+        read, write = os.pipe()
+        proc = subprocess.Popen(
+            [sys.executable, "-P", str(Path(__file__).resolve()), "--node", spec_path, str(i), str(read)],
+            pass_fds=(read,), preexec_fn=_enter_node_namespaces,
+        )  # fmt: skip
+        os.close(read)
+        nodes.append((proc, write))
+        error = _run_setup(
+            [
+                ["ip", "link", "add", f"jcn{i}", "type", "veth", "peer", "name", "eth0", "netns", str(proc.pid)],
+                ["ip", "link", "set", "dev", f"jcn{i}", "mtu", str(_VETH_MTU), "master", _BRIDGE, "up"],
+            ]
+        )
+        if error:
+            break
+    for _, write in nodes:  # go (or stop, after a failed set-up)
+        with contextlib.suppress(OSError):
+            os.write(write, b"0" if error else b"1")
+        os.close(write)
+    procs = [proc for proc, _ in nodes]
+    first_failure = None
+    while any(p.poll() is None for p in procs):
+        for p in procs:
+            if first_failure is None and p.poll() not in (None, 0):
+                first_failure = p.returncode  # the others would wait for it: end them
+                for other in procs:
+                    if other.poll() is None:
+                        other.terminate()
+        time.sleep(0.05)
+    records = []
+    for i in range(len(nodes)):
+        path = Path(f"{result_path}.node{i}")
+        records.append(json.loads(path.read_text()) if path.exists() else {})
+    errors = [r["setup_error"] for r in records if "setup_error" in r]
+    if error or errors:
+        return {"setup_error": error or errors[0]}
+    totals = {"bytes": 0, "packets": 0, "drops": 0, "kind": ""}
+    per_node = []
+    for r in records:
+        before, after = r.get("before"), r.get("after")
+        if not before or not after:
+            per_node.append(0)
+            continue
+        for key in ("bytes", "packets", "drops"):
+            totals[key] += after[key] - before[key]
+        totals["kind"] = after["kind"]
+        per_node.append(after["bytes"] - before["bytes"])
+    rc = first_failure if first_failure is not None else max((p.returncode for p in procs), key=abs, default=0)
+    return {"before": {"bytes": 0, "packets": 0, "drops": 0}, "after": totals, "returncode": rc, "node_bytes": per_node}
+
+
+def _node(spec_path: str, index: int, go_fd: int) -> int:
+    """A node of a ``jax.distributed`` job, in its own namespaces: wait for its link, set it up (the
+    node's address as host name, so gloo binds to it), run the process, record its link's counters."""
+    spec = json.loads(Path(spec_path).read_text())
+    result_path = Path(f"{spec['result']}.node{index}")
+    with os.fdopen(go_fd, "rb") as go:
+        if go.read(1) != b"1":
             return 3
-    before = asdict(link_counters())
-    # The launcher ends the job with SIGTERM to the process group: this process then outlives
-    # the job by the moment it takes to read the counters (a handler, not SIG_IGN: exec resets it).
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.signal(signal.SIGINT, lambda *_: None)
-    t0 = time.perf_counter()
-    job = subprocess.Popen(spec["command"], preexec_fn=_die_with_parent)
-    try:
-        rc = job.wait()
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    wall = time.perf_counter() - t0
-    after = asdict(link_counters())
-    result_path.write_text(json.dumps({"before": before, "after": after, "returncode": rc, "wall_s": wall}))
-    return rc
+    address = node_address(index)
+    import socket
+
+    socket.sethostname(address)
+    error = _run_setup(
+        [
+            *spec["nodes"]["setup"],
+            ["ip", "addr", "add", f"{address}/24", "dev", "eth0"],
+            ["ip", "link", "set", "dev", "lo", "up"],
+        ]
+    )
+    if error:
+        result_path.write_text(json.dumps({"setup_error": error}))
+        return 3
+    record = _run_counted(spec["command"], "eth0", {**os.environ, "JAX_PROCESS_ID": str(index)}, forward=True)
+    result_path.write_text(json.dumps(record))
+    return int(record["returncode"])
 
 
 if __name__ == "__main__":  # the launcher's process inside the namespace
     if len(sys.argv) == 3 and sys.argv[1] == "--inner":
         sys.exit(_inner(sys.argv[2]))
+    if len(sys.argv) == 5 and sys.argv[1] == "--node":
+        sys.exit(_node(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
     sys.exit("usage: jaxcomm launch -n N [--bandwidth R] [--latency T] -- CMD ARGS...")

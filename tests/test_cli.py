@@ -443,6 +443,9 @@ def _spec(text: str) -> list[str]:
         ([*_LAUNCH, "--timeout", "inf", *_MARK], r"--timeout: must be in \(0, 604800\] seconds"),
         ([*_LAUNCH, "--timeout", "nan", *_MARK], r"--timeout: must be in"),
         ([*_LAUNCH, "--latency", "1000s", *_MARK], r"--latency: at most 10s"),
+        ([*_LAUNCH, "--devices-per-process", "2", *_MARK], r"--devices-per-process: only with --jax"),
+        ([*_LAUNCH, "--jax", "--devices-per-process", "0", *_MARK], r"--devices-per-process: .* from 1 to 1024"),
+        (["launch", "--jax", "-n", "255", *_MARK], r"-n: the number of nodes of a jax.distributed job .* 1 to 254"),
     ],
 )
 def test_bad_input_is_one_error_line_exit_2_and_creates_nothing(tmp_path, monkeypatch, capsys, argv, message):

@@ -253,6 +253,39 @@ def test_switched_step_time_is_the_alpha_beta_collectives(n):
         cm.step_time("broadcast", P, n, net, topology="switched")
 
 
+@given(st.integers(1, 16), st.integers(1, 8), st.floats(1.0, 1e9))
+def test_cluster_node_bytes_closed_forms(nodes, devices, P):
+    """Two levels: a flat ring over the N L devices (node-major) leaves each node on one of its edges,
+    ``step_bytes / (N L)`` bytes; the hierarchical slow axis runs L collectives over the N nodes,
+    ``L step_bytes(N) / N`` per node. With one device per node both are the switched network's
+    per-worker share; one node sends nothing."""
+    c = cm.Cluster(nodes, devices)
+    n = nodes * devices
+    if nodes == 1:
+        assert c.node_bytes("allreduce", P, n) == 0 and c.node_bytes("allgather", P, 1) == 0
+        return
+    assert c.node_bytes("allreduce", P, n) == pytest.approx(2 * (n - 1) * P / n)
+    assert c.node_bytes("allgather", P, n) == pytest.approx((n - 1) * P)
+    assert c.node_bytes("allreduce", P / devices, nodes) == pytest.approx(2 * (nodes - 1) * P / nodes)
+    assert c.node_bytes("allgather", P, nodes) == pytest.approx(devices * (nodes - 1) * P)
+    net = cm.Network(0.1, 1e-4)
+    t = cm.step_time("allgather", P, nodes, net, messages=2, topology=c)
+    assert t == pytest.approx(8 * devices * (nodes - 1) * P / 1e8 + 2 * (nodes - 1) * 1e-4)
+    if devices == 1:  # one device per node: the switched network of n workers
+        assert t == pytest.approx(cm.step_time("allgather", P, n, net, messages=2, topology="switched"))
+
+
+def test_cluster_bad_input():
+    with pytest.raises(ValueError, match="nodes must be >= 1"):
+        cm.Cluster(0, 2)
+    with pytest.raises(TypeError, match="devices"):
+        cm.Cluster(2, 2.0)
+    with pytest.raises(ValueError, match=r"workers must be nodes x devices = 8 .* or nodes = 4 .*; got 2"):
+        cm.Cluster(4, 2).node_bytes("allreduce", 1.0, 2)
+    with pytest.raises(ValueError, match="broadcast"):
+        cm.step_time("broadcast", 1.0, 4, cm.Network(1.0), topology=cm.Cluster(4, 2))
+
+
 def _vmapped_state(compressor, strategy, n, shape):
     """``state`` after one ``compressed_mean`` step over ``n`` workers simulated with ``jax.vmap``."""
     tx = jc.compressed_mean(compressor, "w", strategy=strategy)

@@ -175,6 +175,49 @@ def test_trainer_shard_map_checkpoint_resumes_bit_identically(tmp_path):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+HIER_SHAPES = {"a": (4, 2), "b": (6,)}  # every leaf splits into 2 shards over "local"
+
+
+def test_hierarchical_outer_gradient_on_a_two_by_two_mesh_is_flat_diloco_of_four_workers():
+    """``axis_name=("node", "local")`` on a 2x2 mesh (shard_map, check_vma=True), exact compressor: the
+    hierarchical mean of the pseudo-gradient is the plain mean of the 4 workers, so Streaming DiLoCo
+    (2 fragments, delay 1) follows the NumPy reference of 4 workers; the slow axis carries each
+    fragment's 1/2 shard in float32 on its sync steps only (its counters zero between them)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    n, steps = 4, 9
+    scale, target, theta0 = _problem(n=n, shapes=HIER_SHAPES)
+    tx = jc.diloco(optax.sgd(0.05, momentum=0.5), every=4, fragments=2, delay=1, axis_name=("node", "local"))
+    mesh = Mesh(np.array(jax.devices()[:n]).reshape(2, 2), ("node", "local"))
+    spec = P(("node", "local"))
+
+    def on_mesh(fn):
+        def worker(*args):
+            out = fn(*jax.tree.map(lambda v: v[0], args))
+            return jax.tree.map(lambda v: v[None], out)
+
+        return jax.jit(jax.shard_map(worker, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=True))
+
+    def step(a, b, p, s):
+        u, s = tx.update(jax.tree.map(_grad, a, b, p), s, p)
+        return optax.apply_updates(p, u), s
+
+    params = {k: np.stack([v] * n) for k, v in theta0.items()}
+    state, step = on_mesh(tx.init)(params), on_mesh(step)
+    slow_bits = []
+    for _ in range(steps):
+        params, state = step(scale, target, params, state)
+        slow_bits.append([int(np.asarray(e.slow.wire_bits, np.int64).sum()) for e in state.exchange_states])
+    ref = _reference(steps, every=4, fragments=2, delay=1, mom=0.5, n=n, shapes=HIER_SHAPES)
+    for k in HIER_SHAPES:
+        np.testing.assert_allclose(np.asarray(params[k], np.float64), ref[k], rtol=2e-5, atol=2e-5, err_msg=k)
+    # fragment p syncs at t = 2 (p + 1) mod 4; each of the 4 workers sends its shard's 32 bits an entry
+    shard_bits = [32 * 8 // 2 * n, 32 * 6 // 2 * n]  # fragments: leaf "a" (8 entries), leaf "b" (6)
+    want = [[shard_bits[p] if t % 4 == (2 * (p + 1)) % 4 else 0 for p in range(2)] for t in range(1, steps + 1)]
+    assert slow_bits == want
+
+
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=12), st.integers(1, 12))
 def test_fragments_are_contiguous_nonempty_and_cover_every_leaf(sizes, fragments):
     if fragments > len(sizes):

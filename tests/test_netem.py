@@ -206,6 +206,10 @@ def test_missing_requirements_names_what_is_needed():
         ({"timeout": "60"}, r"--timeout"),
         ({"report": "{tmp}/missing/r.json"}, r"--report: the folder .*missing' does not exist"),
         ({"report": "{tmp}"}, r"--report: .* is a folder"),
+        ({"devices_per_process": 0}, r"--devices-per-process: must be an integer from 1 to 1024; got 0"),
+        ({"devices_per_process": True}, r"--devices-per-process"),
+        ({"devices_per_process": 2, "n": 255}, r"-n: the number of nodes of a jax.distributed job .* 1 to 254"),
+        ({"devices_per_process": 2, "mpirun_args": ["--bind-to", "none"]}, r"mpirun_args: a jax.distributed job"),
     ],
 )
 def test_bad_launch_options_fail_before_the_job(tmp_path, kwargs, message):
@@ -369,12 +373,17 @@ def test_timeout_ends_every_process(namespaces):
 STEP_SCRIPT = ROOT / "tests" / "mpi_scripts" / "netem_step_bytes.py"
 
 
-def _step_script():
-    """``tests/mpi_scripts/netem_step_bytes.py`` as a module (its ``gradient``, ``THRESHOLD_V``)."""
-    spec = importlib.util.spec_from_file_location("netem_step_bytes", STEP_SCRIPT)
+def _module(path: Path):
+    """The script at ``path`` as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _step_script():
+    """``tests/mpi_scripts/netem_step_bytes.py`` as a module (its ``gradient``, ``THRESHOLD_V``)."""
+    return _module(STEP_SCRIPT)
 
 
 def step_expectations(case: str, n: int, rows: int, cols: int) -> dict:
@@ -455,3 +464,91 @@ def test_compressed_mean_step_bytes_match_cost_model(namespaces, tmp_path, n, ro
             want["strategy"], c["wire_bits"] / 8, n, cost_model.Network(rate / 1e9, 0.0), messages=c["messages"]
         )
         assert t == pytest.approx(8 * predicted / rate)
+
+
+# --------------------------------------------------------------------------- #
+# An emulated cluster of nodes: jax.distributed, N processes x K CPU devices
+# --------------------------------------------------------------------------- #
+CLUSTER = ROOT / "experiments" / "benchmarks" / "cluster.py"
+
+
+def test_jax_cluster_hierarchical_step_matches_one_process_and_the_link_carries_the_slow_axis(
+    namespaces, tmp_path, monkeypatch, capsys
+):
+    """``jaxcomm launch --jax -n 2 --devices-per-process 2``: 2 nodes x 2 CPU devices under
+    jax.distributed (gloo over TCP), the hierarchical compressed mean (scaled sign with the residual
+    memory over ``("node", "local")``, EF-SignSGD: quick to compile) of two ``(64, 1024)`` float32
+    leaves per worker.
+
+    * The two steps' updates and the slow axis' reported bytes equal those of the same step on this
+      process's 2x2 mesh.
+    * The nodes sent the slow axis' all-gathers: per step ``N · Cluster.node_bytes`` (``L`` groups of
+      ``N (N − 1) P`` payload bytes), at least that and at most 4 KiB more (gloo's per-message
+      headers and the coordinator's keep-alives: about 1.2 KB measured with top-k). The fast axis' dense
+      reduce-scatter and all-gather (512 KiB per worker in float32) stay in memory: counted on the
+      link they would exceed the bound a hundredfold.
+    """
+    why = netem.unavailable(cluster=True)
+    if why:
+        pytest.skip(why)
+    assert cli.main(["launch", "--check", "--jax"]) == 0
+    import jax
+
+    from jaxcomm import cost_model
+
+    bench = _module(CLUSTER)  # its Step, the job's worker
+    rows, n, k = 64, 2, 2
+    out, updates, report = tmp_path / "job.json", tmp_path / "updates.npz", tmp_path / "report.json"
+    config = {"rows": rows, "rounds": 1, "routes": ["hierarchical"], "methods": ["sign"], "out": str(out)}
+    config["updates"] = str(updates)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    argv = ["launch", "--jax", "-n", str(n), "--devices-per-process", str(k), "--bandwidth", "100mbit"]
+    argv += ["--timeout", "240", "--report", str(report), "--", sys.executable, str(CLUSTER), "--worker"]
+    assert cli.main([*argv, json.dumps(config)]) == 0, capsys.readouterr().err[-3000:]
+    assert "2 nodes x 2 devices, each node's link 100 Mbit/s" in capsys.readouterr().err
+    job, total = json.loads(out.read_text()), json.loads(report.read_text())
+    assert (job["nodes"], job["devices_per_node"]) == (n, k)
+    assert total["devices_per_process"] == k and len(total["node_bytes"]) == n and all(total["node_bytes"])
+
+    # the one-process reference: the same step on this process's first 4 devices
+    step = bench.Step("hierarchical", "sign", jax.devices()[: n * k], n, k, rows)
+    state = step.init(step.zeros())
+    with np.load(updates) as got:
+        for t in range(2):
+            u, state = step.update(step.grads(t), state)
+            for leaf in bench.LEAVES:
+                np.testing.assert_array_equal(np.asarray(u[leaf]), got[f"hierarchical/sign/{t}/{leaf}"])
+    row = job["configs"]["hierarchical/sign"]
+    # each leaf's shard: rows·1024/L signs in bits and one float32 scale
+    assert row["reported_bytes"] == bench.reported(state)[0] == len(bench.LEAVES) * (rows * 1024 // k // 8 + 4)
+
+    predicted = n * cost_model.Cluster(n, k).node_bytes("allgather", row["reported_bytes"], n)
+    assert predicted == k * n * (n - 1) * row["reported_bytes"]
+    (m,) = row["measured"]
+    assert m["window"]["drops"] == 0 and m["window"]["retransmitted"] == 0 and m["window"]["qdisc"] == "tbf"
+    assert predicted <= m["payload_bytes"] <= predicted + 4096, (m, predicted)
+
+
+def test_jax_job_environment_and_a_failing_node_ends_the_others(namespaces, tmp_path):
+    """Every process of ``launch(..., devices_per_process=3)`` finds its node's address as its host name
+    and the jax.distributed environment; when node 1 exits with 3, node 0 (asleep) is ended and the
+    job's status is 3 (before its timeout)."""
+    why = netem.unavailable(cluster=True)
+    if why:
+        pytest.skip(why)
+    keys = ["JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PLATFORMS"]
+    keys += ["JAX_CPU_COLLECTIVES_IMPLEMENTATION", "XLA_FLAGS"]
+    code = (
+        "import json, os, socket, sys, time\n"
+        "pid, out = os.environ['JAX_PROCESS_ID'], sys.argv[1]\n"
+        f"open(out + pid, 'w').write(json.dumps([socket.gethostname(), *[os.environ[k] for k in {keys!r}]]))\n"
+        "while not all(os.path.exists(out + p) for p in '01'): time.sleep(0.05)\n"
+        "sys.exit(3) if pid == '1' else time.sleep(300)\n"
+    )
+    out = tmp_path / "env"
+    res = netem.launch(2, [sys.executable, "-c", code, str(out)], devices_per_process=3, timeout=120)
+    assert (res.returncode, res.timed_out, res.devices_per_process, res.qdisc) == (3, False, 3, "pfifo")
+    for pid in (0, 1):
+        host, *env = json.loads(Path(f"{out}{pid}").read_text())
+        assert host == f"192.0.2.{pid + 1}" == netem.node_address(pid)
+        assert env == [str(pid), "192.0.2.1:8476", "2", "cpu", "gloo", "--xla_force_host_platform_device_count=3"]

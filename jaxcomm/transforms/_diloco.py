@@ -42,6 +42,7 @@ from .._keys import step_keys
 from .._validate import check_bool, check_finite_scalar, check_int
 from .._vma import cast_varying, typed_switch, varying_axes
 from ..compressors import Compressor, wire_bits
+from ._accumulate import zero_counters
 from ._compressed_mean import compressed_mean
 from ._pipeline import (
     LOCAL,
@@ -68,8 +69,10 @@ class DiLoCoState(NamedTuple):
       inner_state: the inner optimizer's state (per worker).
       outer_states: tuple, the outer optimizer's state of each fragment (identical on every worker).
       exchange_states: tuple, the :class:`~jaxcomm.transforms.CompressionState` of each
-        fragment's compressed mean (memories per worker). Its ``wire_bits`` and ``messages`` are
-        this step's (zero on steps without an exchange), so the trainer's counters read them.
+        fragment's compressed mean (memories per worker; a
+        :class:`~jaxcomm.transforms.HierarchicalState` with ``axis_name=(slow, fast)``). Its
+        ``wire_bits`` and ``messages`` are this step's (zero on steps without an exchange), so
+        the trainer's counters read them.
       pending: a tree like the parameters: the mean pseudo-gradient ``Δ̄`` of the fragment
         exchanged last, held until it is applied ``delay`` steps later (float32 or wider).
       synced: with ``carry_local``, a tree like the parameters: each fragment's local parameters
@@ -114,10 +117,6 @@ def fragment_leaves(sizes: Sequence[int], fragments: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in itertools.pairwise(cuts)]
 
 
-def _zero_counters(state: CompressionState) -> CompressionState:
-    return state._replace(wire_bits=BitCount.zeros(state.wire_bits.shape), messages=jnp.zeros((), jnp.int32))
-
-
 def diloco(
     inner: optax.GradientTransformation,
     every: int,
@@ -129,7 +128,7 @@ def diloco(
     delay: int = 0,
     blend: float = 0.0,
     carry_local: bool = False,
-    axis_name: str | None = None,
+    axis_name: str | tuple[str, str] | None = None,
     comm=None,
     strategy: str = "auto",
     fuse: bool = True,
@@ -174,7 +173,13 @@ def diloco(
         0); the state keeps ``θ^s`` (one more copy of the parameters per worker). With
         ``delay = 0`` it is plain DiLoCo.
       axis_name / comm: the workers' communicator (default: the ambient one of
-        :func:`jaxcomm.comm.use`, as set by the trainer).
+        :func:`jaxcomm.comm.use`, as set by the trainer). ``axis_name=(slow, fast)`` (e.g.
+        ``("node", "local")``, the slow axis first) averages the pseudo-gradient with the
+        hierarchical mean of :func:`~jaxcomm.compressed_mean`: a dense reduce-scatter over
+        ``fast``, the compressor and memory on each ``1/L`` shard over ``slow`` only, an
+        all-gather over ``fast`` (each of ``exchange_states`` is then a
+        :class:`~jaxcomm.transforms.HierarchicalState`; ``init`` runs inside the
+        ``shard_map`` or under ``jax.set_mesh``). Not with ``overlap``.
       strategy, fuse: of :func:`~jaxcomm.compressed_mean`.
       overlap: over MPI (the communicator an :class:`~jaxcomm.comm.MPIComm`), run each fragment's
         exchange in a communication thread (:class:`~jaxcomm.comm.AsyncMean`) that overlaps the
@@ -338,7 +343,7 @@ def diloco(
         local = jax.tree.leaves(optax.apply_updates(params, u))
         anchor = jax.tree.leaves(state.anchor)
         pending = jax.tree.leaves(state.pending)
-        quiet = tuple(_zero_counters(s) for s in state.exchange_states)
+        quiet = tuple(zero_counters(s) for s in state.exchange_states)
 
         # 2. send: fragment p's pseudo-gradient through the compressed mean (branch 0: no fragment syncs)
         def no_send(_):

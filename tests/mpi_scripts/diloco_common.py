@@ -15,11 +15,12 @@ SHAPES = {"a": (4, 3), "b": (5,), "c": (2, 2), "d": (6,)}  # leaves in this (sor
 KEYS = sorted(SHAPES)
 
 
-def _problem(seed: int = 0):
+def _problem(seed: int = 0, n: int = N, shapes: dict = SHAPES):
+    """``(scale, target, theta0)`` of ``n`` workers (leading axis) over leaves of ``shapes``."""
     rng = np.random.default_rng(seed)
-    scale = {k: rng.uniform(0.5, 1.5, (N, *s)).astype(np.float32) for k, s in SHAPES.items()}
-    target = {k: rng.normal(size=(N, *s)).astype(np.float32) for k, s in SHAPES.items()}
-    theta0 = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    scale = {k: rng.uniform(0.5, 1.5, (n, *s)).astype(np.float32) for k, s in shapes.items()}
+    target = {k: rng.normal(size=(n, *s)).astype(np.float32) for k, s in shapes.items()}
+    theta0 = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
     return scale, target, theta0
 
 
@@ -28,43 +29,57 @@ def _grad(a, b, theta):
 
 
 def _reference(
-    steps, *, every, fragments=1, delay=0, blend=0.0, carry=False, lr=0.05, mom=0.0, outer_lr=0.7, outer_mom=0.9
+    steps,
+    *,
+    every,
+    fragments=1,
+    delay=0,
+    blend=0.0,
+    carry=False,
+    lr=0.05,
+    mom=0.0,
+    outer_lr=0.7,
+    outer_mom=0.9,
+    n=N,
+    shapes=SHAPES,
 ):
-    """DiLoCo / Streaming DiLoCo in NumPy (float64): inner SGD with momentum, outer Nesterov SGD; with
-    ``carry`` a worker's fragment becomes the new global one plus its own progress since the sync."""
-    scale, target, theta0 = _problem()
-    groups = fragment_leaves([int(np.prod(SHAPES[k])) for k in KEYS], fragments)
+    """DiLoCo / Streaming DiLoCo in NumPy (float64): inner SGD with momentum, outer Nesterov SGD;
+    ``n`` workers over leaves of ``shapes`` (sorted keys); with ``carry`` a worker's fragment becomes
+    the new global one plus its own progress since the sync."""
+    keys = sorted(shapes)
+    scale, target, theta0 = _problem(n=n, shapes=shapes)
+    groups = fragment_leaves([int(np.prod(shapes[k])) for k in keys], fragments)
     period = every // fragments
-    anchor = {k: theta0[k].astype(np.float64) for k in KEYS}
-    local = [{k: anchor[k].copy() for k in KEYS} for _ in range(N)]
-    trace_in = [{k: np.zeros(SHAPES[k]) for k in KEYS} for _ in range(N)]
-    trace_out = {k: np.zeros(SHAPES[k]) for k in KEYS}
-    pending = {k: np.zeros(SHAPES[k]) for k in KEYS}
-    synced = [{k: anchor[k].copy() for k in KEYS} for _ in range(N)]
+    anchor = {k: theta0[k].astype(np.float64) for k in keys}
+    local = [{k: anchor[k].copy() for k in keys} for _ in range(n)]
+    trace_in = [{k: np.zeros(shapes[k]) for k in keys} for _ in range(n)]
+    trace_out = {k: np.zeros(shapes[k]) for k in keys}
+    pending = {k: np.zeros(shapes[k]) for k in keys}
+    synced = [{k: anchor[k].copy() for k in keys} for _ in range(n)]
     for t in range(1, steps + 1):
-        for i in range(N):
-            for k in KEYS:
+        for i in range(n):
+            for k in keys:
                 g = _grad(scale[k][i].astype(np.float64), target[k][i].astype(np.float64), local[i][k])
                 trace_in[i][k] = g + mom * trace_in[i][k]
                 local[i][k] = local[i][k] - lr * trace_in[i][k]
         for p, idx in enumerate(groups):
             if t % every == ((p + 1) * period) % every:
                 for j in idx:
-                    k = KEYS[j]
-                    pending[k] = np.mean([anchor[k] - local[i][k] for i in range(N)], axis=0)
-                    for i in range(N):
+                    k = keys[j]
+                    pending[k] = np.mean([anchor[k] - local[i][k] for i in range(n)], axis=0)
+                    for i in range(n):
                         synced[i][k] = local[i][k].copy()
         lag = t - delay
         for q, idx in enumerate(groups):
             if lag >= (q + 1) * period and lag % every == ((q + 1) * period) % every:
                 for j in idx:
-                    k = KEYS[j]
+                    k = keys[j]
                     trace_out[k] = pending[k] + outer_mom * trace_out[k]
                     new = anchor[k] - outer_lr * (pending[k] + outer_mom * trace_out[k])  # Nesterov
-                    for i in range(N):
+                    for i in range(n):
                         if carry:
                             local[i][k] = new + (local[i][k] - synced[i][k])
                         else:
                             local[i][k] = blend * local[i][k] + (1 - blend) * new
                     anchor[k] = new
-    return {k: np.stack([local[i][k] for i in range(N)]) for k in KEYS}
+    return {k: np.stack([local[i][k] for i in range(n)]) for k in keys}
