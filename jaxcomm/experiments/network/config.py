@@ -150,6 +150,7 @@ METHODS: dict[str, Builder] = {
     "streaming-diloco-H20": _diloco(fragments=4, delay=2, blend=0.5, compressor=_bf16, overlap=True),
     # SparseLoCo with fewer bytes (1 %, values in bfloat16), and with its exchange overlapped
     "sparseloco-H20-1%-bf16": _diloco(compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1),
+    "sparseloco-H40-1%-bf16": _diloco(40, compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1),
     "sparseloco-H20-1%-bf16-overlap5": _diloco(
         compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=5, blend=0.5, overlap=True
     ),
@@ -184,7 +185,7 @@ METHODS: dict[str, Builder] = {
   half-half (``overlap=True``; the compute-only step is timed without the thread, on one
   worker);
 * ``sparseloco-H20-1%-bf16``: SparseLoCo with top-k 1 % whose values cross in bfloat16
-  (``half(topk(0.01), "bfloat16")``); ``-overlap5`` / ``-overlap10``: the same with its
+  (``half(topk(0.01), "bfloat16")``), ``sparseloco-H40-1%-bf16`` the same every 40 steps; ``-overlap5`` / ``-overlap10``: the same with its
   exchange gathered by an MPI communication thread during the next 5 or 10 inner steps, then
   blended half-half (``overlap=True, delay=5 or 10, blend=0.5``); ``-overlap10-carry`` /
   ``-overlap19-carry``: overlapped during 10 or 19 inner steps, each worker keeping its progress
