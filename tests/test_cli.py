@@ -683,7 +683,9 @@ def test_cumulative_bits_and_time_are_running_sums():
 
     rng = np.random.default_rng(0)
     bits, secs = rng.integers(1, 10**6, 9), rng.random(9)
-    history = [{"step": i, "wire_bits_total": int(b), "step_time": float(t)} for i, (b, t) in enumerate(zip(bits, secs))]
+    history = [
+        {"step": i, "wire_bits_total": int(b), "step_time": float(t)} for i, (b, t) in enumerate(zip(bits, secs))
+    ]
     (out,) = with_cumulative([{"name": "m", "history": history}], workers=4)
     np.testing.assert_allclose([r["Mbit_sent"] for r in out["history"]], np.cumsum(bits) / 4e6)
     secs[0] = 0.0  # step 0 (compilation) is left out

@@ -284,7 +284,7 @@ def _compute_s(method: str, seed: int, lr: float, cfg: dict, train, world, cache
 def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, world, rank: int, cache: dict) -> dict:
     from jaxcomm._progress import progress_bar
     from jaxcomm.experiments._common import per_worker
-    from jaxcomm.netem import link_counters
+    from jaxcomm.netem import measure_window
 
     n = world.Get_size()
     compute_s = _compute_s(method, seed, lr, cfg, train, world, cache)
@@ -300,13 +300,19 @@ def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, worl
     lines = rank == 0 and not sys.stderr.isatty()
     bar = progress_bar(total=max_steps, desc=desc, disable=rank != 0 or lines, leave=True)
     reached = None
+
+    def fit_counted(state, until: int):
+        """``trainer.fit`` to step ``until``, and the link's bytes meanwhile (rank 0; 0 elsewhere).
+        measure_window fences the counter read with barriers on both sides: a rank that started its
+        first step before rank 0 had read the counter would send its first (eager, < 64 KiB)
+        messages uncounted (docs/network.md, "What the counters mean")."""
+        fitted: list = []
+        win = measure_window(lambda: fitted.extend(trainer.fit(state, batches, until, progress=False)), world)
+        return (*fitted, win.bytes if win is not None else 0)
+
     while step < max_steps:
-        world.Barrier()
-        before = link_counters() if rank == 0 else None
-        state, hist = trainer.fit(state, batches, min(step + every, max_steps), progress=False)
-        world.Barrier()
-        if before is not None:  # rank 0
-            total_bytes += (link_counters() - before).bytes
+        state, hist, sent = fit_counted(state, min(step + every, max_steps))
+        total_bytes += sent
         step = hist[-1]["step"]
         step_times += [row["step_time"] for row in hist]
         bits += [row["wire_bits_total"] for row in hist]  # all workers
