@@ -172,10 +172,11 @@ def _cmd_run(args) -> int:
 
     print(f"jaxcomm run {exp.name}{variant} -> {out}")
     t0 = time.time()
-    results = exp.run(config, out)
+    which = "smoke" if args.smoke else "full" if args.full else "default"
+    results = exp.run(config, out, variant=which)  # a smoke run's figures say so in their titles
     results.setdefault("config", config)
     results.setdefault("experiment", exp.name)
-    results["variant"] = "smoke" if args.smoke else "full" if args.full else "default"
+    results["variant"] = which
     results["provenance"] = {**provenance(), "command": ["jaxcomm", *args.argv]}
     results["wall_time_s"] = time.time() - t0
     path = write_results(out, results)

@@ -196,5 +196,5 @@ def test_trainer_refuses_multisteps_around_a_communicating_transform():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, history = trainer.fit(trainer.init_state(), batches, 4, progress=False)
-    bits = [row["wire_bits"] for row in history]
+    bits = [row["wire_bits_total"] for row in history]
     assert bits[0] == bits[2] == 0 and bits[1] == bits[3] > 0  # honest: bits only on the communicating steps

@@ -97,8 +97,16 @@ def test_quickstart_smoke_via_cli(tmp_path, capsys):
         )
         == 0
     )
+    from PIL import Image
+
     results = json.loads((out / "results.json").read_text())
-    assert (out / "accuracy.png").stat().st_size > 0
+    for png in ("accuracy.png", "accuracy_vs_bits.png", "accuracy_vs_time.png"):  # a smoke run says so
+        assert Image.open(out / png).text["Title"].endswith(" (smoke run)"), png
+    # Counts stay integers: the bits and messages of all 8 workers, per step and per run.
+    for r in results["runs"]:
+        rows = r["history"]
+        assert all(type(row["wire_bits_total"]) is int and type(row["messages"]) is int for row in rows)
+        assert r["wire_bits_total"] == sum(row["wire_bits_total"] for row in rows) == 8 * r["wire_bits_per_worker"]
     assert {r["method"] for r in results["summary"]} == set(get_experiment("quickstart").config(smoke=True)["methods"])
     by = {r["method"]: r for r in results["summary"]}
     assert by["topk-1%+EF"]["Mbit_per_worker"] < by["none"]["Mbit_per_worker"] / 10
@@ -635,6 +643,39 @@ def test_quickstart_figure_title_follows_the_config(tmp_path):
     assert info["Title"] == title and info["XLabel"] == "step" and info["YLabel"] == "test accuracy"
 
 
+def test_figures_marked_puts_the_suffix_on_each_figures_title_once(tmp_path):
+    # The three places a title can be: the suptitle, the only axes' title, none (several axes).
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from jaxcomm.experiments._registry import SMOKE_MARK, figures_marked
+
+    def figures():
+        one, ax = plt.subplots()
+        ax.set_title("loss")
+        sup, _ = plt.subplots(1, 2)
+        sup.suptitle("two panels")
+        bare, _ = plt.subplots(1, 2)
+        for i, fig in enumerate((one, sup, bare)):
+            for _ in range(2):  # saved twice: marked once
+                fig.savefig(tmp_path / f"{i}.png", metadata={"Title": f"t{i}"})
+        titles = [ax.get_title(), sup.get_suptitle(), bare.get_suptitle()]
+        plt.close("all")
+        return titles, [Image.open(tmp_path / f"{i}.png").text["Title"] for i in range(3)]
+
+    with figures_marked(SMOKE_MARK):
+        assert figures() == (
+            ["loss (smoke run)", "two panels (smoke run)", "(smoke run)"],
+            ["t0 (smoke run)", "t1 (smoke run)", "t2 (smoke run)"],
+        )
+    assert figures() == (["loss", "two panels", ""], ["t0", "t1", "t2"])  # outside: as drawn
+    with pytest.raises(ValueError, match="variant"):
+        get_experiment("quickstart").run(get_experiment("quickstart").config(smoke=True), tmp_path, variant="tiny")
+
+
 def test_cumulative_bits_and_time_are_running_sums():
     import numpy as np
 
@@ -642,9 +683,11 @@ def test_cumulative_bits_and_time_are_running_sums():
 
     rng = np.random.default_rng(0)
     bits, secs = rng.integers(1, 10**6, 9), rng.random(9)
-    history = [{"step": i, "wire_bits": int(b), "step_time": float(t)} for i, (b, t) in enumerate(zip(bits, secs))]
-    (out,) = with_cumulative([{"name": "m", "history": history}])
-    np.testing.assert_allclose([r["Mbit_sent"] for r in out["history"]], np.cumsum(bits) / 1e6)
+    history = [
+        {"step": i, "wire_bits_total": int(b), "step_time": float(t)} for i, (b, t) in enumerate(zip(bits, secs))
+    ]
+    (out,) = with_cumulative([{"name": "m", "history": history}], workers=4)
+    np.testing.assert_allclose([r["Mbit_sent"] for r in out["history"]], np.cumsum(bits) / 4e6)
     secs[0] = 0.0  # step 0 (compilation) is left out
     np.testing.assert_allclose([r["elapsed_s"] for r in out["history"]], np.cumsum(secs))
 

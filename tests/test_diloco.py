@@ -168,7 +168,7 @@ def test_trainer_shard_map_checkpoint_resumes_bit_identically(tmp_path):
 
     trainer = make()  # one trainer (one compiled step); each fit starts from a fresh state
     straight, hist = trainer.fit(trainer.init_state(), batches(), 8, progress=False)
-    assert [r["wire_bits"] > 0 for r in hist] == [t % 2 == 0 for t in range(1, 9)]
+    assert [r["wire_bits_total"] > 0 for r in hist] == [t % 2 == 0 for t in range(1, 9)]
     trainer.fit(trainer.init_state(), batches(), 5, checkpoint_dir=tmp_path / "ck", progress=False)
     resumed, _ = trainer.fit(trainer.init_state(), batches(), 8, checkpoint_dir=tmp_path / "ck", progress=False)
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):

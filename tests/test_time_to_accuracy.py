@@ -261,11 +261,9 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
             assert r["reached"]["time_s"] == curve[-1]["time_s"]
         # The kernel's byte count against the cost model's formula for the pipeline's count:
         # headers and Open MPI's protocol add at most 1 KiB per message on the wire, and each
-        # evaluation window holds two barriers (at most 4 KiB). Below, the qdisc's counter itself
-        # reads up to 1-2 % under the payload when a step is one large message (measured on a
-        # 200 Mbit/s link, 2 processes: 0.989 and 0.993 of it in two runs for the dense step's one
-        # fused 38 KB all-reduce, 0.998 for a plain MPI_Allreduce of 64 KiB), which many small
-        # messages' headers used to hide.
+        # evaluation window holds two barriers (at most 4 KiB). Below, nothing is missing: the
+        # window's counter read is fenced by barriers on both sides (docs/network.md, "What the
+        # counters mean"), so no rank's first message of a window passes uncounted.
         predicted = float(cost_model.step_bytes(r["strategy"], r["wire_bits_per_step"] / 8, n))
         per_worker = r["messages_per_step"] / n  # the trainer's metric counts all workers
         wire_messages = (2 if r["strategy"] in ("allreduce", "rounds") else 1) * n * (n - 1) * per_worker
@@ -273,7 +271,7 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         # Each step also runs the trainer's two metric collectives (a packed all-gather of the wire-bit
         # counts, an all-reduce of the metrics): 3 n (n - 1) small messages more.
         upper = predicted + 1024 * (wire_messages + 3 * n * (n - 1)) + 4096 / every
-        assert 0.97 * predicted <= measured <= upper, (r["method"], measured, predicted)
+        assert predicted <= measured <= upper, (r["method"], measured, predicted)
         assert r["compute_s"] > 0 and r["step_s"] > 0 and r["sync_every"] == 1
     # The sweep: every method at each rate for the first seed; the run at the chosen rate is reused.
     assert [(s["method"], s["learning_rate"]) for s in res["sweep"]] == [

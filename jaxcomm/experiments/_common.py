@@ -112,6 +112,14 @@ def method_transform(methods: dict, label: str, learning_rate: float, momentum: 
     return tx, c
 
 
+def per_worker(total: int, workers: int) -> int | float:
+    """One worker's share of a count summed over ``workers`` (e.g. a history's ``wire_bits_total``):
+    ``total / workers``, an ``int`` when it divides exactly (every worker sent alike, as
+    fixed-size payloads do), else the mean over workers as a ``float``."""
+    q, r = divmod(int(total), int(workers))
+    return q if r == 0 else int(total) / int(workers)
+
+
 def estimated_comm_time(bits_per_worker_per_step: list[float], workers: int, strategy: str) -> dict:
     """Estimated communication time (s) of a run at 1/10/25 Gbps (α-β model).
 
@@ -148,8 +156,9 @@ def train_data_parallel(
     """Train ``model`` with the optax chain ``tx`` on ``workers`` mesh devices; return the record.
 
     Returns a dict: ``name``, ``history`` (per-step rows: loss, accuracy,
-    wire_bits per worker, step_time, eval results every ``eval_every``),
-    ``final_accuracy``, ``wire_bits_per_worker`` (total), ``dense_bits_per_worker``
+    ``wire_bits_total`` and ``messages`` (all workers), step_time, eval results every
+    ``eval_every``), ``final_accuracy``, ``wire_bits_total`` (the run's bits, all workers, an
+    ``int``), ``wire_bits_per_worker`` (its :func:`per_worker` share), ``dense_bits_per_worker``
     (what uncompressed float32 would send), ``est_comm_time_s`` at 1/10/25 Gbps
     and ``compute_time_s`` (sum of measured step times).
     """
@@ -180,15 +189,17 @@ def train_data_parallel(
         callback=callback,
     )
     n_params = sum(int(np.size(p)) for p in jax.tree.leaves(trainer.pure.params))
-    bits = [row["wire_bits"] for row in history]
+    bits = [row["wire_bits_total"] / workers for row in history]  # one worker's, per step
+    total = sum(row["wire_bits_total"] for row in history)
     final = [r for r in history if "eval_accuracy" in r][-1]
     return {
         "name": name,
         "history": history,
         "final_accuracy": final["eval_accuracy"],
         "final_loss": final["eval_loss"],
-        "wire_bits_per_worker": float(sum(bits)),
-        "dense_bits_per_worker": float(32 * n_params * len(history)),
+        "wire_bits_total": total,
+        "wire_bits_per_worker": per_worker(total, workers),
+        "dense_bits_per_worker": 32 * n_params * len(history),
         "est_comm_time_s": estimated_comm_time(bits, workers, strategy),
         "compute_time_s": float(sum(r["step_time"] for r in history[1:])),
         "params": n_params,

@@ -14,6 +14,7 @@ between a dataclass instance and that form; tuple fields become lists.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib
@@ -97,12 +98,68 @@ class Experiment:
         merged = apply_overrides(config_to_dict(base), overrides or {})
         return config_to_dict(config_from_dict(self.config_type, merged))
 
-    def run(self, config: dict | Any, out_dir: Path) -> dict:
-        """Validate ``config`` (a dict or a ``config_type`` instance) and run the study into ``out_dir``."""
+    def run(self, config: dict | Any, out_dir: Path, *, variant: str = "default") -> dict:
+        """Validate ``config`` (a dict or a ``config_type`` instance) and run the study into ``out_dir``.
+
+        ``variant`` names the configuration (one of :data:`VARIANTS`, as ``results.json`` records
+        it); with ``"smoke"`` every figure the study saves says so in its title
+        (:func:`figures_marked`).
+        """
+        from .._validate import check_choice
+
+        variant = check_choice(variant, "variant", VARIANTS)
         values: dict = config_to_dict(config) if _is_dataclass_instance(config) else config
         values = config_to_dict(config_from_dict(self.config_type, values))
         module, _, function = self.runner.partition(":")
-        return getattr(importlib.import_module(module), function)(values, Path(out_dir))
+        with figures_marked(SMOKE_MARK if variant == "smoke" else ""):
+            return getattr(importlib.import_module(module), function)(values, Path(out_dir))
+
+
+VARIANTS = ("default", "smoke", "full")
+SMOKE_MARK = " (smoke run)"
+_mark: list[str] = [""]  # the suffix figures_marked puts on the titles of figures made now
+
+
+@contextlib.contextmanager
+def figures_marked(suffix: str):
+    """Within the block, every figure pyplot makes ends its title with ``suffix`` when saved.
+
+    One place for every study's figures: a ``figure.hooks`` entry (matplotlib's rc setting)
+    wraps the new figure's ``savefig``, which then appends ``suffix`` to the figure's
+    ``suptitle`` if it has one, else to the title of its only axes, else adds ``suffix`` as a
+    ``suptitle``; and to a ``Title`` in the PNG's ``metadata``. ``""``: figures as drawn.
+    """
+    import matplotlib
+
+    previous = _mark[0]
+    _mark[0] = suffix
+    try:
+        with matplotlib.rc_context({"figure.hooks": [f"{__name__}:_mark_figure"]} if suffix else {}):
+            yield
+    finally:
+        _mark[0] = previous
+
+
+def _mark_figure(fig) -> None:
+    """``figure.hooks`` entry of :func:`figures_marked`: ``fig.savefig`` appends the suffix first."""
+    suffix, save = _mark[0], fig.savefig
+
+    def savefig(*args, **kwargs):
+        if not getattr(fig, "_jaxcomm_marked", False):  # once, however often it is saved
+            fig._jaxcomm_marked = True
+            if fig.get_suptitle():
+                fig._suptitle.set_text(fig._suptitle.get_text() + suffix)
+            elif len(fig.get_axes()) == 1:
+                (ax,) = fig.get_axes()
+                ax.set_title((ax.get_title() + suffix).strip())
+            else:
+                fig.suptitle(suffix.strip())
+        meta = kwargs.get("metadata")
+        if meta and "Title" in meta:
+            kwargs["metadata"] = {**meta, "Title": meta["Title"] + suffix}
+        return save(*args, **kwargs)
+
+    fig.savefig = savefig
 
 
 def _is_dataclass_instance(obj) -> bool:

@@ -273,8 +273,13 @@ class Trainer:
             naming ``watchdog_s``. Default ``None``: no watchdog.
         Returns:
           ``(state, history)``: history is a list of per-step dicts with ``step``,
-          ``loss``, metrics averaged over workers, ``wire_bits`` (per worker, this
-          step), ``messages`` (all workers), ``step_time`` (s) and eval results.
+          ``loss``, metrics averaged over workers, ``wire_bits_total`` (``int``:
+          the bits all workers handed to collectives in this step, the exact sum
+          over workers, ``Σ_i Σ_tensors wire_bits_i``; one worker's share is
+          ``wire_bits_total / num_workers`` when every worker sends alike, as
+          fixed-size payloads do, while count-prefixed payloads may differ),
+          ``messages`` (``int``: arrays handed to collectives in this step,
+          summed over all workers), ``step_time`` (s) and eval results.
         Raises:
           NonFiniteLossError: NaN/Inf loss; the last good checkpoint stays on disk.
         """
@@ -319,12 +324,12 @@ class Trainer:
                 elapsed = time.perf_counter() - t0
                 row = {"step": step + 1, "step_time": elapsed}
                 for k, v in metrics.items():
-                    if k == "wire_bits":  # BitCount per tensor [workers, tensors]: exact int64 sums per worker
-                        v = np.asarray(v, np.int64)
-                        row[k] = float(v.reshape(-1, v.shape[-1]).sum(axis=-1).mean()) if v.size else 0.0
-                        continue
-                    v = np.asarray(v, np.float64)
-                    row[k] = float(v.sum()) if k == "messages" else float(v.mean())
+                    if k == "wire_bits":  # BitCount per tensor [workers, tensors]: one exact int64 sum
+                        row["wire_bits_total"] = int(np.asarray(v, np.int64).sum())
+                    elif k == "messages":  # per worker on a mesh, the workers' total with comm: counts
+                        row[k] = int(np.rint(np.asarray(v, np.float64).sum()))
+                    else:
+                        row[k] = float(np.asarray(v, np.float64).mean())
                 if not math.isfinite(row["loss"]):
                     bar.close()
                     where = f"; the last good checkpoint is in {checkpoint_dir}" if checkpoint_dir else ""

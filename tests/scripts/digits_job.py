@@ -29,7 +29,7 @@ def run(workers: int, comm=None, compressor: str = "qsgd", steps: int = 8, check
         trainer.init_state(), batches, stop or steps, progress=False, checkpoint_dir=checkpoint_dir, checkpoint_every=2
     )
     leaves = [np.asarray(x) for x in jax.tree.leaves(trainer.params_of(state))]
-    return leaves, np.array([r["loss"] for r in history]), np.array([r["wire_bits"] for r in history])
+    return leaves, np.array([r["loss"] for r in history]), np.array([r["wire_bits_total"] for r in history])
 
 
 def save(path, leaves, losses, bits):

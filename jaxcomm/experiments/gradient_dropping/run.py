@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import optax
 
-from .._common import plot_curves
+from .._common import per_worker, plot_curves
 from .config import METHODS
 
 
@@ -88,7 +88,8 @@ def run(config: dict, out_dir: Path) -> dict:
                     "sync": sync,
                     "history": history,
                     "final_valid_perplexity": final["eval_perplexity"],
-                    "wire_bits_per_worker": float(sum(r["wire_bits"] for r in history)),
+                    "wire_bits_total": sum(r["wire_bits_total"] for r in history),
+                    "wire_bits_per_worker": per_worker(sum(r["wire_bits_total"] for r in history), config["devices"]),
                 }
             )
     out = Path(out_dir)

@@ -26,7 +26,8 @@ method and seed,
   wall-clock seconds so far on rank 0: evaluation, data loading and compilation are not
   counted), ``accuracy`` (test accuracy over ``eval_examples``, evaluated in parallel),
   ``link_bytes`` (bytes the kernel's qdisc passed during those steps, all ranks) and
-  ``wire_bits`` (the pipeline's count for one worker);
+  ``wire_bits`` (the pipeline's count for one worker, :func:`~jaxcomm.experiments._common.per_worker`
+  of the trainer's ``wire_bits_total``: an ``int`` when every worker sent alike);
 * ``step_s`` (s; the median over whole periods of a period's mean step), ``wire_bits_per_step``
   (one worker's, mean over whole periods) and ``messages_per_step`` (the collectives' arrays
   of all workers together, the trainer's ``messages`` metric, mean over whole periods), and
@@ -282,7 +283,8 @@ def _compute_s(method: str, seed: int, lr: float, cfg: dict, train, world, cache
 
 def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, world, rank: int, cache: dict) -> dict:
     from jaxcomm._progress import progress_bar
-    from jaxcomm.netem import link_counters
+    from jaxcomm.experiments._common import per_worker
+    from jaxcomm.netem import measure_window
 
     n = world.Get_size()
     compute_s = _compute_s(method, seed, lr, cfg, train, world, cache)
@@ -298,16 +300,22 @@ def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, worl
     lines = rank == 0 and not sys.stderr.isatty()
     bar = progress_bar(total=max_steps, desc=desc, disable=rank != 0 or lines, leave=True)
     reached = None
+
+    def fit_counted(state, until: int):
+        """``trainer.fit`` to step ``until``, and the link's bytes meanwhile (rank 0; 0 elsewhere).
+        measure_window fences the counter read with barriers on both sides: a rank that started its
+        first step before rank 0 had read the counter would send its first (eager, < 64 KiB)
+        messages uncounted (docs/network.md, "What the counters mean")."""
+        fitted: list = []
+        win = measure_window(lambda: fitted.extend(trainer.fit(state, batches, until, progress=False)), world)
+        return (*fitted, win.bytes if win is not None else 0)
+
     while step < max_steps:
-        world.Barrier()
-        before = link_counters() if rank == 0 else None
-        state, hist = trainer.fit(state, batches, min(step + every, max_steps), progress=False)
-        world.Barrier()
-        if before is not None:  # rank 0
-            total_bytes += (link_counters() - before).bytes
+        state, hist, sent = fit_counted(state, min(step + every, max_steps))
+        total_bytes += sent
         step = hist[-1]["step"]
         step_times += [row["step_time"] for row in hist]
-        bits += [row["wire_bits"] for row in hist]
+        bits += [row["wire_bits_total"] for row in hist]  # all workers
         messages += [row["messages"] for row in hist]
         elapsed += sum(row["step_time"] for row in hist)
         local = trainer.evaluate(state, test_shard.images, test_shard.labels)
@@ -319,7 +327,7 @@ def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, worl
                 "accuracy": accuracy,
                 "loss": float(world.allreduce(local["loss"])) / n,
                 "link_bytes": total_bytes,
-                "wire_bits": float(sum(bits)),
+                "wire_bits": per_worker(sum(bits), n),
             }
         )
         bar.update(len(hist))
@@ -343,7 +351,7 @@ def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, worl
         "warmup_steps": info.warmup_steps,
         "compute_s": compute_s,
         "step_s": period_mean(step_times, h),
-        "wire_bits_per_step": period_mean(bits, h, np.mean),
+        "wire_bits_per_step": period_mean([b / n for b in bits], h, np.mean),
         "messages_per_step": period_mean(messages, h, np.mean),
         "link_bytes_per_step": total_bytes / max(step, 1),
         "steps": step,
@@ -376,6 +384,7 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
     from jaxcomm.netem import link_counters
 
     trainer, batches, info = _mpi_trainer(method, seed, lr, cfg, train, world, rank)
+    n = world.Get_size()
     h = info.sync_every
     warmup = min(int(info.warmup_steps), int((cfg.get("timing_warmup") or {}).get(method, info.warmup_steps)))
     steady = timed_steps(int(cfg["timing_steps"]), h)
@@ -398,7 +407,7 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
         "warmup_step_times": [row["step_time"] for row in hist_warm],
         "step_times": times,
         "step_s": float(np.mean(times)),
-        "wire_bits_per_step": float(np.mean([row["wire_bits"] for row in hist])),
+        "wire_bits_per_step": float(np.mean([row["wire_bits_total"] for row in hist])) / n,
         "messages_per_step": float(np.mean([row["messages"] for row in hist])),
         "link_bytes_per_step": (window.bytes if window else 0) / steady,
         "window_drops": window.drops if window else 0,

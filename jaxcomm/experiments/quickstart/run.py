@@ -34,21 +34,22 @@ def figure_title(config: dict) -> str:
     )
 
 
-def with_cumulative(runs: list[dict]) -> list[dict]:
+def with_cumulative(runs: list[dict], workers: int) -> list[dict]:
     """``runs`` with two running totals added to each history row.
 
-    ``Mbit_sent = Σ_{t<=s} wire_bits_t / 1e6`` (one worker's bits) and
+    ``Mbit_sent = Σ_{t<=s} wire_bits_total_t / (1e6 · workers)`` (one worker's share of the
+    bits all ``workers`` sent) and
     ``elapsed_s = Σ_{1<=t<=s} step_time_t`` (measured seconds per step; step 0, which
     includes XLA compilation, is left out as in ``compute_time_s``).
     """
     out = []
     for r in runs:
-        bits = secs = 0.0
+        bits, secs = 0, 0.0
         history = []
         for i, row in enumerate(r["history"]):
-            bits += row["wire_bits"]
+            bits += row["wire_bits_total"]
             secs += row["step_time"] if i else 0.0
-            history.append({**row, "Mbit_sent": bits / 1e6, "elapsed_s": secs})
+            history.append({**row, "Mbit_sent": bits / (1e6 * workers), "elapsed_s": secs})
         out.append({**r, "history": history})
     return out
 
@@ -77,7 +78,7 @@ def run(config: dict, out_dir: Path) -> dict:
         )
     title = figure_title(config)
     plot_curves(runs, Path(out_dir) / "accuracy.png", title=title, ylabel="test accuracy")
-    cumulative = with_cumulative(runs)
+    cumulative = with_cumulative(runs, config["devices"])
     plot_curves(
         cumulative,
         Path(out_dir) / "accuracy_vs_bits.png",
