@@ -185,11 +185,11 @@ METHODS: dict[str, Builder] = {
   half-half (``overlap=True``; the compute-only step is timed without the thread, on one
   worker);
 * ``sparseloco-H20-1%-bf16``: SparseLoCo with top-k 1 % whose values cross in bfloat16
-  (``half(topk(0.01), "bfloat16")``), ``sparseloco-H40-1%-bf16`` the same every 40 steps; ``-overlap5`` / ``-overlap10``: the same with its
-  exchange gathered by an MPI communication thread during the next 5 or 10 inner steps, then
-  blended half-half (``overlap=True, delay=5 or 10, blend=0.5``); ``-overlap10-carry`` /
-  ``-overlap19-carry``: overlapped during 10 or 19 inner steps, each worker keeping its progress
-  since the sync (``carry_local=True``);
+  (``half(topk(0.01), "bfloat16")``), ``sparseloco-H40-1%-bf16`` the same every 40 steps;
+  ``-overlap5`` / ``-overlap10``: the same with its exchange gathered by an MPI communication
+  thread during the next 5 or 10 inner steps, then blended half-half (``overlap=True, delay=5 or
+  10, blend=0.5``); ``-overlap10-carry`` / ``-overlap19-carry``: overlapped during 10 or 19
+  inner steps, each worker keeping its progress since the sync (``carry_local=True``);
 * ``diloco-H10-int8``, ``sparseloco-H10``, ``sparseloco-H5``: the same with ``every`` = 10 or 5."""
 
 SWEPT_LEARNING_RATES: dict[str, float] = {
