@@ -73,9 +73,7 @@ def payloads(c, init):
     _, keys = step_keys(init.key, len(SHAPES))
     g = gradients()
     compress = jax.jit(lambda x, key: c.compress(x, key)[0])  # compiled once per shape, as in the step
-    return [
-        [compress(g[k][w], jax.random.fold_in(keys[t], w)) for t, k in enumerate(sorted(SHAPES))] for w in range(N)
-    ]
+    return [[compress(g[k][w], jax.random.fold_in(keys[t], w)) for t, k in enumerate(sorted(SHAPES))] for w in range(N)]
 
 
 @pytest.mark.parametrize("name", jc.compressors.names())
