@@ -434,10 +434,9 @@ def test_dgc_declares_no_delta_it_cannot_keep():
     x[:12] = 1.0
     x[999] = 1000.0
     x = jnp.asarray(x)
-    ratios = [
-        float(jnp.sum((x - c.decompress(c.compress(x, jax.random.PRNGKey(s))[0])) ** 2) / jnp.sum(x**2))
-        for s in range(20)
-    ]
+    # One compiled program for the 20 draws (keys PRNGKey(0..19)), not 20 eager runs of DGC.
+    error_ratio = jax.jit(jax.vmap(lambda k: jnp.sum((x - c.decompress(c.compress(x, k)[0])) ** 2) / jnp.sum(x**2)))
+    ratios = np.asarray(error_ratio(jax.vmap(jax.random.PRNGKey)(jnp.arange(20)))).tolist()
     assert max(ratios) > 1 - 1 / 1000  # the input does defeat a 1/d claim
     assert c.delta(1000) is None or max(ratios) <= 1 - c.delta(1000)
 

@@ -234,24 +234,33 @@ def test_jax_distributed_two_processes_match_one(tmp_path):
     _compare(reference, tmp_path / "d.npz", exact=True)
 
 
+@pytest.fixture(scope="module")
+def mpirun_runs(tmp_path_factory):
+    """One ``mpirun -n 4`` launch of ``train_mpi.py``: the uninterrupted run (``mpi.npz``), then the
+    run interrupted after 4 steps and restarted from per-rank checkpoints (``ckpt/``,
+    ``resumed.npz``); and the 4-device mesh run both are compared with."""
+    tmp = tmp_path_factory.mktemp("mpirun")
+    run_mpi(4, SCRIPTS / "train_mpi.py", str(tmp / "mpi.npz"), str(tmp / "ckpt"), str(tmp / "resumed.npz"))
+    return tmp, digits_job.run(4)
+
+
 @pytest.mark.mpi
-def test_mpirun_trainer_matches_mesh(tmp_path):
+def test_mpirun_trainer_matches_mesh(mpirun_runs):
     """The same optimizer under mpirun -n 4 (MPI communicator) matches a 4-device mesh run."""
-    run_mpi(4, SCRIPTS / "train_mpi.py", str(tmp_path / "mpi.npz"))
-    _compare(digits_job.run(4), tmp_path / "mpi.npz", exact=False)
+    tmp, reference = mpirun_runs
+    _compare(reference, tmp / "mpi.npz", exact=False)
 
 
-def test_mpirun_trainer_resumes_from_per_rank_checkpoints(tmp_path):
+@pytest.mark.mpi
+def test_mpirun_trainer_resumes_from_per_rank_checkpoints(mpirun_runs):
     """Interrupted after 4 steps and restarted under mpirun -n 4: every rank resumes from its own
     folder at the same step, and the run ends where the uninterrupted mesh run does."""
-    run_mpi(4, SCRIPTS / "train_mpi.py", str(tmp_path / "mpi.npz"), str(tmp_path / "ckpt"))
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"rank_{r:05d}" for r in range(4)]
-    assert all(jc.train.latest_step(tmp_path / "ckpt" / f"rank_{r:05d}") == 8 for r in range(4))
-    with np.load(tmp_path / "mpi.npz") as saved:
+    tmp, reference = mpirun_runs
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == [f"rank_{r:05d}" for r in range(4)]
+    assert all(jc.train.latest_step(tmp / "ckpt" / f"rank_{r:05d}") == 8 for r in range(4))
+    with np.load(tmp / "resumed.npz") as saved:
         assert len(saved["loss"]) == 4  # the restarted run trained steps 5..8 only
-    ref = digits_job.run(4)
-    with np.load(tmp_path / "mpi.npz") as saved:
-        for i, leaf in enumerate(ref[0]):
+        for i, leaf in enumerate(reference[0]):
             np.testing.assert_allclose(saved[f"arr_{i}"], leaf, rtol=1e-5, atol=1e-5)  # MPI vs XLA sum order
 
 

@@ -72,9 +72,8 @@ def payloads(c, init):
     (memory none: φ = g; key ``fold_in(split(step_key)[t], worker)``)."""
     _, keys = step_keys(init.key, len(SHAPES))
     g = gradients()
-    return [
-        [c.compress(g[k][w], jax.random.fold_in(keys[t], w))[0] for t, k in enumerate(sorted(SHAPES))] for w in range(N)
-    ]
+    compress = jax.jit(lambda x, key: c.compress(x, key)[0])  # compiled once per shape, as in the step
+    return [[compress(g[k][w], jax.random.fold_in(keys[t], w)) for t, k in enumerate(sorted(SHAPES))] for w in range(N)]
 
 
 @pytest.mark.parametrize("name", jc.compressors.names())

@@ -1,9 +1,11 @@
 """One MPI process of a data-parallel run with the MPI communicator (one worker per process).
 
-usage: mpirun -n P python train_mpi.py OUT [CKPT]     (rank 0 writes OUT, .npz)
+usage: mpirun -n P python train_mpi.py OUT [CKPT RESUMED]     (rank 0 writes the .npz files)
 
-With CKPT the run is interrupted after 4 of its 8 steps and resumed from its checkpoints
-(one folder per rank), as a restarted job would be.
+The uninterrupted 8-step run writes OUT. With CKPT and RESUMED, the same launch then runs the job
+again, interrupted after 4 of its 8 steps and resumed from its checkpoints (one folder per rank
+under CKPT), as a restarted job would be, and writes the resumed run's result to RESUMED. One
+launch for both runs: each ``mpirun`` pays process start, the jax import and compilation.
 """
 
 import os
@@ -16,11 +18,14 @@ import digits_job
 
 from jaxcomm.comm import MPIComm
 
+if len(sys.argv) not in (2, 4):
+    sys.exit(f"usage: {sys.argv[0]} OUT [CKPT RESUMED]")
 comm = MPIComm()
-if len(sys.argv) > 2:
-    digits_job.run(comm.size, comm=comm, checkpoint_dir=sys.argv[2], stop=4)  # "killed" after step 4
-    result = digits_job.run(comm.size, comm=comm, checkpoint_dir=sys.argv[2])  # the restarted job
-else:
-    result = digits_job.run(comm.size, comm=comm)
+result = digits_job.run(comm.size, comm=comm)
 if comm.rank == 0:
     digits_job.save(sys.argv[1], *result)
+if len(sys.argv) == 4:
+    digits_job.run(comm.size, comm=comm, checkpoint_dir=sys.argv[2], stop=4)  # "killed" after step 4
+    result = digits_job.run(comm.size, comm=comm, checkpoint_dir=sys.argv[2])  # the restarted job
+    if comm.rank == 0:
+        digits_job.save(sys.argv[3], *result)
