@@ -26,10 +26,12 @@ digest of each of these fields.
 
 Restoring checks, in order, before any array is read: each record field against
 its digest (an edited or damaged record is named), the recorded step against the
-folder's, the metadata and the run description against the running job's, the
-tree structure, shapes and dtypes (orbax would cast silently) and orbax's array
-metadata file; then, after reading, every array's digest (a flipped bit names the
-array and the step's folder). Every failure is a :class:`CheckpointError` naming
+folder's, the metadata and the run description against the running job's; then
+every file of the arrays is read to the end (orbax's metadata JSON, the OCDBT
+manifest, b-tree and data files, each array decoded), so a damaged file is one error
+with no orbax background-thread output; then the tree structure, shapes and dtypes
+(orbax would cast silently); then, after orbax's restore, every array's digest (a
+flipped bit names the array and the step's folder). Every failure is a :class:`CheckpointError` naming
 what differs, never a silent fresh start. A different position, metadata or
 transformation can be accepted on purpose (``accept_changes``; each accepted
 difference is still reported, as a warning). A save that was interrupted (the
@@ -374,6 +376,7 @@ class Checkpointer:
                 f"(jax.random.key) differ: saved {saved_keys or 'none'}, this run {keys or 'none'}"
             )
         typed, template = template, _key_data(template)
+        _check_state_files(self.directory, step)  # before orbax opens any array
         try:
             stored = self._manager.item_metadata(step)["state"]
         except Exception as e:
@@ -396,7 +399,6 @@ class Checkpointer:
                 f"checkpoint {step} in {self.directory} does not match this run (was it written by a different "
                 f"model, optimizer or worker count?): " + "; ".join(problems[:10])
             )
-        _check_array_metadatas(self.directory, step)
         try:
             args = ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(template)))
             state = self._manager.restore(step, args=args)["state"]
@@ -421,24 +423,75 @@ class Checkpointer:
         )
 
 
-def _check_array_metadatas(directory: Path, step: int) -> None:
-    """Refuse an unreadable orbax array-metadata file before orbax reads it.
+def _check_state_files(directory: Path, step: int) -> None:
+    """Read every file of checkpoint ``step``'s arrays to the end before orbax reads any of them.
 
-    orbax reads ``state/array_metadatas/process_*`` in the same ``asyncio.gather`` as
-    the arrays; when that read fails first, the gather ends while the array reads
-    are still running, and their completions then print "Event loop is closed"
-    tracebacks from orbax's background thread next to the error. Reading the JSON
-    here first turns the failure into one clear error with nothing in flight.
+    orbax opens the arrays (for their metadata) and reads them (to restore them) in one
+    ``asyncio.gather`` each; when one read fails, the gather ends while the others are
+    still running, and their completions then print "Event loop is closed" and "Exception
+    ignored in" tracebacks from orbax's background thread next to the error. This reads
+    the same files first, and waits for every read to finish whether it failed or not:
+    orbax's tree metadata (``state/_METADATA``) and array-metadata JSON
+    (``state/array_metadatas/process_*``), then every array through TensorStore as orbax
+    stores it (zarr or zarr3 chunks, in an OCDBT database or in plain files), decoded.
+    A damaged, truncated or missing file is then one :class:`CheckpointError` naming the
+    file or the array, with nothing in flight. The arrays are read twice (here and by
+    orbax's restore); their SHA-256 digests are checked after the restore.
     """
-    for path in sorted((directory / str(step) / "state" / "array_metadatas").glob("*")):
+    import tensorstore as ts
+
+    state = directory / str(step) / "state"
+
+    def unreadable(what: str, e: BaseException) -> CheckpointError:
+        text = str(e).splitlines()[0] if str(e) else ""
+        return CheckpointError(
+            f"checkpoint {step} in {directory} is unreadable ({what}: {type(e).__name__}: {text[:600]})"
+        )
+
+    tree = {}
+    for path in [state / "_METADATA", *sorted((state / "array_metadatas").glob("*"))]:
+        field = "tree_metadata" if path.name == "_METADATA" else "array_metadatas"
         try:
-            entries = json.loads(path.read_text())["array_metadatas"]
-            if not isinstance(entries, list):
-                raise TypeError(f"array_metadatas is a {type(entries).__name__}, not a list")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(
-                f"checkpoint {step} in {directory} is unreadable (array metadata file {path}: {type(e).__name__}: {e})"
-            ) from e
+            entries = json.loads(path.read_text())
+            if not isinstance(entries, dict) or not isinstance(entries.get(field), (dict, list)):
+                raise TypeError(f"{field} is missing or not a JSON object or list")
+        except (OSError, ValueError, TypeError) as e:
+            raise unreadable(f"array metadata file {path}", e) from e
+        tree = tree or entries
+    use_ocdbt, use_zarr3 = bool(tree.get("use_ocdbt", True)), bool(tree.get("use_zarr3", False))
+    kvstore: dict = {"driver": "file", "path": f"{state}/"}
+    if use_ocdbt:
+        kvstore = {"driver": "ocdbt", "base": kvstore}
+    suffix = "/zarr.json" if use_zarr3 else "/.zarray"
+    try:
+        keys = ts.KvStore.open(kvstore).result().list().result()
+    except Exception as e:  # TensorStore's errors are ValueErrors and others
+        raise unreadable(f"array store {state}", e) from e
+    names = sorted(k.decode()[: -len(suffix)] for k in keys if k.decode().endswith(suffix))
+    listed = {  # the arrays orbax's tree metadata names (a leaf's keys joined by dots)
+        ".".join(str(k.get("key")) for k in entry.get("key_metadata", ()))
+        for entry in tree["tree_metadata"].values()
+        if isinstance(entry, dict) and entry.get("value_metadata", {}).get("value_type") in ("jax.Array", "np.ndarray")
+    }
+    if listed - set(names):
+        missing = ", ".join(sorted(listed - set(names))[:8])
+        raise unreadable(f"array store {state}", FileNotFoundError(f"arrays in its metadata but not stored: {missing}"))
+
+    def wait_all(futures: dict) -> dict:
+        """Every future's result by array name; the first failure raised after all have finished."""
+        results, failed = {}, None
+        for name, future in futures.items():
+            try:
+                results[name] = future.result()
+            except Exception as e:
+                failed = failed or (name, e)
+        if failed is not None:
+            raise unreadable(f"array {failed[0]} in {state}", failed[1]) from failed[1]
+        return results
+
+    driver = "zarr3" if use_zarr3 else "zarr"
+    opened = wait_all({n: ts.open({"driver": driver, "kvstore": {**kvstore, "path": f"{n}/"}}) for n in names})
+    wait_all({n: array.read() for n, array in opened.items()})
 
 
 def _restore_flat(manager, directory: Path, step: int, meta: dict, template):
@@ -458,6 +511,7 @@ def _restore_flat(manager, directory: Path, step: int, meta: dict, template):
                 f"{str(expected[field])[:300]})"
             )
     abstract = {f"leaf_{i:05d}": a for i, a in enumerate(_abstract(leaves))}
+    _check_state_files(directory, step)
     try:
         items = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
     except Exception as e:
