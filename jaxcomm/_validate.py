@@ -25,6 +25,7 @@ import numpy as np
 
 __all__ = [
     "SEED_LIMIT",
+    "as_count",
     "check_bool",
     "check_choice",
     "check_finite_scalar",
@@ -79,6 +80,28 @@ def check_int(value, name: str, minimum: int = 1, *, maximum: int | None = None,
         raise TypeError(f"{name} must be an integer {span}; got {value!r}")
     if value < minimum or (maximum is not None and value > maximum):
         raise ValueError(f"{name} must be {span}; got {value}")
+    return int(value)
+
+
+def as_count(value, name: str) -> int:
+    """A count held as a number of any type (``float32`` sums of whole numbers, NumPy or
+    Python floats, a 0-d array) as the exact Python ``int`` it holds.
+
+    Raises:
+      TypeError: ``value`` is not a real number (``bool`` included).
+      ValueError: ``value`` is negative, not finite or not a whole number: it is no count.
+    """
+    if _is_jax(value) or isinstance(value, np.ndarray):
+        value = np.asarray(value)
+        if value.shape != ():
+            raise TypeError(f"{name} must be a single count; got an array of shape {value.shape}")
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a count (a whole number >= 0); got {value!r}")
+    if isinstance(value, (float, np.floating)) and not (math.isfinite(value) and float(value).is_integer()):
+        raise ValueError(f"{name} must be a count (a whole number >= 0); got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be a count (a whole number >= 0); got {value!r}")
     return int(value)
 
 

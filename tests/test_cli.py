@@ -4,6 +4,7 @@ import contextlib
 import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -125,24 +126,58 @@ def test_results_keep_integer_counts_integers(tmp_path):
 
     from jaxcomm.experiments import write_results
 
+    from jaxcomm import BitCount
+
+    big = BitCount.of(2**41) + BitCount.of(2**41)  # past int32 and float32's exact range
     path = write_results(
-        tmp_path, {"bits": np.int64(879360), "m": jnp.int32(3), "x": np.float32(0.5), "a": np.arange(2)}
+        tmp_path,
+        {"bits": np.int64(879360), "m": jnp.int32(3), "x": np.float32(2.0), "a": np.arange(2), "c": big},
     )
-    assert path.read_text().split() == [
-        "{",
-        '"a":',
-        "[",
-        "0,",
-        "1",
-        "],",
-        '"bits":',
-        "879360,",
-        '"m":',
-        "3,",
-        '"x":',
-        "0.5",
-        "}",
-    ]
+    text = path.read_text()
+    assert json.loads(text) == {"a": [0, 1], "bits": 879360, "c": 2**42, "m": 3, "x": 2.0}
+    assert "879360," in text and '"x": 2.0' in text  # a measured float stays a float, even when whole
+    assert json.loads(write_results(tmp_path, {"c": BitCount.of([5, 2**33])}).read_text()) == {"c": [5, 2**33]}
+    with pytest.raises(TypeError, match=r"write_results: a PosixPath .* cannot be written as JSON"):
+        write_results(tmp_path, {"p": tmp_path})
+
+
+def _results_counts():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "results_counts.py"
+    spec = importlib.util.spec_from_file_location("results_counts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_results_hold_counts_as_ints(tmp_path):
+    rc = _results_counts()
+    files = rc.results_files()
+    assert len(files) >= 90 and any("benchmarks/results" in str(f) for f in files)
+    assert [p for f in files for p in rc.float_counts(f)] == []
+    # The rewrite: exact counts and whole shares become ints, a fractional share (a mean over
+    # workers) stays a float, flags become bools, the layout is kept; a fractional count is refused.
+    old = {"history": [{"wire_bits": 879360.0, "messages": 12.0, "loss": 2.0}], "wire_bits_per_worker": 2.5}
+    old["trace"] = {"fired": [[1.0, 0.0]]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(old, indent=1) + "\n")
+    assert len(rc.float_counts(path, write=True)) == 4
+    assert (
+        path.read_text()
+        == json.dumps(
+            {
+                "history": [{"wire_bits": 879360, "messages": 12, "loss": 2.0}],
+                "wire_bits_per_worker": 2.5,
+                "trace": {"fired": [[True, False]]},
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    assert rc.float_counts(path, write=True) == [] and rc.main([str(path)]) == 0
+    path.write_text(json.dumps({"messages": 12.5}))
+    assert rc.main([str(path), "--write"]) == 2 and json.loads(path.read_text()) == {"messages": 12.5}
 
 
 def test_progress_in_a_log_file_is_one_line_per_update():

@@ -74,6 +74,7 @@ def test_hyperplane_smoke(tmp_path):
         st = r["staleness"]
         assert st["counts"][0] == sum(r["nap"]), mode
         assert sum(st["counts"]) + st["undelivered"] == p * len(r["nap"]), mode
+        assert all(type(c) is int for c in [*st["counts"], st["undelivered"]]), mode  # counts as ints
     assert sv["sync"]["staleness"]["fresh_fraction"] == 1.0 and sv["sync"]["staleness"]["max_staleness"] == 0
     assert sv["solo"]["staleness"]["mean_staleness"] > sv["majority"]["staleness"]["mean_staleness"] > 0
     # Simulated time: solo rounds end at the first arrival, sync ones at the last.

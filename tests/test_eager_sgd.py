@@ -159,6 +159,7 @@ def test_staleness_profile_matches_the_reference_deliveries(mode, clock, model):
     assert profile.counts[0] == ref_nap.sum()
     assert float(profile.counts.sum() + profile.undelivered) == p * t_steps
     summary = profile.summary()
+    assert type(summary["undelivered"]) is int and summary["undelivered"] == float(profile.undelivered)
     assert summary["fresh_fraction"] == pytest.approx(ref_nap.sum() / expected.sum())
     assert summary["mean_staleness"] == pytest.approx((np.arange(t_steps) * expected).sum() / expected.sum())
     assert summary["round_ms"] == pytest.approx(ref_clock[-1] / t_steps, rel=1e-5)

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._validate import check_choice, check_int, check_seed
+from .._validate import as_count, check_choice, check_int, check_seed
 from ..comm import PARTIAL_MODES, resolve
 from ..imbalance import ImbalanceModel
 
@@ -366,12 +366,13 @@ class StalenessProfile(NamedTuple):
     undelivered: jax.Array
 
     def summary(self) -> dict:
-        """Python floats: ``fresh_fraction`` (of the delivered gradients),
+        """Python numbers: ``fresh_fraction`` (of the delivered gradients),
         ``mean_staleness`` and ``max_staleness`` (rounds, over the delivered
         gradients), ``nap_mean``, ``delivered_std`` (standard deviation over rounds
         of the gradients delivered per round, whose mean is ``P`` in steady state:
         since the result is divided by ``P``, the step's scale varies with it),
-        ``round_ms`` (mean round length, ms) and ``undelivered``."""
+        ``round_ms`` (mean round length, ms) and ``undelivered`` (an ``int``, like
+        ``max_staleness``)."""
         counts = np.asarray(self.counts, np.float64)
         total = counts.sum()
         lags = np.arange(counts.shape[0])
@@ -383,7 +384,7 @@ class StalenessProfile(NamedTuple):
             "nap_mean": float(np.mean(np.asarray(self.nap))),
             "delivered_std": float(np.std(np.asarray(self.delivered, np.float64))),
             "round_ms": float(clock[-1] / clock.shape[0]),
-            "undelivered": float(self.undelivered),
+            "undelivered": as_count(self.undelivered, "undelivered"),
         }
 
 

@@ -519,10 +519,17 @@ def provenance() -> dict:
 
 
 def _json_value(value: Any) -> Any:
-    """NumPy and JAX scalars and arrays as JSON numbers and lists, keeping integers integers."""
+    """What ``json`` cannot write itself, as JSON numbers and lists: NumPy and JAX scalars and
+    arrays by their dtype (integers as ints, floats as floats: a measured float that happens to
+    be whole stays a float), a :class:`~jaxcomm.BitCount` as its exact ints; anything else is a
+    ``TypeError`` naming its type (a count must reach the writer as an integer, from its source)."""
+    from .._bitcount import BitCount
+
+    if isinstance(value, BitCount):
+        return int(value) if value.ndim == 0 else [_json_value(value[i]) for i in range(len(value))]
     if hasattr(value, "tolist"):
         return value.tolist()
-    return float(value)
+    raise TypeError(f"write_results: a {type(value).__name__} ({value!r:.80}) cannot be written as JSON")
 
 
 def write_results(out_dir: Path, results: dict) -> Path:

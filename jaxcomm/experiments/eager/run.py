@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._validate import as_count
 from .worker import hyperplane_data
 
 __all__ = ["launch_mpi", "run_microbench", "run_hyperplane", "severe_learning_rate", "severe_staleness"]
@@ -347,7 +348,8 @@ def severe_staleness(config: dict, mode: str, rounds: int) -> dict:
     key = jax.random.split(jax.random.key(int(config["seed"])))[0]
     profile = staleness_profile(EagerSGDConfig(mode, _severe_skew(config), clock=config["severe_clock"]), rounds, key)
     stats = profile.summary()
-    return dict(stats, counts=np.asarray(profile.counts)[: stats["max_staleness"] + 1].tolist())
+    counts = np.asarray(profile.counts)[: stats["max_staleness"] + 1]
+    return dict(stats, counts=[as_count(c, "counts") for c in counts])
 
 
 def _run_severe(config: dict, out_dir: Path) -> dict:

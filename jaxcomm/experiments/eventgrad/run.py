@@ -225,13 +225,13 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
     if picks:
         names = _tensor_names(params0)
         rec = run["records"]
-        get = lambda f: np.stack([np.asarray(a, dtype=float) for a in rec[f]]).tolist()
+        get = lambda f, dtype=float: np.stack([np.asarray(a, dtype=dtype) for a in rec[f]]).tolist()
         out["trace"] = {
             "tensors": [names[i] for i in picks],
             "sizes": [int(np.size(jax.tree.leaves(params0)[i])) for i in picks],
             "norm": get("norm"),
             "threshold": get("threshold"),
-            "fired": get("fired"),
+            "fired": get("fired", bool),
             "last_sent_norm": get("last_sent_norm"),
         }
     return out
