@@ -124,9 +124,8 @@ def test_results_keep_integer_counts_integers(tmp_path):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxcomm.experiments import write_results
-
     from jaxcomm import BitCount
+    from jaxcomm.experiments import write_results
 
     big = BitCount.of(2**41) + BitCount.of(2**41)  # past int32 and float32's exact range
     path = write_results(

@@ -448,7 +448,7 @@ def _check_state_files(directory: Path, step: int) -> None:
             f"checkpoint {step} in {directory} is unreadable ({what}: {type(e).__name__}: {text[:600]})"
         )
 
-    tree = {}
+    tree: dict = {}
     for path in [state / "_METADATA", *sorted((state / "array_metadatas").glob("*"))]:
         field = "tree_metadata" if path.name == "_METADATA" else "array_metadatas"
         try:
