@@ -94,7 +94,7 @@ from typing import Any
 import numpy as np
 
 from .._validate import check_bool, check_choice
-from ._partial_mpi import _import_mpi, _odd_ones
+from ._partial_protocol import _import_mpi, _odd_ones
 
 __all__ = ["MPIWatchdog", "MPIWatchdogError", "WATCHDOG_ABORT_CODE"]
 
