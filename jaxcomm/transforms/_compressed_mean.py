@@ -22,7 +22,7 @@ from .._validate import check_bool, check_int
 from .._vma import typed_switch
 from ..comm import Communicator, resolve
 from ..compressors import Compressor
-from ._hierarchical import Grid, HierarchicalState, Hierarchy, check_axes, refuse_outer_comm
+from ._hierarchical import Grid, HierarchicalState, Hierarchy, Outer, check_axes, check_outer
 from ._pipeline import (
     FUSE_MAX_BYTES,
     STRATEGIES,
@@ -218,21 +218,21 @@ def compressed_mean(
     compressor = check_compressor(compressor, dense_warmup=True)
     memory = memory_lib.none() if memory is None else check_memory(memory)
     hierarchy = None
+    outer = axis_name is not None and comm is not None and not isinstance(axis_name, tuple)
     comm_obj: Communicator
-    if isinstance(axis_name, tuple):
-        hierarchy = Hierarchy(*check_axes(axis_name, comm), fast)
+    skip = check_skip_nonfinite(skip_nonfinite)
+    if isinstance(axis_name, tuple) or outer:
+        slow_comm, fast_axis = check_outer(comm, axis_name, skip) if outer else check_axes(axis_name, comm)
+        hierarchy = Hierarchy(slow_comm, fast_axis, fast)
         comm_obj = hierarchy.slow
     else:
         if fast is not None:
             raise ValueError(
-                f"fast= is the fast axis' format of the hierarchical mean, axis_name=(slow, fast); got "
-                f"axis_name={axis_name!r}"
+                f"fast= is the fast axis' format of the hierarchical mean, axis_name=(slow, fast) or a communicator "
+                f"outside (comm=) with a mesh axis inside (axis_name=); got axis_name={axis_name!r}"
             )
-        if axis_name is not None and comm is not None:
-            refuse_outer_comm(comm, axis_name)
         comm_obj = resolve(axis_name, comm)
     fuse = check_bool(fuse, "fuse")
-    skip = check_skip_nonfinite(skip_nonfinite)
     stages = check_warmup(warmup, compressor)
     main = _Phase(compressor, strategy, memory, None)
     phases = [_Phase(c, strategy, memory, f"warmup[{j}]") for j, (c, _) in enumerate(stages)] + [main]
@@ -305,6 +305,10 @@ def compressed_mean(
         hierarchy.check_state(state, jax.eval_shape(lambda: flat_init(hierarchy.shards(updates, "update"))))
         return if_finite(Grid(hierarchy), updates, state, lambda u, s: hierarchy.step(u, s, step), skip=skip)
 
+    if outer:  # MPI outside, the mesh axis inside: three programs per step, run from the host
+        assert hierarchy is not None
+        program = Outer(hierarchy, step, flat_init)
+        return optax.GradientTransformationExtraArgs(program.init, program.update)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
