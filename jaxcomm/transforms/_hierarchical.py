@@ -14,6 +14,9 @@ slow axis first) runs, for every gradient leaf ``g`` of ``d`` entries on worker 
 
 Only step 2 crosses the slow network, with ``1/L`` of each tensor: the slow axis carries ``L``
 times fewer bytes per worker than the flat compressed mean over all ``N·L`` workers.
+
+With ``comm=`` across processes (MPI) outside and one mesh axis inside (:class:`Outer`), the same
+steps run as three compiled programs launched from the host, step 2 on one device per process.
 """
 
 from __future__ import annotations
@@ -203,7 +206,7 @@ class Outer:
 
         def scatter(updates, fast):
             leaves = jax.tree.leaves(updates)
-            _, keys = h.keys(leaves, HierarchicalState((), fast))
+            _, keys = h.keys(leaves, fast)
             return jax.tree.unflatten(jax.tree.structure(updates), h.scatter(leaves, keys)[0])
 
         def finish(means, updates, fast, slow):
@@ -211,7 +214,7 @@ class Outer:
 
             def step(u, state):
                 leaves = jax.tree.leaves(u)
-                key, keys = h.keys(leaves, state)
+                key, keys = h.keys(leaves, state.fast)
                 return h.finish(u, state, key, keys, h.row_bits(leaves), means, state.slow)
 
             return if_finite(h.fast, updates, HierarchicalState(slow, fast), step, skip=False)
@@ -383,19 +386,20 @@ class Hierarchy:
                 "the same tree and the same fast axis size"
             )
 
-    def keys(self, leaves, state: HierarchicalState):
-        """``(next_key, keys)``: ``next_key, step_key = split(state.fast.key)``; leaf ``i`` draws its rows and its
-        gathered shard from ``keys[i] = split(fold_in(split(step_key, num_leaves)[i], a·L + b), L + 1)`` (worker
-        ``(a, b)``: ``a = slow.index()``, ``b = fast.index()``)."""
+    def keys(self, leaves, fast: CompressionState):
+        """``(next_key, keys)``: ``next_key, step_key = split(fast.key)`` (``fast``: the fast axis' state);
+        leaf ``i`` draws its rows and its gathered shard from
+        ``keys[i] = split(fold_in(split(step_key, num_leaves)[i], a·L + b), L + 1)`` (worker ``(a, b)``:
+        ``a = slow.index()``, ``b = fast.index()``)."""
         n, me = self.fast.size, self.slow.index() * self.fast.size + self.fast.index()
-        key, leaf_keys = step_keys(state.fast.key, len(leaves))
+        key, leaf_keys = step_keys(fast.key, len(leaves))
         return key, [jax.random.split(jax.random.fold_in(k, me), n + 1) for k in leaf_keys[: len(leaves)]]
 
     def step(self, updates, state: HierarchicalState, slow_step):
         """One hierarchical step: ``(means, new_state)``; ``slow_step(shard_tree, slow_state)`` is step 2
         (keys: :meth:`keys`)."""
         leaves, treedef = jax.tree.flatten(updates)
-        key, keys = self.keys(leaves, state)
+        key, keys = self.keys(leaves, state.fast)
         shards, rs_bits, _ = self.scatter(leaves, keys)
         means, slow = slow_step(treedef.unflatten(shards), state.slow)
         return self.finish(updates, state, key, keys, rs_bits, means, slow)
