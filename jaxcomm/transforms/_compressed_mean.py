@@ -22,7 +22,7 @@ from .._validate import check_bool, check_int
 from .._vma import typed_switch
 from ..comm import Communicator, resolve
 from ..compressors import Compressor
-from ._hierarchical import Grid, HierarchicalState, Hierarchy, check_axes, refuse_outer_comm
+from ._hierarchical import Grid, HierarchicalState, Hierarchy, Outer, check_axes, check_outer
 from ._pipeline import (
     FUSE_MAX_BYTES,
     STRATEGIES,
@@ -155,11 +155,18 @@ def compressed_mean(
     back). The state is a :class:`~jaxcomm.transforms.HierarchicalState`: ``state.slow`` (the
     shards' :class:`~jaxcomm.transforms.CompressionState`, ``wire_bits`` on the slow axis) and
     ``state.fast`` (``wire_bits`` on the fast axis). ``init`` needs the fast axis' size: call it
-    under ``with jax.set_mesh(mesh):`` (or inside the ``shard_map``). A communicator across
-    processes with a mesh axis inside (``comm=MPIComm()`` with ``axis_name="local"``) is refused:
-    mpi4jax's collectives carry an ordered effect, which JAX compiles for one device per program
-    only; under ``jax.distributed`` the 2-D mesh spans the processes and ``axis_name=("node",
-    "local")`` is the way.
+    under ``with jax.set_mesh(mesh):`` (or inside the ``shard_map``).
+
+    MPI outside, a mesh axis inside (``comm=MPIComm()`` with ``axis_name="local"``, one process per
+    node): the same three steps, the slow axis being ``comm`` (its rank ``a``) and the fast one the axis
+    over the process's ``L = jax.local_device_count()`` devices; process ``a``'s device ``b`` gets what
+    worker ``(a, b)`` of the 2-D form gets. ``init(params)`` returns every device's state stacked on a
+    leading axis of ``L``; ``update(updates, state)`` takes every leaf as ``(L, *shape)`` (row ``b``:
+    device ``b``'s gradient) and returns the means in that layout. ``update`` runs from the host, not
+    under ``jax.jit``: mpi4jax's collectives carry an ordered effect, which JAX compiles for one device
+    per program only, so a step is three programs (a ``shard_map`` reduce-scatter, the pipeline of the
+    ``L`` shards over ``comm`` on the first local device, in the same order in every process, a
+    ``shard_map`` all-gather). Not with ``skip_nonfinite=True``.
 
     Pitfall: inside ``jax.shard_map``, ``jax.grad`` of replicated parameters
     silently sums the gradient over the axis; cast the parameters first with
@@ -172,7 +179,8 @@ def compressed_mean(
       axis_name: the mesh axis to average over (e.g. ``"data"``), or two, ``(slow, fast)``, for the
         hierarchical mean (above).
       comm: a :class:`~jaxcomm.comm.Communicator` instead (e.g.
-        ``jaxcomm.comm.MPIComm()``). With neither, the ambient communicator of
+        ``jaxcomm.comm.MPIComm()``); with ``axis_name`` (one name), the communicator across processes
+        outside that mesh axis (above). With neither, the ambient communicator of
         ``jaxcomm.comm.use(...)`` is used when the step is traced.
       memory: a :class:`~jaxcomm.memory.Memory`; default
         :func:`~jaxcomm.memory.none` (pass ``residual()`` for error feedback).
@@ -188,7 +196,8 @@ def compressed_mean(
       skip_nonfinite: skip a step, on every worker, when some worker's gradient is not
         finite (above); default ``False``. With ``axis_name=(slow, fast)`` the flags are summed
         over both axes (one all-reduce, counted in ``state.slow.wire_bits[0]``).
-      fast: with ``axis_name=(slow, fast)`` only: the fast axis' format, a dense compressor summed
+      fast: with ``axis_name=(slow, fast)`` or ``comm`` outside ``axis_name`` only: the fast axis' format, a
+        dense compressor summed
         entry by entry (``none()``, the default; ``fp16()``, ``bf16()``, ``half(none())``).
     Returns:
       ``GradientTransformationExtraArgs`` with per-worker state
@@ -211,28 +220,30 @@ def compressed_mean(
         ``skip_nonfinite`` or ``warmup`` (not a sequence of ``(int, Compressor)`` pairs).
       ValueError: ``axis_name=(slow, fast)`` not two different non-empty names (``TypeError`` for
         names that are not strings), given with ``comm``; ``fast`` not a dense summed format, or
-        given with one axis; ``comm`` with ``axis_name`` (the reason above); at ``init``, the fast
+        given with one axis and no ``comm``; ``comm`` a mesh axis with ``axis_name`` (write the tuple),
+        or without a host-side ``rank``, or with ``skip_nonfinite=True``; ``update`` of that form
+        traced, or a leaf without the leading axis of ``L``; at ``init``, the fast
         axis' size unknown (no ``jax.set_mesh`` and not bound) or a leaf not divisible by it; at
         trace time, an axis not bound, or a state made for another fast axis size.
     """
     compressor = check_compressor(compressor, dense_warmup=True)
     memory = memory_lib.none() if memory is None else check_memory(memory)
     hierarchy = None
+    outer = axis_name is not None and comm is not None and not isinstance(axis_name, tuple)
     comm_obj: Communicator
-    if isinstance(axis_name, tuple):
-        hierarchy = Hierarchy(*check_axes(axis_name, comm), fast)
+    skip = check_skip_nonfinite(skip_nonfinite)
+    if isinstance(axis_name, tuple) or outer:
+        slow_comm, fast_axis = check_outer(comm, axis_name, skip) if outer else check_axes(axis_name, comm)
+        hierarchy = Hierarchy(slow_comm, fast_axis, fast)
         comm_obj = hierarchy.slow
     else:
         if fast is not None:
             raise ValueError(
-                f"fast= is the fast axis' format of the hierarchical mean, axis_name=(slow, fast); got "
-                f"axis_name={axis_name!r}"
+                f"fast= is the fast axis' format of the hierarchical mean, axis_name=(slow, fast) or a communicator "
+                f"outside (comm=) with a mesh axis inside (axis_name=); got axis_name={axis_name!r}"
             )
-        if axis_name is not None and comm is not None:
-            refuse_outer_comm(comm, axis_name)
         comm_obj = resolve(axis_name, comm)
     fuse = check_bool(fuse, "fuse")
-    skip = check_skip_nonfinite(skip_nonfinite)
     stages = check_warmup(warmup, compressor)
     main = _Phase(compressor, strategy, memory, None)
     phases = [_Phase(c, strategy, memory, f"warmup[{j}]") for j, (c, _) in enumerate(stages)] + [main]
@@ -305,6 +316,10 @@ def compressed_mean(
         hierarchy.check_state(state, jax.eval_shape(lambda: flat_init(hierarchy.shards(updates, "update"))))
         return if_finite(Grid(hierarchy), updates, state, lambda u, s: hierarchy.step(u, s, step), skip=skip)
 
+    if outer:  # MPI outside, the mesh axis inside: three programs per step, run from the host
+        assert hierarchy is not None
+        program = Outer(hierarchy, step, flat_init)
+        return optax.GradientTransformationExtraArgs(program.init, program.update)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

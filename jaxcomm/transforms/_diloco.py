@@ -228,6 +228,12 @@ def diloco(
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
     compressor = compressors_lib.none() if compressor is None else check_compressor(compressor)
     memory = memory_lib.none() if memory is None else check_memory(memory)
+    if comm is not None and isinstance(axis_name, str):
+        raise ValueError(
+            f"diloco with comm={comm!r} outside and the mesh axis axis_name={axis_name!r} inside is not served: that "
+            "hierarchical mean runs as three compiled programs from the host, and DiLoCo's outer step is one compiled "
+            "step. Pass axis_name=(slow, fast) on one mesh (under jax.distributed across processes), or comm= alone"
+        )
     mean = compressed_mean(
         compressor, axis_name, comm=comm, memory=memory, strategy=strategy, fuse=fuse, skip_nonfinite=skip_nonfinite
     )

@@ -14,6 +14,9 @@ slow axis first) runs, for every gradient leaf ``g`` of ``d`` entries on worker 
 
 Only step 2 crosses the slow network, with ``1/L`` of each tensor: the slow axis carries ``L``
 times fewer bytes per worker than the flat compressed mean over all ``N·L`` workers.
+
+With ``comm=`` across processes (MPI) outside and one mesh axis inside (:class:`Outer`), the same
+steps run as three compiled programs launched from the host, step 2 on one device per process.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ from .. import compressors as compressors_lib
 from .._bitcount import BitCount
 from .._keys import step_keys
 from .._validate import check_float_input
-from ..comm import MeshAxis
+from ..comm import MeshAxis, is_communicator
 from ..compressors import Compressor
 from ._pipeline import CompressionState, check_compressor, check_per_worker, check_stateless
 
-__all__ = ["HierarchicalState", "Hierarchy", "check_axes"]
+__all__ = ["HierarchicalState", "Hierarchy", "Outer", "check_axes", "check_outer"]
 
 
 class HierarchicalState(NamedTuple):
@@ -76,16 +79,153 @@ def check_axes(axis_name, comm) -> tuple[MeshAxis, MeshAxis]:
     return MeshAxis(axis_name[0]), MeshAxis(axis_name[1])
 
 
-def refuse_outer_comm(comm, axis_name) -> None:
-    """``ValueError``: a communicator outside with a mesh axis inside is not served (why, and the way that is)."""
-    raise ValueError(
-        f"pass at most one of axis_name=... (a mesh axis) or comm=... (a Communicator); got comm={comm!r} and "
-        f"axis_name={axis_name!r}. A communicator across processes with a mesh axis inside each is not served: "
-        "MPIComm's collectives are mpi4jax primitives with an ordered effect, and JAX compiles a program with "
-        "ordered effects for one device only, so they cannot run inside a shard_map over several local devices. "
-        "For one process per node with several devices each, start the processes with jax.distributed, build "
-        "one 2-D mesh over every process's devices and pass axis_name=('node', 'local') (the slow axis first)"
-    )
+def check_outer(comm, axis_name, skip_nonfinite: bool):
+    """``(slow, fast)`` for ``comm=`` across processes outside and the mesh axis ``axis_name`` inside.
+
+    Raises:
+      ValueError: ``comm`` is a mesh axis (the tuple form is the way), has no host-side ``rank`` (a communicator
+        across processes has one), or ``skip_nonfinite=True`` (not served by this form).
+      TypeError: ``axis_name`` is not a non-empty string; ``comm`` is not a communicator.
+    """
+    if not isinstance(axis_name, str) or not axis_name:
+        raise TypeError(
+            f"axis_name must be a mesh axis name (a non-empty string) or a pair (slow, fast); got {axis_name!r}"
+        )
+    if isinstance(comm, MeshAxis):
+        raise ValueError(
+            f"comm={comm!r} with axis_name={axis_name!r}: two mesh axes are written axis_name=(slow, fast), "
+            f"e.g. axis_name=({comm.axis_name!r}, {axis_name!r}), the slow axis first"
+        )
+    if not is_communicator(comm):
+        raise TypeError(
+            f"comm must implement jaxcomm.comm.Communicator (e.g. jaxcomm.comm.MPIComm()); got {type(comm).__name__}"
+        )
+    if not isinstance(getattr(comm, "rank", None), int):
+        raise ValueError(
+            f"comm={comm!r} with axis_name={axis_name!r} is the hierarchical mean with a communicator across "
+            "processes outside and a mesh axis inside (one process per node): comm must be one, with a host-side "
+            "rank (e.g. jaxcomm.comm.MPIComm())"
+        )
+    if skip_nonfinite:
+        raise ValueError(
+            f"skip_nonfinite=True is not served with comm={comm!r} outside and the mesh axis {axis_name!r} inside; "
+            "pass skip_nonfinite=False, or axis_name=(slow, fast) on one mesh"
+        )
+    return comm, MeshAxis(axis_name)
+
+
+class Outer:
+    """The hierarchical mean with a communicator across processes outside (MPI) and a mesh axis inside.
+
+    ``update`` runs on the host, not under ``jax.jit``: it launches three compiled programs per step,
+
+    1. a ``jax.shard_map`` over the process's devices (the mesh axis): the keys and the dense reduce-scatter
+       (:meth:`Hierarchy.keys`, :meth:`Hierarchy.scatter`);
+    2. one program on the process's first device: the slow step (the flat pipeline over ``comm``) of each of
+       the ``L`` shards in turn, ``b = 0 .. L − 1`` (the same order in every process, so the communicator's
+       collectives match);
+    3. a ``jax.shard_map`` again: the all-gather and the fast state (:meth:`Hierarchy.finish`).
+
+    MPI collectives (mpi4jax) carry an ordered effect, which JAX compiles for one device per program only:
+    hence step 2 on one device, apart from the mesh's collectives.
+
+    Args:
+      hierarchy: the :class:`Hierarchy` with ``slow = comm`` and ``fast`` the mesh axis.
+      slow_step: ``(shard_tree, slow_state) -> (mean_tree, slow_state)``, the pipeline over ``comm``.
+      flat_init: ``params -> CompressionState`` for the shard tree.
+    """
+
+    def __init__(self, hierarchy: Hierarchy, slow_step, flat_init):
+        self.hierarchy, self.slow_step, self.flat_init = hierarchy, slow_step, flat_init
+        self.axis = hierarchy.fast.axis_name
+        self._programs: dict = {}
+
+    def mesh(self) -> jax.sharding.Mesh:
+        """The process's devices (``jax.local_devices()``) as a 1-D mesh over the fast axis."""
+        return jax.sharding.Mesh(np.array(jax.local_devices()), (self.axis,))
+
+    def init(self, params) -> HierarchicalState:
+        """Every device's state, stacked: each leaf ``(L, ...)``, row ``b`` device ``b``'s (``params``: one copy)."""
+        mesh = self.mesh()
+        with jax.set_mesh(mesh):
+            state = HierarchicalState(self.flat_init(self.hierarchy.shards(params)), self.hierarchy.init_fast(params))
+        n = mesh.devices.size
+        return jax.tree.map(lambda v: jnp.broadcast_to(v, (n, *jnp.shape(v))), state)
+
+    def _check(self, updates, state, mesh):
+        n = mesh.devices.size
+        for path, g in jax.tree_util.tree_flatten_with_path(updates)[0]:
+            if isinstance(g, jax.core.Tracer):
+                raise ValueError(
+                    f"updates{jax.tree_util.keystr(path)} is traced: with comm= across processes and the mesh axis "
+                    f"{self.axis!r} inside, update launches three compiled programs (the MPI collectives run on one "
+                    "device apart from the mesh's): call it outside jax.jit and jax.shard_map, on the per-device "
+                    "gradients stacked on a leading axis"
+                )
+            if jnp.ndim(g) == 0 or jnp.shape(g)[0] != n:
+                raise ValueError(
+                    f"updates{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(g))}: with the mesh axis "
+                    f"{self.axis!r} inside, every leaf holds the gradients of the process's {n} devices stacked on "
+                    f"a leading axis of length {n}"
+                )
+        if not isinstance(state, HierarchicalState):
+            raise TypeError(
+                f"state must be the HierarchicalState of this transformation's init; got {type(state).__name__}"
+            )
+        rows = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g)[1:], jnp.result_type(g)), updates)
+        with jax.set_mesh(mesh):
+            want = jax.eval_shape(lambda: self.flat_init(self.hierarchy.shards(rows, "update")))
+            self.hierarchy.check_state(jax.tree.map(lambda v: v[0], state), want)
+
+    def update(self, updates, state: HierarchicalState, params=None, **extra_args):
+        """``(means, new_state)``: ``updates`` and ``means`` hold one row per device of this process (leaves
+        ``(L, *shape)``, every row of ``means`` the same mean), the state as :meth:`init` stacks it."""
+        del params, extra_args
+        mesh = self.mesh()
+        self._check(updates, state, mesh)
+        scatter, slow, finish = self._compiled(mesh)
+        sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(self.axis))
+        updates, fast = jax.device_put((updates, state.fast), sharded)
+        shards = scatter(updates, fast)
+        first = jax.local_devices()[0]
+        means, slow_state = slow(*jax.device_put((shards, state.slow), first))
+        return finish(jax.device_put(means, sharded), updates, fast, jax.device_put(slow_state, sharded))
+
+    def _compiled(self, mesh):
+        if "programs" in self._programs:
+            return self._programs["programs"]
+        h, axis, n = self.hierarchy, self.axis, mesh.devices.size
+        spec = jax.sharding.PartitionSpec(axis)
+
+        def per_device(fn):
+            def body(*args):
+                out = fn(*jax.tree.map(lambda v: v[0], args))
+                return jax.tree.map(lambda v: v[None], out)
+
+            return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=True))
+
+        def scatter(updates, fast):
+            leaves = jax.tree.leaves(updates)
+            _, keys = h.keys(leaves, fast)
+            return jax.tree.unflatten(jax.tree.structure(updates), h.scatter(leaves, keys)[0])
+
+        def finish(means, updates, fast, slow):
+            from ._pipeline import if_finite
+
+            def step(u, state):
+                leaves = jax.tree.leaves(u)
+                key, keys = h.keys(leaves, state.fast)
+                return h.finish(u, state, key, keys, h.row_bits(leaves), means, state.slow)
+
+            return if_finite(h.fast, updates, HierarchicalState(slow, fast), step, skip=False)
+
+        @jax.jit
+        def slow(shards, states):
+            outs = [self.slow_step(*jax.tree.map(lambda v, b=b: v[b], (shards, states))) for b in range(n)]
+            return jax.tree.map(lambda *rows: jnp.stack(rows), *outs)
+
+        self._programs["programs"] = (per_device(scatter), slow, per_device(finish))
+        return self._programs["programs"]
 
 
 def _fast_format(fast) -> Compressor:
@@ -126,7 +266,8 @@ class Hierarchy:
         ).summable[0]
 
     def __repr__(self):
-        return f"Hierarchy(slow={self.slow.axis_name!r}, fast={self.fast.axis_name!r}, format={self.format!r})"
+        slow = getattr(self.slow, "axis_name", self.slow)
+        return f"Hierarchy(slow={slow!r}, fast={self.fast.axis_name!r}, format={self.format!r})"
 
     def fast_size(self, where: str) -> int:
         """``L``, the fast axis' size: where the axis is bound, else from the mesh of ``jax.set_mesh``.
@@ -193,7 +334,7 @@ class Hierarchy:
         n = self.fast.size
         if n > 1:
             check_per_worker(self.fast, leaves)
-        shards, bits = [], []
+        shards = []
         for g, k in zip(leaves, keys):
             rows = jnp.reshape(g, (n, -1))
             payload = jax.vmap(lambda r, kr: self.format.compress(r, kr, ())[0])(rows, k[:n])
@@ -202,8 +343,19 @@ class Hierarchy:
             first = jax.tree.map(lambda a: a[0], payload)
             total = self.format.decompress(dataclasses.replace(first, **{self.field: summed}))
             shards.append((total.astype(jnp.float32) / n).astype(jnp.result_type(g)))
-            bits.append(_bits([field]))
-        return shards, bits, len(leaves)
+        return shards, self.row_bits(leaves), len(leaves)
+
+    def row_bits(self, leaves) -> list:
+        """The bits :meth:`scatter` hands the fast axis for each leaf (its ``(L, d / L)`` rows in the ``fast``
+        format), from the shapes alone."""
+        n = self.fast_size("update")
+        key = jax.random.PRNGKey(0)
+        out = []
+        for g in leaves:
+            rows = jax.ShapeDtypeStruct((n, int(np.size(g)) // n), jnp.result_type(g))
+            payload = jax.eval_shape(jax.vmap(lambda r: self.format.compress(r, key, ())[0]), rows)
+            out.append(_bits([getattr(payload, self.field)]))
+        return out
 
     def gather(self, shards, leaves, keys):
         """Step 3: ``(means, bits, messages)``: every worker's shard in the ``fast`` format (drawn with
@@ -230,28 +382,38 @@ class Hierarchy:
         if got != expect:
             raise ValueError(
                 f"state: the memories and compressor states have shapes {got}, but shards of the fast axis "
-                f"{self.fast.axis_name!r} (size {self.fast.size}) need {expect}: init and update must see the "
-                "same tree and the same fast axis size"
+                f"{self.fast.axis_name!r} (size {self.fast_size('update')}) need {expect}: init and update must see "
+                "the same tree and the same fast axis size"
             )
 
-    def step(self, updates, state: HierarchicalState, slow_step):
-        """One hierarchical step: ``(means, new_state)``; ``slow_step(shard_tree, slow_state)`` is step 2.
-
-        Keys: ``key, step_key = split(state.fast.key)``; leaf ``i`` draws its rows and its gathered shard
-        from ``split(fold_in(split(step_key, num_leaves)[i], a·L + b), L + 1)`` (worker ``(a, b)``).
-        """
-        leaves, treedef = jax.tree.flatten(updates)
+    def keys(self, leaves, fast: CompressionState):
+        """``(next_key, keys)``: ``next_key, step_key = split(fast.key)`` (``fast``: the fast axis' state);
+        leaf ``i`` draws its rows and its gathered shard from
+        ``keys[i] = split(fold_in(split(step_key, num_leaves)[i], a·L + b), L + 1)`` (worker ``(a, b)``:
+        ``a = slow.index()``, ``b = fast.index()``)."""
         n, me = self.fast.size, self.slow.index() * self.fast.size + self.fast.index()
-        key, leaf_keys = step_keys(state.fast.key, len(leaves))
-        keys = [jax.random.split(jax.random.fold_in(k, me), n + 1) for k in leaf_keys[: len(leaves)]]
-        shards, rs_bits, rs_messages = self.scatter(leaves, keys)
+        key, leaf_keys = step_keys(fast.key, len(leaves))
+        return key, [jax.random.split(jax.random.fold_in(k, me), n + 1) for k in leaf_keys[: len(leaves)]]
+
+    def step(self, updates, state: HierarchicalState, slow_step):
+        """One hierarchical step: ``(means, new_state)``; ``slow_step(shard_tree, slow_state)`` is step 2
+        (keys: :meth:`keys`)."""
+        leaves, treedef = jax.tree.flatten(updates)
+        key, keys = self.keys(leaves, state.fast)
+        shards, rs_bits, _ = self.scatter(leaves, keys)
         means, slow = slow_step(treedef.unflatten(shards), state.slow)
+        return self.finish(updates, state, key, keys, rs_bits, means, slow)
+
+    def finish(self, updates, state: HierarchicalState, key, keys, rs_bits, means, slow):
+        """Step 3 and the new state: ``(means in the leaves' shapes, HierarchicalState(slow, fast))`` from the slow
+        step's ``means`` (the shard tree) and state ``slow``; ``rs_bits`` the bits of step 1 (:meth:`scatter`)."""
+        leaves, treedef = jax.tree.flatten(updates)
         outs, ag_bits, ag_messages = self.gather(jax.tree.leaves(means), leaves, keys)
         fast = state.fast._replace(
             count=state.fast.count + 1,
             key=key,
             wire_bits=BitCount.stack([a + b for a, b in zip(rs_bits, ag_bits)]) if leaves else BitCount.zeros((0,)),
-            messages=jnp.asarray(rs_messages + ag_messages, jnp.int32),
+            messages=jnp.asarray(len(leaves) + ag_messages, jnp.int32),
         )
         return treedef.unflatten(outs), HierarchicalState(slow, fast)
 
