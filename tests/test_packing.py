@@ -216,7 +216,7 @@ _ROW_SPEC = st.tuples(
 )
 
 
-# 8 examples (each compiles its own shapes: about 4 s apiece on 2 cores), to pay for other tests.
+# 8 examples (each compiles one program for its own shapes: about 1.5 s apiece), to pay for other tests.
 @settings(max_examples=8, deadline=None)
 @given(st.lists(_ROW_SPEC, min_size=1, max_size=3), st.booleans(), st.integers(1, 4), st.integers(0, 2**31 - 1))
 def test_counted_gather_equals_all_gather(specs, with_plain, n, seed):
@@ -231,8 +231,13 @@ def test_counted_gather_equals_all_gather(specs, with_plain, n, seed):
         extra = jnp.asarray(rng.standard_normal((n, 2, 3)), jnp.float32)
         sent_items, items = sent_items + [extra], items + [extra]
     comm, minimum = MeshAxis("i"), 16  # a small first bucket: many branches on small buffers
-    res = jax.vmap(lambda t: all_gather_counted(comm, t, minimum=minimum), axis_name="i")(sent_items)
-    plain = jax.vmap(comm.all_gather, axis_name="i")(items)
+    # one jitted program per example (eager vmap would compile each primitive and switch branch apart)
+    res, plain = jax.jit(
+        lambda s, z: (
+            jax.vmap(lambda t: all_gather_counted(comm, t, minimum=minimum), axis_name="i")(s),
+            jax.vmap(comm.all_gather, axis_name="i")(z),
+        )
+    )(sent_items, items)
     for a, b in zip(jax.tree.leaves(res.items), jax.tree.leaves(plain)):
         _same_bits(a, b)
     # the bytes: NumPy from the counts
