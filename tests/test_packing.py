@@ -69,8 +69,12 @@ def test_equals_per_leaf_all_gather(spec, n, seed):
     rng = np.random.default_rng(seed)
     tree = [jnp.stack([_leaf(rng, DTYPES[d], tuple(shape)) for _ in range(n)]) for d, shape in spec]
     comm = MeshAxis("i")
-    packed = jax.vmap(lambda t: all_gather_packed(comm, t), axis_name="i")(tree)
-    plain = jax.vmap(lambda t: comm.all_gather(t), axis_name="i")(tree)
+    packed, plain = jax.jit(
+        lambda t: (
+            jax.vmap(lambda w: all_gather_packed(comm, w), axis_name="i")(t),
+            jax.vmap(comm.all_gather, axis_name="i")(t),
+        )
+    )(tree)
     assert jax.tree.structure(packed) == jax.tree.structure(plain)
     for a, b in zip(packed, plain):
         assert a.dtype == b.dtype and a.shape == b.shape == (n, n, *b.shape[2:])
