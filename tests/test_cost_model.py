@@ -291,7 +291,7 @@ def _vmapped_state(compressor, strategy, n, shape):
     tx = jc.compressed_mean(compressor, "w", strategy=strategy)
     g = {"w": jnp.arange(n * math.prod(shape), dtype=jnp.float32).reshape(n, *shape) / 7.0}
     state = jax.vmap(tx.init)(g)
-    _, state = jax.vmap(tx.update, axis_name="w")(g, state)
+    _, state = jax.jit(jax.vmap(tx.update, axis_name="w"))(g, state)
     return int(np.asarray(state.wire_bits)[0].sum()), int(np.asarray(state.messages)[0])
 
 

@@ -93,6 +93,7 @@ def _numpy_mean_of_roundtrips(c: jc.compressors.Compressor, grads):
     the worker (the shared leaf key where the payload has fields that are not summed)."""
     names = sorted(X0)
     leaf_keys = [_leaf_key(c, 0, j) for j in range(len(names))]
+    roundtrip = jax.jit(lambda g, key: c.roundtrip(g, key, c.init_state(g))[0])  # one program per leaf shape
     out = {}
     for j, name in enumerate(names):
         hats = []
@@ -104,7 +105,7 @@ def _numpy_mean_of_roundtrips(c: jc.compressors.Compressor, grads):
                 data = [f.name for f in dataclasses.fields(p) if not f.metadata.get("static")]
                 shared = any(f not in type(p).summable for f in data)
             key = leaf_keys[j] if shared else jax.random.fold_in(leaf_keys[j], i)
-            hats.append(np.asarray(c.roundtrip(g, key, c.init_state(g))[0], np.float64))
+            hats.append(np.asarray(roundtrip(g, key), np.float64))
         out[name] = np.mean(hats, axis=0)
     return out
 
@@ -112,7 +113,7 @@ def _numpy_mean_of_roundtrips(c: jc.compressors.Compressor, grads):
 def _vmap_mean(tx, grads):
     g = jax.tree.map(lambda *xs: jnp.stack(xs), *grads)
     state = jax.tree.map(lambda v: jnp.broadcast_to(v, (N, *jnp.shape(v))), tx.init(X0))
-    u, _ = jax.vmap(tx.update, axis_name="data")(g, state)
+    u, _ = jax.jit(jax.vmap(tx.update, axis_name="data"))(g, state)
     return jax.tree.map(lambda v: np.asarray(v[0], np.float64), u)
 
 

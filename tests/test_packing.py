@@ -69,8 +69,12 @@ def test_equals_per_leaf_all_gather(spec, n, seed):
     rng = np.random.default_rng(seed)
     tree = [jnp.stack([_leaf(rng, DTYPES[d], tuple(shape)) for _ in range(n)]) for d, shape in spec]
     comm = MeshAxis("i")
-    packed = jax.vmap(lambda t: all_gather_packed(comm, t), axis_name="i")(tree)
-    plain = jax.vmap(lambda t: comm.all_gather(t), axis_name="i")(tree)
+    packed, plain = jax.jit(
+        lambda t: (
+            jax.vmap(lambda w: all_gather_packed(comm, w), axis_name="i")(t),
+            jax.vmap(comm.all_gather, axis_name="i")(t),
+        )
+    )(tree)
     assert jax.tree.structure(packed) == jax.tree.structure(plain)
     for a, b in zip(packed, plain):
         assert a.dtype == b.dtype and a.shape == b.shape == (n, n, *b.shape[2:])
@@ -216,7 +220,7 @@ _ROW_SPEC = st.tuples(
 )
 
 
-# 8 examples (each compiles its own shapes: about 4 s apiece on 2 cores), to pay for other tests.
+# 8 examples (each compiles one program for its own shapes: about 1.5 s apiece), to pay for other tests.
 @settings(max_examples=8, deadline=None)
 @given(st.lists(_ROW_SPEC, min_size=1, max_size=3), st.booleans(), st.integers(1, 4), st.integers(0, 2**31 - 1))
 def test_counted_gather_equals_all_gather(specs, with_plain, n, seed):
@@ -231,8 +235,13 @@ def test_counted_gather_equals_all_gather(specs, with_plain, n, seed):
         extra = jnp.asarray(rng.standard_normal((n, 2, 3)), jnp.float32)
         sent_items, items = sent_items + [extra], items + [extra]
     comm, minimum = MeshAxis("i"), 16  # a small first bucket: many branches on small buffers
-    res = jax.vmap(lambda t: all_gather_counted(comm, t, minimum=minimum), axis_name="i")(sent_items)
-    plain = jax.vmap(comm.all_gather, axis_name="i")(items)
+    # one jitted program per example (eager vmap would compile each primitive and switch branch apart)
+    res, plain = jax.jit(
+        lambda s, z: (
+            jax.vmap(lambda t: all_gather_counted(comm, t, minimum=minimum), axis_name="i")(s),
+            jax.vmap(comm.all_gather, axis_name="i")(z),
+        )
+    )(sent_items, items)
     for a, b in zip(jax.tree.leaves(res.items), jax.tree.leaves(plain)):
         _same_bits(a, b)
     # the bytes: NumPy from the counts

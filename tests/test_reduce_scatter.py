@@ -54,7 +54,7 @@ def test_matches_numpy(name, n, d, seed):
     xs = np.random.default_rng(seed).normal(size=(n, d)).astype(np.float32) * 100
     tx = compressed_mean(jc.compressors.make(name), "i", strategy="reduce_scatter")
     st0 = stacked(tx.init({"w": jnp.zeros(d)}), n)
-    out, state = jax.vmap(tx.update, axis_name="i")({"w": jnp.asarray(xs)}, st0)
+    out, state = jax.jit(jax.vmap(tx.update, axis_name="i"))({"w": jnp.asarray(xs)}, st0)
     ref = reference(xs, WIRE[name])
     for w in range(n):  # every worker ends with the same mean
         np.testing.assert_array_equal(np.asarray(out["w"][w]), ref)
@@ -70,10 +70,12 @@ def test_fp16_moves_half_the_bytes_of_float32_with_float32_sums():
     n, d = 8, 64
     xs = np.full((n, d), 30000.0, np.float32)
     tx = compressed_mean(jc.compressors.fp16(), "i", strategy="reduce_scatter")
-    out, state = jax.vmap(tx.update, axis_name="i")({"w": jnp.asarray(xs)}, stacked(tx.init({"w": jnp.zeros(d)}), n))
+    out, state = jax.jit(jax.vmap(tx.update, axis_name="i"))(
+        {"w": jnp.asarray(xs)}, stacked(tx.init({"w": jnp.zeros(d)}), n)
+    )
     np.testing.assert_array_equal(np.asarray(out["w"]), np.float32(np.float16(30000.0)))
     dense = compressed_mean(jc.compressors.none(), "i", strategy="reduce_scatter")
-    _, dense_state = jax.vmap(dense.update, axis_name="i")(
+    _, dense_state = jax.jit(jax.vmap(dense.update, axis_name="i"))(
         {"w": jnp.asarray(xs)}, stacked(dense.init({"w": jnp.zeros(d)}), n)
     )
     assert 2 * int(state.wire_bits[0].sum()) == int(dense_state.wire_bits[0].sum())
@@ -118,7 +120,9 @@ def test_doublesqueeze_sharded_is_the_same_route():
     n, d = 4, 23
     xs = np.random.default_rng(1).normal(size=(n, d)).astype(np.float32)
     tx = doublesqueeze(jc.compressors.none(), axis_name="i", server="sharded")
-    out, _ = jax.vmap(tx.update, axis_name="i")({"w": jnp.asarray(xs)}, stacked(tx.init({"w": jnp.zeros(d)}), n))
+    out, _ = jax.jit(jax.vmap(tx.update, axis_name="i"))(
+        {"w": jnp.asarray(xs)}, stacked(tx.init({"w": jnp.zeros(d)}), n)
+    )
     np.testing.assert_allclose(np.asarray(out["w"][0]), xs.mean(0), rtol=1e-6, atol=1e-6)
 
 
