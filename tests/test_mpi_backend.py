@@ -52,6 +52,16 @@ def test_mpi_matches_mesh(case, mpi_results):
         assert np.abs(got[0] - common.data()[2][leaf]).max() > 1e-3
 
 
+@pytest.mark.parametrize("case", sorted({*common.EXACT_CASES, "dgc_exact_allgather"} - {"exact none"}))
+def test_exact_settings_train_as_the_uncompressed_mean_over_mpi(case, mpi_results):
+    """Every setting the docs call exact, with error feedback, over MPIComm on 4 processes: the
+    parameters after the steps equal those of the uncompressed mean (``none``) over MPI, to float32
+    rounding of the sums' order (a memory left non-empty would move a later step's parameters)."""
+    for leaf in common.SHAPES:
+        got, want = mpi_results[f"{case}/{leaf}"], mpi_results[f"exact none/{leaf}"]
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"{case}/{leaf}")
+
+
 def test_mpicomm_protocol_under_mpirun(mpi_results):
     """sum/mean/all_gather/broadcast/permute/index/varying of MPIComm inside jit on 4 processes
     (float32, uint8, bfloat16 and bool leaves; bad roots and permutations raise), checked in the

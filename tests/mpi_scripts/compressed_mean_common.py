@@ -10,6 +10,9 @@ code. Adding a transform to the cross-backend check is one more entry in
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +21,9 @@ import optax
 import jaxcomm as jc
 from jaxcomm import memory as mem
 from jaxcomm.transforms import compressed_mean, doublesqueeze
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the compressor examples
+from compressor_examples import EXACT_SETTINGS  # noqa: E402
 
 N = 4
 STEPS = 3
@@ -64,6 +70,18 @@ CASES = {
         compressed_mean(jc.compressors.topk(ratio=0.25), memory=mem.residual(), skip_nonfinite=True, **where),
     ),
 }
+
+
+def _exact(name: str, kwargs: dict):
+    return lambda **where: compressed_mean(jc.compressors.make(name, **kwargs), memory=mem.residual(), **where)
+
+
+# Every setting the docs call exact (tests/compressor_examples.EXACT_SETTINGS), with error feedback:
+# over MPI each must train exactly as "exact none" (the uncompressed mean); DGC's is dgc_exact_allgather.
+EXACT_CASES = {
+    f"exact {label}": _exact(*setting) for label, setting in EXACT_SETTINGS.items() if label != "dgc(ratio=1)"
+}
+CASES.update(EXACT_CASES)
 
 # Per-case tolerance of the MPI-vs-mesh comparison (default 1e-6: same float32
 # operations, only the reduction order of the allreduce may differ).
