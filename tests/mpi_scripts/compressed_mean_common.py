@@ -23,7 +23,7 @@ from jaxcomm import memory as mem
 from jaxcomm.transforms import compressed_mean, doublesqueeze
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the compressor examples
-from compressor_examples import EXACT_SETTINGS  # noqa: E402
+from compressor_examples import EXACT_SETTINGS
 
 N = 4
 STEPS = 3
