@@ -67,7 +67,7 @@ TITLES = {
     "doublesqueeze-topk": "DoubleSqueeze top-k against its baselines",
     "qsgd-ef": "QSGD with error feedback, scaled to a contraction",
     "gradient-dropping": "Gradient dropping 99 % with local gradients",
-    "sign-ef": "SignSGD and SIGNUM with and without error feedback, each at its best learning rate",
+    "sign-ef": "SignSGD and SIGNUM with and without EF, each at its best rate",
     "doublesqueeze-bytes": "DoubleSqueeze top-k against SGD at equal steps and equal bytes",
 }
 SIGN_RATES = (0.00002, 0.0001, 0.0005, 0.0025, 0.0125, 0.05)  # sign-ef's sweep: 3.4 decades, ×5 apart
@@ -596,7 +596,9 @@ def run_study(study: str, seeds: list[int], steps: int | None, out: Path, smoke:
             pairs = [(f"{m} + EF, lr {best[m + ' + EF']:g}", f"{m}, lr {best[m]:g}") for m in methods]
             extra = {"rates": list(rates), "best_lr": best}
             shown = {"variants": [f"{arm}, lr {lr:g}" for arm, lr in best.items()] + ["uncompressed, lr 0.05"]}
-            more_figures["sweep"] = {"title": f"{TITLES[study]}: the sweep (seed {seeds[0]}, {s.steps} steps)"}
+            more_figures["sweep"] = {
+                "title": f"Sign methods against the learning rate (seed {seeds[0]}, {s.steps} steps)"
+            }
         elif study == "doublesqueeze-bytes":
             records, info = run_doublesqueeze_bytes(seeds, s, smoke)
             extra = {"bytes": info}
