@@ -50,22 +50,111 @@ def test_summary_pairs_only_common_seeds():
     assert diff["values"] == [1.0, 2.0]
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    slope=st.floats(1e-4, 1.0),
+    step=st.integers(1, 200),
+    n=st.integers(2, 12),
+    frac=st.floats(0.0, 1.0),
+)
+def test_steps_to_reach_inverts_a_linear_curve(slope, step, n, frac):
+    curve = [(step * (i + 1), slope * step * (i + 1)) for i in range(n)]
+    target = slope * step * (1 + frac * (n - 1))  # between the first and the last evaluation
+    assert claims.steps_to_reach(curve, target) == pytest.approx(target / slope, rel=1e-9)
+    assert claims.steps_to_reach(curve, slope * step * n * 1.01) is None
+    assert claims.steps_to_reach(curve, 0.0) == step  # reached at the first evaluation
+
+
+def test_gap_causes_split_the_gap_into_uplink_and_downlink():
+    # SGD rises 0.1 per 100 steps; DoubleSqueeze is SGD 200 steps late; MEM-SGD 100 steps late.
+    grid = range(100, 1001, 100)
+    late = lambda lag, seed: [(s, 0.001 * (s - lag) + 0.01 * seed) for s in grid]
+    records = [
+        {"variant": v, "seed": seed, "final": late(lag, seed)[-1][1], "curve": late(lag, seed)}
+        for v, lag in (("SGD", 0), ("MEM-SGD top-k 1 %", 100), ("DoubleSqueeze top-k 1 %", 200))
+        for seed in (0, 1, 2)
+    ]
+    records.append({"variant": "DoubleSqueeze top-k 10 %", "seed": 0, "final": 0.75, "curve": late(250, 0)})
+    summary = claims.summarize(records, claims.PAIRS["doublesqueeze-bytes"])
+    out = claims.gap_causes(records, summary, 1000)
+    assert out["gap"] == pytest.approx(0.2)
+    assert out["uplink"]["points"] == pytest.approx(0.1) and out["downlink"]["share_of_gap"] == pytest.approx(0.5)
+    assert out["uplink"]["points"] + out["downlink"]["points"] == pytest.approx(out["gap"])
+    density = out["density"]
+    assert density["points"] == pytest.approx(-0.05) and density["share_of_gap"] == pytest.approx(-0.25)
+    assert density["seeds"] == 1 and np.isnan(density["std"])
+    assert out["lag_steps"] == pytest.approx(200)
+    assert [g for _, g in out["gap_by_step"]] == pytest.approx([0.2] * 10)
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """A persistent compilation cache for the smoke runs: a study's seeds compile the same step (only
+    the data and the initial values differ), so every seed after the first loads it, and studies that
+    share a variant share its step."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    old = {k: getattr(jax.config, k) for k in names}
+    for k, v in zip(names, (str(tmp_path_factory.mktemp("jit")), 0.2, 0)):
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("study", claims.STUDIES)
-def test_smoke_run_of_every_study(study, tmp_path):
+def test_smoke_run_of_every_study(study, tmp_path, compile_cache):
     claims.main(["--study", study, "--smoke", "--seeds", "0,1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / f"{study}.json").read_text())
     assert result["seeds"] == [0, 1]
-    variants = {r["variant"] for r in result["runs"]}
-    assert all(sum(r["variant"] == v for r in result["runs"]) == 2 for v in variants)  # every seed of every variant
+    runs = result["runs"]
+    variants = {r["variant"] for r in runs}
+    repeated = variants
+    if study == "sign-ef":  # the sweep ran seed 0 only; each arm's best rate, every seed
+        arms = {r["arm"] for r in runs}
+        for arm in arms:
+            sweep = [r for r in runs if r["arm"] == arm and r["seed"] == 0]
+            assert sorted(r["lr"] for r in sweep) == sorted(result["rates"])
+            assert result["best_lr"][arm] == max(sweep, key=lambda r: r["final"])["lr"]
+        repeated = {f"{arm}, lr {lr:g}" for arm, lr in result["best_lr"].items()}
+        (diff,) = result["summary"]["differences"]
+        assert diff["pair"] == " − ".join(
+            f"SignSGD{ef}, lr {result['best_lr']['SignSGD' + ef]:g}" for ef in (" + EF", "")
+        )
+    if study == "doublesqueeze-bytes":  # SGD's equal-bytes steps: the largest whose bits fit DoubleSqueeze's
+        b = result["bytes"]
+        ds = next(r for r in runs if r["variant"] == "DoubleSqueeze top-k 1 %")
+        sgd = next(r for r in runs if r["variant"] == "SGD")
+        assert b["P"] * b["N"] == ds["wire_bits_per_worker"] and b["D"] * b["N"] == sgd["wire_bits_per_worker"]
+        assert b["sgd_steps"] == max(1, int(b["N"] * b["P"] // b["D"]))
+        for r in (r for r in runs if r["variant"] == "SGD, equal bytes"):
+            assert r["steps"] == b["sgd_steps"] and r["wire_bits_per_worker"] == b["sgd_steps"] * b["D"]
+        assert result["summary"]["causes"]["gap"] == pytest.approx(
+            result["summary"]["variants"]["SGD"]["mean"]
+            - result["summary"]["variants"]["DoubleSqueeze top-k 1 %"]["mean"]
+        )
+    assert all(sum(r["variant"] == v for r in runs) == 2 for v in repeated)  # every seed of every variant
     for v, row in result["summary"]["variants"].items():
-        finals = [r["final"] for r in result["runs"] if r["variant"] == v]
+        finals = [r["final"] for r in runs if r["variant"] == v]
         assert row["mean"] == pytest.approx(np.mean(finals))
-    assert (result["refused"] is not None) == (study == "qsgd-ef")
+    assert (result["refused"] is not None) == (study in ("qsgd-ef", "sign-ef"))
     if study == "qsgd-ef":
         assert "contractive" in result["refused"]
+    if study == "sign-ef":
+        assert "signsgd" in result["refused"] and "efsignsgd" in result["refused"]
     from PIL import Image
 
     with Image.open(tmp_path / f"{study}.png") as png:
         assert png.info["Title"] == result["figure"]["title"] and "2 seeds" in png.info["Title"]
+    for suffix in result.get("more_figures", {}):
+        assert (tmp_path / f"{study}-{suffix}.png").exists()
     assert claims.replot(tmp_path / f"{study}.json").exists()
