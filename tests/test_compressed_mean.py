@@ -32,7 +32,7 @@ from jaxcomm.comm import MeshAxis
 from jaxcomm.compressors import Compressor
 from jaxcomm.compressors.payloads import Payload, payload_dataclass, static_field
 from jaxcomm.transforms import compressed_mean
-from jaxcomm.transforms._pipeline import sums_in_16_bits
+from jaxcomm.transforms._checks import sums_in_16_bits
 
 SHAPES = {"b": (5,), "w": (6, 7)}  # two tensors; dict order == jax.tree.leaves order (sorted keys)
 LR = 0.1
@@ -539,7 +539,7 @@ def test_fused_allgather_is_one_collective_with_the_same_bits_and_numbers():
 
 def test_fusion_packs_only_payloads_up_to_the_threshold(monkeypatch):
     """Payloads above FUSE_MAX_BYTES get their own all-gather; the smaller ones share one."""
-    import jaxcomm.transforms._pipeline as cm
+    import jaxcomm.transforms._collectives as cm
 
     calls = []
 

@@ -230,7 +230,8 @@ def part_runners(c, memory, comm, loop, shapes, fuse: bool, rank: int) -> tuple[
     import jax
 
     from jaxcomm._keys import step_keys
-    from jaxcomm.transforms._pipeline import _gather_payloads, _sum_decompressed, accumulator, init_state, run_rounds
+    from jaxcomm.transforms._collectives import accumulator, gather_payloads, run_rounds, sum_decompressed
+    from jaxcomm.transforms._state import init_state
 
     n = int(comm.size)
     x, a = init_arrays(shapes, rank)
@@ -263,7 +264,7 @@ def part_runners(c, memory, comm, loop, shapes, fuse: bool, rank: int) -> tuple[
 
     def collective(comm_):
         if strategy == "allgather":
-            return jax.jit(lambda ps: _gather_payloads(comm_, ps, fuse)[0])
+            return jax.jit(lambda ps: gather_payloads(comm_, ps, fuse)[0])
         if strategy == "allreduce":
             return jax.jit(lambda ps: comm_.sum([summable(p) for p in ps]))
         return jax.jit(lambda ps: [[comm_.sum(m) for m in sent] for _, sent in ps])
@@ -271,7 +272,7 @@ def part_runners(c, memory, comm, loop, shapes, fuse: bool, rank: int) -> tuple[
     @jax.jit
     def decode(ps, received):
         if strategy == "allgather":
-            return [_sum_decompressed(c, gp, n, ac) for gp, ac in zip(received, acc)]
+            return [sum_decompressed(c, gp, n, ac) for gp, ac in zip(received, acc)]
         if strategy == "allreduce":
             return [c.decompress(dataclasses.replace(p, **s)).astype(ac) for p, s, ac in zip(ps, received, acc)]
         return [c.decompress(p).astype(ac) for (p, _), ac in zip(ps, acc)]

@@ -5,7 +5,7 @@ factories' signatures, and the kind of every value, importing neither JAX nor th
 compressors: a bad spec is refused in the time Python takes to start. The signatures come
 from a table built once, on first use, from the source of ``jaxcomm/compressors``
 (functions decorated ``@register("name")``), ``jaxcomm/memory.py`` (its ``_FACTORIES``)
-and ``jaxcomm/transforms/_pipeline.py`` (``STRATEGIES``), read with :mod:`ast`; where
+and ``jaxcomm/transforms/_strategies.py`` (the keys of ``TABLE``), read with :mod:`ast`; where
 ``jaxcomm.compressors`` is already imported, the live registry (compressors registered at
 run time included) is read instead, with :func:`inspect.signature`.
 
@@ -123,11 +123,15 @@ def _source_memories() -> dict[str, Signature]:
 
 @functools.cache
 def _source_strategies() -> tuple[str, ...]:
-    """``STRATEGIES`` of ``jaxcomm/transforms/_pipeline.py``."""
-    for node in _module_tree(_PACKAGE / "transforms" / "_pipeline.py").body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "STRATEGIES" for t in node.targets):
-            return tuple(ast.literal_eval(node.value))
-    raise RuntimeError("jaxcomm/transforms/_pipeline.py defines no STRATEGIES")  # pragma: no cover
+    """``STRATEGIES`` of ``jaxcomm/transforms/_strategies.py``: the keys of its ``TABLE`` dict, in order."""
+    for node in _module_tree(_PACKAGE / "transforms" / "_strategies.py").body:
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Dict)
+            and any(isinstance(t, ast.Name) and t.id == "TABLE" for t in node.targets)
+        ):
+            return tuple(ast.literal_eval(k) for k in node.value.keys if k is not None)
+    raise RuntimeError("jaxcomm/transforms/_strategies.py defines no TABLE dict")  # pragma: no cover
 
 
 def signatures() -> tuple[dict[str, Signature], dict[str, Signature], tuple[str, ...]]:
@@ -145,8 +149,8 @@ def signatures() -> tuple[dict[str, Signature], dict[str, Signature], tuple[str,
         mems = {name: Signature.of_function(f) for name, f in mem._FACTORIES.items()}
     else:
         mems = _source_memories()
-    pipeline = sys.modules.get("jaxcomm.transforms._pipeline")
-    strategies = tuple(pipeline.STRATEGIES) if pipeline is not None else _source_strategies()
+    table = sys.modules.get("jaxcomm.transforms._strategies")
+    strategies = tuple(table.STRATEGIES) if table is not None else _source_strategies()
     return comps, mems, strategies
 
 

@@ -15,6 +15,7 @@ are one replicated copy.
 """
 
 from ._accumulate import AccumulateState, accumulate, warn_multisteps, zero_counters
+from ._collectives import FUSE_MAX_BYTES, run_rounds
 from ._compressed_mean import compressed_mean
 from ._dgc import deep_gradient_compression, topk_warmup
 from ._diloco import DiLoCoState, diloco, fragment_leaves
@@ -33,7 +34,8 @@ from ._gradient_dropping import (
 from ._hierarchical import HierarchicalState
 from ._layout import StateLayout, state_layout
 from ._local_clip import local_clip
-from ._pipeline import FUSE_MAX_BYTES, STRATEGIES, CompressionState, run_rounds
+from ._state import CompressionState
+from ._strategies import STRATEGIES
 
 __all__ = [
     "AccumulateState",

@@ -17,28 +17,24 @@ import optax
 
 from .. import compressors as compressors_lib
 from .. import memory as memory_lib
-from .._bitcount import BitCount
 from .._validate import check_bool, check_int
 from .._vma import typed_switch
 from ..comm import Communicator, resolve
 from ..compressors import Compressor
-from ._hierarchical import Grid, HierarchicalState, Hierarchy, Outer, check_axes, check_outer
-from ._pipeline import (
-    FUSE_MAX_BYTES,
-    STRATEGIES,
-    CompressionState,
-    Owner,
+from ._checks import (
     check_compressor,
     check_feedback,
     check_memory,
     check_served,
     check_skip_nonfinite,
     choose_strategy,
-    compress_step,
-    if_finite,
-    init_state,
     sums_in_16_bits,
 )
+from ._collectives import FUSE_MAX_BYTES
+from ._hierarchical import Grid, HierarchicalState, Hierarchy, Outer, check_axes, check_outer
+from ._pipeline import compress_step, if_finite
+from ._state import CompressionState, init_state
+from ._strategies import STRATEGIES, Owner
 
 __all__ = ["FUSE_MAX_BYTES", "STRATEGIES", "compressed_mean"]
 
@@ -292,12 +288,11 @@ def compressed_mean(
                 # The uncompressed mean (with fuse, the small tensors share one all-reduce); memory and
                 # compressor states untouched.
                 plain = state._replace(compressor_states=tuple(() for _ in state.compressor_states))
-                ex, leaves, treedef, new, _ = compress_step(
+                done = compress_step(
                     comm_obj, updates, plain, compressor=dense, memory=no_memory, strategy="allreduce", fuse=fuse
                 )
-                outs = [m.astype(g.dtype) for m, g in zip(ex.means, leaves)]
-                kept = new._replace(memory=state.memory, compressor_states=state.compressor_states)
-                return treedef.unflatten(outs), kept
+                kept = done.state._replace(memory=state.memory, compressor_states=state.compressor_states)
+                return done.output(), kept
 
             branches = [dense_step, *branches]
         # The phase of this step: how many boundaries the count has passed (the same on every worker, so
@@ -394,7 +389,7 @@ class _Phase:
         def owner_step(keys):
             return Owner(compressor, no_memory, [()] * len(keys), [jax.random.fold_in(k, n) for k in keys], self.fold)
 
-        ex, leaves, treedef, new_state, _ = compress_step(
+        done = compress_step(
             comm,
             updates,
             state,
@@ -404,12 +399,12 @@ class _Phase:
             fuse=fuse,
             owner_step=owner_step if self.chosen == "reduce_scatter" else None,
         )
-        if self.fold:  # this worker owns a chunk of each tensor: n (mean − Q(mean)) joins its memory there
-            new_state = new_state._replace(
-                memory=jax.tree.map(jnp.add, new_state.memory, treedef.unflatten(ex.owner_memory))
-            )
-        bits = new_state.wire_bits
-        if self.chosen == "reduce_scatter" and ex.owner_bits:  # the chunks sent, then the averaged chunk
-            bits = bits + BitCount.stack(ex.owner_bits)
-        outs = [(m if self.scale == 1.0 else m * self.scale).astype(g.dtype) for m, g in zip(ex.means, leaves)]
-        return treedef.unflatten(outs), new_state._replace(wire_bits=bits)
+        new_state = done.state
+        if done.owner is not None:  # "reduce_scatter"
+            if self.fold:  # this worker owns a chunk of each tensor: n (mean − Q(mean)) joins its memory there
+                new_state = new_state._replace(
+                    memory=jax.tree.map(jnp.add, new_state.memory, done.treedef.unflatten(done.owner.memory))
+                )
+            if done.owner.bits:  # the chunks sent, then the averaged chunk
+                new_state = new_state._replace(wire_bits=new_state.wire_bits + done.owner.wire_bits())
+        return done.output(self.scale), new_state

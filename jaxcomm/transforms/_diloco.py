@@ -43,18 +43,11 @@ from .._validate import check_bool, check_finite_scalar, check_int
 from .._vma import cast_varying, typed_switch, varying_axes
 from ..compressors import Compressor, wire_bits
 from ._accumulate import zero_counters
+from ._checks import check_compressor, check_memory, choose_strategy
+from ._collectives import LOCAL, accumulator, sent_bits, sum_decompressed
 from ._compressed_mean import compressed_mean
-from ._pipeline import (
-    LOCAL,
-    CompressionState,
-    _sent_bits,
-    _sum_decompressed,
-    accumulator,
-    check_compressor,
-    check_memory,
-    choose_strategy,
-    compress_step,
-)
+from ._pipeline import compress_step, scaled
+from ._state import CompressionState
 
 __all__ = ["DiLoCoState", "diloco", "fragment_leaves"]
 
@@ -280,27 +273,25 @@ def diloco(
 
     def _local_step(es: CompressionState, delta):
         """The pipeline's compensate → compress → memory update on this worker alone (no exchange):
-        ``(exchanged, new state)``; the draws use ``fold_in(key, rank)``, the next key is the pipeline's."""
+        ``(payloads, new state)``; the draws use ``fold_in(key, rank)``, the next key is the pipeline's."""
         rank = int(target_comm().rank)
         mine = es._replace(key=jax.random.fold_in(es.key, rank))
-        ex, _, _, done, _ = compress_step(
-            LOCAL, delta, mine, compressor=compressor, memory=memory, strategy="allgather"
-        )
+        done = compress_step(LOCAL, delta, mine, compressor=compressor, memory=memory, strategy="allgather")
         next_key = step_keys(es.key, len(es.compressor_states))[0]
-        return ex, done._replace(key=next_key)
+        return done.payloads, done.state._replace(key=next_key)
 
     def _compress_here(tag: int, es: CompressionState, delta):
         """Gather route, at the sync: ``(state, token, collectives)``; the payloads leave in the thread."""
-        ex, done = _local_step(es, delta)
-        leaves = [leaf for payload in ex.payloads for leaf in jax.tree.leaves(payload)]
+        payloads, done = _local_step(es, delta)
+        leaves = [leaf for payload in payloads for leaf in jax.tree.leaves(payload)]
         token = async_mean().start_gather(tag, leaves)
-        bits = BitCount.stack([_sent_bits(payload) for payload in ex.payloads])
+        bits = BitCount.stack([sent_bits(payload) for payload in payloads])
         return done._replace(wire_bits=bits), token, len(leaves)
 
     def _gathered_mean(tag: int, es: CompressionState, like):
         """Gather route, ``delay`` steps later: ``(1/n) Σ_r decompress(payload_r)`` per leaf, scaled by
         the memory's ``output_scale`` as the pipeline does."""
-        shapes = jax.eval_shape(lambda d: _local_step(es, d)[0].payloads, like)
+        shapes = jax.eval_shape(lambda d: _local_step(es, d)[0], like)
         flat = [(jax.tree.leaves(payload), jax.tree.structure(payload)) for payload in shapes]
         got = async_mean().finish_gather(tag, [leaf for leaves, _ in flat for leaf in leaves])
         n = int(target_comm().size)
@@ -308,9 +299,8 @@ def diloco(
         for (leaves, tree), x in zip(flat, like):
             stacked = jax.tree.unflatten(tree, got[start : start + len(leaves)])
             start += len(leaves)
-            total = _sum_decompressed(compressor, stacked, n, accumulator(jnp.result_type(x)))
-            mean = total / n
-            means.append(mean if memory.output_scale == 1.0 else mean * memory.output_scale)
+            total = sum_decompressed(compressor, stacked, n, accumulator(jnp.result_type(x)))
+            means.append(scaled(total / n, float(memory.output_scale)))
         return means
 
     def split(params) -> list[list[int]]:

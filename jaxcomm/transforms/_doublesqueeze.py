@@ -48,21 +48,18 @@ from .._keys import step_keys
 from .._validate import check_choice
 from ..comm import resolve
 from ..compressors import Compressor
-from ._pipeline import (
-    LOCAL,
-    CompressionState,
-    Owner,
+from ._checks import (
     check_compressor,
     check_memory,
     check_served,
     check_skip_nonfinite,
     check_stateless,
     choose_strategy,
-    compress_step,
-    flatten_updates,
-    if_finite,
-    init_state,
 )
+from ._collectives import LOCAL
+from ._pipeline import compress_step, if_finite
+from ._state import CompressionState, flatten_updates, init_state
+from ._strategies import Owner
 
 __all__ = ["DoubleSqueezeState", "doublesqueeze"]
 
@@ -176,7 +173,7 @@ def doublesqueeze(
     worker_strategy = "reduce_scatter" if server == "sharded" else choose_strategy(compressor, "auto")
     if axis_name is not None or comm is not None:
         check_served(communicator, worker_strategy, compressor)
-    scale = float(worker_mem.output_scale) * float(server_mem.output_scale)
+    worker_scale, server_scale = float(worker_mem.output_scale), float(server_mem.output_scale)
 
     def init(params):
         server_state = init_state(params, server_c, server_mem)
@@ -194,27 +191,18 @@ def doublesqueeze(
 
     def _replicated(updates, state):
         # Worker half: the compressed mean of the v_i.
-        ex, leaves, treedef, worker_state, _ = compress_step(
+        worker = compress_step(
             communicator, updates, state.worker, compressor=compressor, memory=worker_mem, strategy=worker_strategy
         )
-        mean = treedef.unflatten(
-            [
-                (m if worker_mem.output_scale == 1.0 else m * worker_mem.output_scale).astype(g.dtype)
-                for m, g in zip(ex.means, leaves)
-            ]
-        )
+        mean = worker.output(worker_scale)
         # Server half, recomputed identically on every worker: error feedback of the mean (nothing sent).
-        sx, s_leaves, _, server_state, _ = compress_step(
+        server = compress_step(
             LOCAL, mean, state.server, compressor=server_c, memory=server_mem, strategy=server_c.strategy
         )
-        outs = [
-            (m if server_mem.output_scale == 1.0 else m * server_mem.output_scale).astype(g.dtype)
-            for m, g in zip(sx.means, s_leaves)
-        ]
-        server_state = server_state._replace(
-            wire_bits=BitCount.zeros(server_state.wire_bits.shape), messages=jnp.zeros((), jnp.int32)
+        server_state = server.state._replace(
+            wire_bits=BitCount.zeros(server.state.wire_bits.shape), messages=jnp.zeros((), jnp.int32)
         )
-        return treedef.unflatten(outs), DoubleSqueezeState(worker_state, server_state)
+        return server.output(server_scale), DoubleSqueezeState(worker.state, server_state)
 
     def _sharded(updates, state):
         s_leaves, _, s_mem = flatten_updates(updates, state.server)
@@ -224,7 +212,7 @@ def doublesqueeze(
             del keys
             return Owner(server_c, server_mem, s_mem, list(s_keys[: len(s_leaves)]))
 
-        ex, leaves, treedef, worker_state, _ = compress_step(
+        worker = compress_step(
             communicator,
             updates,
             state.worker,
@@ -233,17 +221,17 @@ def doublesqueeze(
             strategy="reduce_scatter",
             owner_step=owner_step,
         )
-        outs = [(m if scale == 1.0 else m * scale).astype(g.dtype) for m, g in zip(ex.means, leaves)]
+        assert worker.owner is not None  # "reduce_scatter" always has the owners' part
         server_state = CompressionState(
             count=state.server.count + 1,
             key=s_key,
-            memory=treedef.unflatten(ex.owner_memory),
+            memory=worker.treedef.unflatten(worker.owner.memory),
             compressor_states=state.server.compressor_states,
-            wire_bits=BitCount.stack(ex.owner_bits) if ex.owner_bits else BitCount.zeros((0,)),
+            wire_bits=worker.owner.wire_bits(),
             messages=jnp.zeros((), jnp.int32),
             notfinite_count=state.server.notfinite_count,
         )
-        return treedef.unflatten(outs), DoubleSqueezeState(worker_state, server_state)
+        return worker.output(worker_scale * server_scale), DoubleSqueezeState(worker.state, server_state)
 
     return optax.GradientTransformationExtraArgs(init, update)
 

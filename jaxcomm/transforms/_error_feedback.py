@@ -11,16 +11,10 @@ import optax
 
 from .. import memory as memory_lib
 from ..compressors import Compressor
-from ._pipeline import (
-    LOCAL,
-    CompressionState,
-    check_compressor,
-    check_memory,
-    check_skip_nonfinite,
-    compress_step,
-    if_finite,
-    init_state,
-)
+from ._checks import check_compressor, check_memory, check_skip_nonfinite
+from ._collectives import LOCAL
+from ._pipeline import compress_step, if_finite
+from ._state import CompressionState, init_state
 
 __all__ = ["error_feedback"]
 
@@ -83,11 +77,8 @@ def error_feedback(
         return init_state(params, compressor, memory)
 
     def step(updates, state: CompressionState):
-        ex, leaves, treedef, new_state, _ = compress_step(
-            LOCAL, updates, state, compressor=compressor, memory=memory, strategy=strategy
-        )
-        outs = [(m if scale == 1.0 else m * scale).astype(g.dtype) for m, g in zip(ex.means, leaves)]
-        return treedef.unflatten(outs), new_state
+        done = compress_step(LOCAL, updates, state, compressor=compressor, memory=memory, strategy=strategy)
+        return done.output(scale), done.state
 
     def update_fn(updates, state: CompressionState, params=None, **extra_args):
         del params, extra_args

@@ -55,17 +55,10 @@ from .._vma import cast_varying, typed_cond, varying_axes
 from ..comm import resolve
 from ..compressors import Compressor, index_dtype, topk
 from ..compressors.payloads import DensePayload, SparsePayload
+from ._checks import check_skip_nonfinite
 from ._local_clip import clip_leaves
-from ._pipeline import (
-    CompressionState,
-    check_skip_nonfinite,
-    compress_step,
-    group_vector,
-    groups_of,
-    if_finite,
-    init_state,
-    ungroup,
-)
+from ._pipeline import compress_step, if_finite
+from ._state import CompressionState, group_vector, groups_of, init_state, ungroup
 
 __all__ = [
     "DropRatioSchedule",
@@ -339,11 +332,11 @@ def gradient_dropping(
 
         def run(selection, strategy):
             """One exchange: Algorithm 2's lines 3-8 on the pipeline, then the combination C."""
-            ex, _, _, new_state, groups = compress_step(
+            done = compress_step(
                 communicator, updates, state, compressor=selection, memory=memory, strategy=strategy, scope=scope
             )
-            combined, residual = [], treedef.flatten_up_to(new_state.memory)
-            for idx, payload, total in zip(groups, ex.payloads, ex.totals):
+            combined, residual = [], treedef.flatten_up_to(done.state.memory)
+            for idx, payload, total in zip(done.groups, done.payloads, done.totals):
                 L = group_vector(leaves, idx)
                 dtype = jnp.result_type(L)
                 S = selection(L).decompress(payload).astype(dtype)  # this worker's sent entries, mask ⊙ E
@@ -363,7 +356,7 @@ def gradient_dropping(
             for part in combined:
                 for i, c in part.items():
                     outs[i] = c
-            return outs, new_state._replace(memory=treedef.unflatten(residual))
+            return outs, done.state._replace(memory=treedef.unflatten(residual))
 
         if exchange == "sparse":
             outs, new_state = run(lambda phi: _topk(float(ratio), phi), "allgather")

@@ -25,7 +25,7 @@ from ._accumulate import AccumulateState
 from ._diloco import DiLoCoState
 from ._doublesqueeze import DoubleSqueezeState
 from ._gradient_dropping import PeriodicAverageState
-from ._pipeline import CompressionState
+from ._state import CompressionState
 
 __all__ = ["StateLayout", "state_layout", "map_per_worker"]
 
