@@ -1,4 +1,4 @@
-"""Test configuration: 8 simulated CPU devices, set before jax is imported.
+"""Test configuration: 8 simulated CPU devices and XLA's CPU backend at -O0, set before jax is imported.
 
 Strict dtype promotion (``jax_numpy_dtype_promotion="strict"``: no implicit
 int->float, f32+f64 or weak-type surprises) runs where it holds: every test of a
@@ -13,6 +13,13 @@ import os
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM at -O0 in XLA's CPU backend: the suite's programs are small and each runs a few times, so
+# compiling them is most of the suite's CPU time, and -O0 compiles them in about half of it (the
+# same HLO, the same IEEE float operations in the same order; no instruction fusion such as FMA
+# contraction). Exported, so every process the tests start compiles the same way (tests/mpirun.py
+# keeps it for the MPI jobs, whose environment drops XLA_FLAGS for the device count).
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 STRICT_PROMOTION = os.environ.get("JAXCOMM_STRICT_PROMOTION", "0") == "1"

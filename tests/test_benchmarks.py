@@ -31,7 +31,9 @@ def _load(name):
 def test_compressor_benchmark_tiny(tmp_path, capsys):
     bench = _load("compressors")
     out = tmp_path / "compressors.json"
-    # One compressor of each target group and PowerSGD (1-D sweep and matrix).
+    # One compressor of each target group and PowerSGD (1-D sweep and matrix). One matrix shape is
+    # measured (every rank, cold and warm, is a compiled program of its own); the tables and targets
+    # of several shapes are checked below from the JSON, with a second shape's rows added to it.
     result = bench.main(
         [
             "--sizes",
@@ -41,7 +43,7 @@ def test_compressor_benchmark_tiny(tmp_path, capsys):
             "--only",
             "fp16,qsgd,topk,powersgd",
             "--powersgd-shape",
-            "16x40,12x30",
+            "16x40",
             "--in-process",
             "--out",
             str(out),
@@ -55,25 +57,34 @@ def test_compressor_benchmark_tiny(tmp_path, capsys):
         assert "error" not in r, r
         assert r["median_s"] > 0 and r["ref_median_s"] > 0 and r["ratio"] > 0 and r["wire_bits"] > 0
     assert rows["topk"]["wire_bits"] == 20 * (32 + 16)  # k = 1% of 2000, float32 values + uint16 indices
-    # Every PowerSGD shape, each at ranks 1, 2, 4, cold and warm, against the reference on the same matrix.
+    # The PowerSGD shape at ranks 1, 2, 4, cold and warm, against the reference on the same matrix.
     assert [(r["shape"], r["kwargs"]["matrix_approximation_rank"], r["start"]) for r in saved["powersgd_matrix"]] == [
-        (shape, rank, start) for shape in ([16, 40], [12, 30]) for rank in (1, 2, 4) for start in ("cold", "warm")
+        ([16, 40], rank, start) for rank in (1, 2, 4) for start in ("cold", "warm")
     ]
     for r in saved["powersgd_matrix"]:
         assert "error" not in r, r
         assert r["size"] == r["shape"][0] * r["shape"][1] and r["ratio"] > 0
         assert r["wire_bits"] == 32 * sum(r["shape"]) * r["kwargs"]["matrix_approximation_rank"]
     # Targets are evaluated only at 10 and 100 MB (not measured here), and for the PowerSGD matrices.
-    assert sorted(saved["targets"]) == sorted(
-        f"powersgd_r{r}@{s}{w}" for s in ("16x40", "12x30") for r in (1, 2, 4) for w in ("", "_warm")
-    )
+    assert sorted(saved["targets"]) == sorted(f"powersgd_r{r}@16x40{w}" for r in (1, 2, 4) for w in ("", "_warm"))
     assert result["targets"] == saved["targets"]
     text = capsys.readouterr().out
     assert "| topk |" in text and "targets:" in text
-    bench.main(["--markdown", str(out)])  # the docs' tables, from the JSON
+    # The docs' tables, from the JSON, with the rows of a second shape (12x30) beside the measured
+    # ones: one table and one target per (shape, rank, start), the shapes kept apart.
+    second = [
+        dict(r, shape=[12, 30], size=360, wire_bits=32 * 42 * r["kwargs"]["matrix_approximation_rank"])
+        for r in saved["powersgd_matrix"]
+    ]
+    two = tmp_path / "two_shapes.json"
+    two.write_text(json.dumps(dict(saved, powersgd_matrix=saved["powersgd_matrix"] + second)))
+    bench.main(["--markdown", str(two)])
     text = capsys.readouterr().out
     assert "| PowerSGD on 16x40 |" in text and "| PowerSGD on 12x30 |" in text
     assert text.count("| rank 4 | cold |") == 2 and text.count("| rank 4 | warm |") == 2
+    assert sorted(bench.evaluate_targets(saved["results"], saved["powersgd_matrix"] + second)) == sorted(
+        f"powersgd_r{r}@{s}{w}" for s in ("16x40", "12x30") for r in (1, 2, 4) for w in ("", "_warm")
+    )
 
 
 def test_compressor_benchmark_targets_cover_issue_list():
@@ -145,13 +156,14 @@ def test_step_overhead_benchmark_tiny(tmp_path):
         assert r["dense_bits_per_worker"] == 32 * d
     assert res["signsgd"]["wire_bits_per_worker"] < d + 32 * 3 + 1  # 1 bit per entry + a scale per tensor
     assert result["trees"] == saved["trees"]
-    # --memory grace: GRACE's Table I choice (no error feedback for signSGD, residual for top-k).
+    # --memory grace: GRACE's Table I choice (no error feedback for signSGD, residual for top-k). The
+    # run carries the choice into the row (signSGD: none); the choice per compressor is checked below.
     grace = bench.main(
         [
             "--trees",
             "tiny",
             "--compressors",
-            "signsgd,topk",
+            "signsgd",
             "--repeats",
             "1",
             "--in-process",
@@ -162,7 +174,9 @@ def test_step_overhead_benchmark_tiny(tmp_path):
         ]
     )
     res = grace["trees"]["tiny"]["results"]
-    assert res["signsgd"]["memory"] == "none" and res["topk"]["memory"] == "residual"
+    assert set(res) == {"signsgd"} and res["signsgd"]["memory"] == "none" and "error" not in res["signsgd"]
+    assert bench.memory_for("signsgd", "grace").name == "none" and bench.memory_for("topk", "grace").name == "residual"
+    assert bench.memory_for("signsgd").name == "residual"
     assert bench.memory_for("qsgd", "grace").name == "none" and bench.memory_for("qsgd").name == "none"  # unbiased
     assert bench.memory_for("topk").name == "residual"
     with pytest.raises(ValueError, match="memory must be one of"):

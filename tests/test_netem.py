@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mpirun import suite_xla_flags
 
 from jaxcomm import cli, netem
 from jaxcomm.comm import bucket_sizes
@@ -551,4 +552,6 @@ def test_jax_job_environment_and_a_failing_node_ends_the_others(namespaces, tmp_
     for pid in (0, 1):
         host, *env = json.loads(Path(f"{out}{pid}").read_text())
         assert host == f"192.0.2.{pid + 1}" == netem.node_address(pid)
-        assert env == [str(pid), "192.0.2.1:8476", "2", "cpu", "gloo", "--xla_force_host_platform_device_count=3"]
+        # the device count replaced, the parent's other XLA flags (the suite's compile options) kept
+        flags = " ".join([*suite_xla_flags().split(), "--xla_force_host_platform_device_count=3"])
+        assert env == [str(pid), "192.0.2.1:8476", "2", "cpu", "gloo", flags]

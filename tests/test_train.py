@@ -14,7 +14,7 @@ import optax
 import pytest
 from compressor_examples import EXACT_SETTINGS
 from flax import nnx
-from mpirun import ROOT, run_mpi
+from mpirun import ROOT, run_mpi, suite_xla_flags
 
 import jaxcomm as jc
 from jaxcomm import data, models
@@ -206,8 +206,7 @@ def _compare(reference, path, exact):
 
 def test_jax_distributed_two_processes_match_one(tmp_path):
     """2 processes x 4 CPU devices (gloo) end bit-identical to this process's 8-device mesh."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=suite_xla_flags())  # the script sets the device count
     port = _free_port()
     procs = [
         subprocess.Popen(

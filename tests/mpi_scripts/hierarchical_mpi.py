@@ -16,7 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = " ".join(
+    [*os.environ.get("XLA_FLAGS", "").split(), "--xla_force_host_platform_device_count=2"]
+)
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 

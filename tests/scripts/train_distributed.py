@@ -8,7 +8,9 @@ import os
 import sys
 
 pid, nproc, port, ndev, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+os.environ["XLA_FLAGS"] = " ".join(
+    [*os.environ.get("XLA_FLAGS", "").split(), f"--xla_force_host_platform_device_count={ndev}"]
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(__file__))
 
