@@ -691,6 +691,8 @@ def test_mismatched_trees_and_types():
         compressed_mean(jc.compressors.none(), "data", memory="residual")
     with pytest.raises(ValueError, match="at most one"):
         compressed_mean(jc.compressors.none(), "data", comm=MeshAxis("data"))
+    with pytest.raises(ValueError, match=r"axis_name=\(slow, fast\)"):
+        compressed_mean(jc.compressors.none(), "local", comm=MeshAxis("node"))
     with pytest.raises(TypeError, match="floating"):
         tx.init({"w": jnp.ones(3, jnp.int32)})
     with pytest.raises(TypeError, match="fuse must be a bool"):

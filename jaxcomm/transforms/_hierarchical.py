@@ -83,13 +83,18 @@ def check_outer(comm, axis_name, skip_nonfinite: bool):
     """``(slow, fast)`` for ``comm=`` across processes outside and the mesh axis ``axis_name`` inside.
 
     Raises:
-      ValueError: ``comm`` is a mesh axis (the tuple form is the way), has no host-side ``rank`` (a communicator
+      ValueError: ``comm`` is a mesh axis (the same one: pass one; another: the tuple form), has no host-side ``rank`` (a communicator
         across processes has one), or ``skip_nonfinite=True`` (not served by this form).
       TypeError: ``axis_name`` is not a non-empty string; ``comm`` is not a communicator.
     """
     if not isinstance(axis_name, str) or not axis_name:
         raise TypeError(
             f"axis_name must be a mesh axis name (a non-empty string) or a pair (slow, fast); got {axis_name!r}"
+        )
+    if isinstance(comm, MeshAxis) and comm.axis_name == axis_name:
+        raise ValueError(
+            f"pass at most one of axis_name=... or comm=...: comm={comm!r} and axis_name={axis_name!r} name the "
+            "same mesh axis"
         )
     if isinstance(comm, MeshAxis):
         raise ValueError(
