@@ -83,8 +83,9 @@ def check_outer(comm, axis_name, skip_nonfinite: bool):
     """``(slow, fast)`` for ``comm=`` across processes outside and the mesh axis ``axis_name`` inside.
 
     Raises:
-      ValueError: ``comm`` is a mesh axis (the same one: pass one; another: the tuple form), has no host-side ``rank`` (a communicator
-        across processes has one), or ``skip_nonfinite=True`` (not served by this form).
+      ValueError: ``comm`` is a mesh axis (the same one: pass one; another: the tuple form), has no
+        host-side ``rank`` (a communicator across processes has one), or ``skip_nonfinite=True`` (not
+        served by this form).
       TypeError: ``axis_name`` is not a non-empty string; ``comm`` is not a communicator.
     """
     if not isinstance(axis_name, str) or not axis_name:
