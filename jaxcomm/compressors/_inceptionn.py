@@ -13,7 +13,7 @@ from .._validate import check_finite_scalar
 from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._bounds import absolute
 from ._kernels.bitpack import pack, unpack
-from ._kernels.select import class_ranks
+from ._kernels.compact import class_ranks
 from ._primitives import flat32, packed_size, restore, size_of
 from ._quantize import jitted_compressor
 
