@@ -171,7 +171,8 @@ def test_accelerator_bodies_send_the_cpu_payload(case, monkeypatch):
         chose.append(1)
         return accelerator()
 
-    monkeypatch.setattr(S, "typed_platform_dependent", accelerator_only)
+    for kernels in (S, C):  # selection and compaction
+        monkeypatch.setattr(kernels, "typed_platform_dependent", accelerator_only)
     got = jax.jit(lambda x, k: c.compress(x, k, state)[0])(x, KEY)
     assert chose, f"{case} never reached a platform-dependent kernel"
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

@@ -93,6 +93,7 @@ __all__ = [
     "staleness_profile",
 ]
 
+
 class StalenessProfile(NamedTuple):
     """Who delivered what, and how late, over ``T`` rounds of one configuration.
 
@@ -271,6 +272,9 @@ def simulate_training(
     on_eval=None,
 ) -> dict:
     """Train a Flax NNX model with ``P`` simulated eager-SGD workers (``jax.vmap`` over a named axis).
+
+    Long because the checks, the data split and the history share one scope with the round that ``simulate``
+    compiles; each inner function is short.
 
     Each worker holds the shard ``x[w::P]`` and draws ``batch_per_worker`` examples
     per step (a fresh permutation of its shard every epoch); its gradient goes

@@ -71,6 +71,8 @@ class InceptionnPayload(Payload):
 def inceptionn(*, error_bound: float = 2.0**-10, seed: int = 0) -> Compressor:
     """INCEPTIONN error-bounded lossy compression of floats (Li et al. 2018; GRACE Sec. III-A).
 
+    Long because a compressor factory's closures share the validated hyper-parameters; each inner function is short.
+
     Each entry is put into one of four classes by its magnitude and sent with
     0, 8, 16 or 32 bits plus a 2-bit class tag. With ``delta = 2^floor(log2
     error_bound)`` (the largest power of two not above ``error_bound``) and

@@ -135,6 +135,9 @@ def dgc(
 ) -> Compressor:
     """Deep Gradient Compression's sparsifier (Lin et al. 2018; GRACE Table I), from the authors' code.
 
+    Long because a compressor factory's closures share the validated hyper-parameters; each inner function is
+    short. ``compress`` follows the authors' code step by step.
+
     With ``k = ceil(d * ratio)`` (``num_selects``): sample ``num_samples``
     magnitudes uniformly (:func:`dgc_plan`), take the threshold ``thr`` = the
     smallest of the sample's ``ceil(num_samples * ratio)`` largest, select

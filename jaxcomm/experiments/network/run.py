@@ -125,6 +125,7 @@ def _panels(
 
 
 def _plot(panels: list, bytes_job: dict, rows: list[dict], config: dict, out_dir: Path) -> None:
+    """Write the study's three figures into ``out_dir`` (see the module docstring), one colour per method."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +135,13 @@ def _plot(panels: list, bytes_job: dict, rows: list[dict], config: dict, out_dir
     colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
     what = f"{config['model']} on {config['dataset']}, {config['procs']} MPI processes"
     target = float(config["target_accuracy"])
+    _plot_time(plt, panels, colors, what, target, out_dir)
+    _plot_bytes(plt, bytes_job, colors, what, target, out_dir)
+    _plot_step_model(plt, rows, methods, colors, what, out_dir)
 
+
+def _plot_time(plt, panels: list, colors: dict, what: str, target: float, out_dir: Path) -> None:
+    """``accuracy_vs_time.png``: test accuracy against training wall-clock, one panel per link and route."""
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.9), sharey=True, squeeze=False)
     for ax, (title, curves) in zip(axes[0], panels):
         seen = set()
@@ -162,6 +169,9 @@ def _plot(panels: list, bytes_job: dict, rows: list[dict], config: dict, out_dir
     fig.savefig(out_dir / "accuracy_vs_time.png", dpi=120)
     plt.close(fig)
 
+
+def _plot_bytes(plt, bytes_job: dict, colors: dict, what: str, target: float, out_dir: Path) -> None:
+    """``accuracy_vs_bytes.png``: test accuracy against the MB the kernel counted on the link."""
     job = bytes_job
     fig, ax = plt.subplots(figsize=(5.6, 3.9))
     seen = set()
@@ -188,6 +198,9 @@ def _plot(panels: list, bytes_job: dict, rows: list[dict], config: dict, out_dir
     fig.savefig(out_dir / "accuracy_vs_bytes.png", dpi=120)
     plt.close(fig)
 
+
+def _plot_step_model(plt, rows: list[dict], methods: list, colors: dict, what: str, out_dir: Path) -> None:
+    """``step_time_model.png``: each summary row's measured step against the cost model's prediction."""
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
     markers = "osD^v<>"
     rows = [r for r in rows if "step_s" in r]
