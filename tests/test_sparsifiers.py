@@ -22,6 +22,7 @@ from jaxcomm.compressors import _randomk as RK
 from jaxcomm.compressors import _sparse as SP
 from jaxcomm.compressors import _threshold as TH
 from jaxcomm.compressors import payloads
+from jaxcomm.compressors._kernels import compact as C
 from jaxcomm.compressors._kernels import random_bits
 from jaxcomm.compressors._kernels import select as S
 from jaxcomm.compressors._kernels.bitpack import pack_bits
@@ -76,7 +77,7 @@ def compress_fn(c):
 def test_compact_matches_nonzero(n, cap, density, body):
     """compact (its CPU body here) and its accelerator body (what cuda/rocm/tpu lower) against NumPy."""
     mask = np.random.RandomState(n).rand(n) < density
-    fn = S.compact if body == "platform" else S.compact_by_primitive
+    fn = C.compact if body == "platform" else C.compact_by_primitive
     pos, total = jax.jit(fn, static_argnums=1)(jnp.asarray(mask), cap)
     expected = np.flatnonzero(mask)[:cap]
     pos = np.asarray(pos)
@@ -138,7 +139,7 @@ def test_unpacked_words_are_the_packed_mask():
     """compact_words' accelerator body unpacks the words: bit b of word w is entry 32 w + b."""
     mask = np.random.RandomState(3).rand(100) < 0.4  # 4 words, the last one padded with zeros
     words = pack_bits(jnp.asarray(mask), 1, jnp.uint32)
-    np.testing.assert_array_equal(np.asarray(S._unpack_words(words)), np.pad(mask, (0, 28)))
+    np.testing.assert_array_equal(np.asarray(C._unpack_words(words)), np.pad(mask, (0, 28)))
 
 
 # One compressor per way into the platform-dependent kernels: top_indices (topk; qsparse calls it the
@@ -170,7 +171,8 @@ def test_accelerator_bodies_send_the_cpu_payload(case, monkeypatch):
         chose.append(1)
         return accelerator()
 
-    monkeypatch.setattr(S, "typed_platform_dependent", accelerator_only)
+    for kernels in (S, C):  # selection and compaction
+        monkeypatch.setattr(kernels, "typed_platform_dependent", accelerator_only)
     got = jax.jit(lambda x, k: c.compress(x, k, state)[0])(x, KEY)
     assert chose, f"{case} never reached a platform-dependent kernel"
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

@@ -347,7 +347,7 @@ def test_the_network_page_quotes_the_cost_model_of_its_results():
     import re
     from pathlib import Path
 
-    from jaxcomm.experiments.network.run import _predicted_comm_s, _rate_bps
+    from jaxcomm.experiments.network._records import _predicted_comm_s, _rate_bps
 
     root = Path(__file__).resolve().parents[1]
     results = json.loads((root / "experiments/benchmarks/results/time_to_accuracy.json").read_text())

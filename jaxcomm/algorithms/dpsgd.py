@@ -270,6 +270,8 @@ def simulate_decentralized(
 ) -> dict:
     """Train ``P`` simulated workers with a decentralized algorithm (:func:`jaxcomm.train.simulate`).
 
+    Long because the argument checks come first, then the one round function handed to ``simulate``; the round is short.
+
     Round ``t``: worker ``w`` evaluates ``loss_fn`` and its gradient at its own
     parameters on its batch ``batches[t][w]`` with key ``split(fold_in(key, key_offset + t), P)[w]``,
     then ``algorithm.step`` mixes with the neighbours and applies the update

@@ -254,6 +254,8 @@ def eventgrad(
 ) -> EventGrad:
     """EventGraD (EventGraD Eq. 3-6, Algorithm B), optionally with top-K on events.
 
+    Long because an optax factory's closures share the validated hyper-parameters; each inner function is short.
+
     Args:
       topology: a :class:`~jaxcomm.topology.Topology` (or a name with ``num_workers``).
       optimizer: local optimizer, or a learning rate for plain SGD (reference: 0.05).

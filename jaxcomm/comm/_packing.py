@@ -310,6 +310,9 @@ def all_gather_counted(
 ) -> CountedGather:
     """``[comm.all_gather(item) for item in items]`` sending only the valid rows of count-prefixed fields.
 
+    Long because steps (a)-(d) share the offsets and bucket sizes computed once; apart, each step would take
+    them all as arguments.
+
     A payload class declares its count-prefixed fields in ``counted``, pairs
     ``(field, count_field)``: only the first ``c = sum(count_field)`` rows (axis 0) of ``field`` are
     meaningful and the rest are zero (:class:`~jaxcomm.compressors.payloads.CountSparsePayload`:

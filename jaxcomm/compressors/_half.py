@@ -148,6 +148,9 @@ def _half_wire_bits(self) -> int | BitCount:
 def half(compressor: Compressor, dtype: str = "float16") -> Compressor:
     """``compressor`` with every floating array of its payload sent in 16 bits (float16 or bfloat16).
 
+    Long because a wrapper's closures (compress, decompress, rounds, decompress_sum) share the wrapped
+    compressor and the dtype; each is short.
+
     PyTorch's ``fp16_compress_wrapper``: ``compress`` runs the wrapped compressor, then
     casts each floating payload array wider than 16 bits (values, scales, norms, low-rank
     factors) to ``dtype``; integer arrays (indices, codes, counts) cross as they are.

@@ -86,6 +86,8 @@ def adaptive_counts(x, ratio: float):
 def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
     """Adaptive-threshold ternary sparsification (Dryden et al. 2016; GRACE Table I "Adaptive threshold").
 
+    Long because a compressor factory's closures share the validated hyper-parameters; each inner function is short.
+
     The gradient is split into its positive and negative parts; for each part
     the threshold ``tau_+`` (``tau_-``) is chosen so that a fraction ``ratio``
     of that part's entries is kept: the ``k_+ = round(ratio * n_+)`` largest

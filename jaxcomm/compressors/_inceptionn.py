@@ -13,7 +13,7 @@ from .._validate import check_finite_scalar
 from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._bounds import absolute
 from ._kernels.bitpack import pack, unpack
-from ._kernels.select import class_ranks
+from ._kernels.compact import class_ranks
 from ._primitives import flat32, packed_size, restore, size_of
 from ._quantize import jitted_compressor
 
@@ -70,6 +70,8 @@ class InceptionnPayload(Payload):
 @register("inceptionn")
 def inceptionn(*, error_bound: float = 2.0**-10, seed: int = 0) -> Compressor:
     """INCEPTIONN error-bounded lossy compression of floats (Li et al. 2018; GRACE Sec. III-A).
+
+    Long because a compressor factory's closures share the validated hyper-parameters; each inner function is short.
 
     Each entry is put into one of four classes by its magnitude and sent with
     0, 8, 16 or 32 bits plus a 2-bit class tag. With ``delta = 2^floor(log2

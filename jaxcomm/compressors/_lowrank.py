@@ -161,6 +161,8 @@ def powersgd(
 ) -> Compressor:
     """PowerSGD low-rank compression (Vogels et al. 2019, Algorithm 1; GRACE Table I).
 
+    Long because a compressor factory's closures share the validated hyper-parameters; each inner function is short.
+
     Per array (viewed as ``M: (n, m)``, :func:`powersgd_plan`): ``P = M Q``,
     ``P <- orthogonalize(P)``, ``Q = M^T P``; the payload is ``(P, Q)`` and the
     reconstruction ``P Q^T``, the projection of ``M`` on the span of ``P``. ``Q``

@@ -10,8 +10,8 @@ import numpy as np
 from .._validate import check_ratio
 from ._base import Compressor, register
 from ._kernels.bitpack import pack
+from ._kernels.compact import compact
 from ._kernels.random_bits import uniform_bits
-from ._kernels.select import compact
 from ._primitives import bits_of, index_dtype, packed_size
 from ._sparse import CountSparsePayload, MaskSparsePayload, _decompress_count, _decompress_mask, _sparse_payload
 

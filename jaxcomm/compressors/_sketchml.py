@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from .._validate import check_int
 from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._kernels.bitpack import code_width, pack_codes, packed_code_bits, unpack_codes
-from ._kernels.select import materialize
+from ._kernels.compact import materialize
 from ._primitives import flat32, restore, size_of
 from ._quantize import jitted_compressor
 

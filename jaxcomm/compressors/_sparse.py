@@ -27,7 +27,7 @@ fixed-capacity buffer plus a count, so shapes stay static under ``jit``; their
 
 Modules: :mod:`._topk`, :mod:`._randomk`, :mod:`._threshold` (Threshold-v and
 DGC) and :mod:`._random_sparsification`; the selection and compaction they
-share is :mod:`._kernels.select`, the decoding :mod:`._kernels.scatter`.
+share are :mod:`._kernels.select` and :mod:`._kernels.compact`, the decoding :mod:`._kernels.scatter`.
 This module holds the sparse payload formats and their codecs.
 """
 
@@ -43,8 +43,8 @@ import numpy as np
 from .._bitcount import BitCount
 from ._base import Payload, payload_dataclass, static_field
 from ._kernels.bitpack import bytes_to_words, unpack
+from ._kernels.compact import SMALL, compact, compact_words
 from ._kernels.scatter import scatter, scatter_count, scatters_whole_buffer, subtract_sparse, sum_scatter
-from ._kernels.select import SMALL, compact, compact_words
 from ._primitives import bits_of, index_dtype
 
 Array = jax.Array

@@ -18,8 +18,9 @@ from .._validate import check_finite_scalar, check_int, check_ratio
 from ._base import Compressor, register
 from ._bounds import absolute
 from ._kernels.bitpack import pack_bits, popcount
+from ._kernels.compact import SMALL, compact, compact_words
 from ._kernels.random_bits import uniform_indices
-from ._kernels.select import SMALL, compact, compact_words, top_indices
+from ._kernels.select import top_indices
 from ._primitives import flat32
 from ._sparse import (
     CountSparsePayload,
@@ -133,6 +134,9 @@ def dgc(
     seed: int = 0,
 ) -> Compressor:
     """Deep Gradient Compression's sparsifier (Lin et al. 2018; GRACE Table I), from the authors' code.
+
+    Long because a compressor factory's closures share the validated hyper-parameters; each inner function is
+    short. ``compress`` follows the authors' code step by step.
 
     With ``k = ceil(d * ratio)`` (``num_selects``): sample ``num_samples``
     magnitudes uniformly (:func:`dgc_plan`), take the threshold ``thr`` = the

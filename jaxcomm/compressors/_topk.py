@@ -36,6 +36,8 @@ def topk_indices(x, k: int, key=None):
 def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False, dense_below: int = 0) -> Compressor:
     """Top-k sparsification (GRACE Table I; Aji & Heafield 2017, Stich et al. 2018).
 
+    Long because a compressor factory's closures share the validated hyper-parameters; each inner function is short.
+
     Sends the ``k = max(1, round(ratio * d))`` entries of largest magnitude (all ``d`` of a
     tensor of at most ``dense_below`` entries)
     (``b_i = 1`` iff ``|x_i|`` is among the ``k`` largest, GRACE Sec. III-B),

@@ -253,6 +253,9 @@ def launch(
     ``devices_per_process``, ``n`` processes of ``COMMAND`` under ``jax.distributed`` instead, one per
     emulated node (:mod:`jaxcomm.netem`).
 
+    Long because every argument is checked before anything is launched, in the order the errors are reported;
+    the processes are in ``_job``.
+
     The job runs in a new network namespace whose loopback carries every byte
     between ranks (:func:`mpirun_netem_env`), shaped by the qdisc that
     ``bandwidth``/``latency`` select (:mod:`jaxcomm.netem`). ``bytes`` in the result is

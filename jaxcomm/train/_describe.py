@@ -45,6 +45,9 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 def describe(obj, root: str = "tx") -> dict[str, str]:
     """``{path: description}`` of ``obj`` and everything it holds (see the module docstring).
 
+    Long because its recursive ``visit`` shares the output and the cycle guard; ``visit`` is one short case
+    per kind of value.
+
     Args:
       obj: an optax transformation, a loss function, or any Python value.
       root: the name of ``obj`` in the paths.
@@ -63,6 +66,12 @@ def describe(obj, root: str = "tx") -> dict[str, str]:
         return True
 
     def visit(x: Any, path: str, depth: int) -> None:
+        """Describe ``x`` at ``path`` and, recursively, what it holds (a shared object once; ``depth`` guards
+        the recursion).
+
+        Long because it is one short case per kind of value (scalars, arrays, functions, partials,
+        dataclasses, containers), tried in order.
+        """
         if isinstance(x, _SCALARS):
             put(path, repr(x))
             return

@@ -76,6 +76,9 @@ def simulate(
 ) -> tuple:
     """Run ``num_rounds`` rounds of ``step`` from ``state``; returns ``(state, SimulationResult)``.
 
+    Long because the checks, the compiled chunk of rounds and the evaluation loop share one progress bar and
+    history; the loop is short.
+
     Args:
       step: one round of every worker, ``(state, t) -> (state, outputs)`` or, with
         ``inputs``, ``(state, t, inputs(t)) -> (state, outputs)``; ``t`` is the

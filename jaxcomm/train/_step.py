@@ -115,6 +115,9 @@ def make_train_step(
 ):
     """Build the jitted step ``(state, batch) -> (state, metrics)``.
 
+    Long because the step's specs, its donated state and its jitted body come from the same checked arguments;
+    each inner function is short.
+
     Args:
       loss_fn: ``(params, model_state, batch, key) -> (loss, (model_state, metrics))``
         for ONE worker's batch; ``metrics`` is a dict of scalars.

@@ -225,6 +225,9 @@ class Trainer:
     ):
         """Train until ``state.step == num_steps`` or ``stop`` says so; returns ``(state, history)``.
 
+        Long because checkpoints, evaluation, the watchdog and the stop rule all act on the one loop's state
+        between steps; the arguments are checked first.
+
         Args:
           batches: a :class:`jaxcomm.data.WorkerBatches` (or any iterator of global
             batches with a ``position``/``seek`` for resumption).

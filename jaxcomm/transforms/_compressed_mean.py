@@ -53,6 +53,8 @@ def compressed_mean(
 ) -> optax.GradientTransformationExtraArgs:
     """Mean of the workers' gradients, communicated compressed (GRACE Algorithm 1).
 
+    Long because an optax factory's closures share the validated hyper-parameters; each inner function is short.
+
     An optax transformation whose ``update`` runs on every worker (inside
     ``jax.shard_map`` over ``axis_name``, inside ``jax.vmap(axis_name=...)``,
     or in every MPI process with ``comm=MPIComm()``) and returns, per leaf,

@@ -88,6 +88,9 @@ def deep_gradient_compression(
 ) -> optax.GradientTransformationExtraArgs:
     """Deep Gradient Compression (Lin et al., ICLR 2018): clipping, momentum correction, masking, warm-up.
 
+    Long because its docstring states the method and every option; the body chains ``local_clip`` and
+    ``compressed_mean``.
+
     Returns
 
         optax.chain(

@@ -130,6 +130,8 @@ def diloco(
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo (and Streaming DiLoCo, SparseLoCo): ``every`` local steps, then an outer step.
 
+    Long because an optax factory's closures share the validated hyper-parameters; each inner function is short.
+
     The whole optimizer: ``update(grads, state, params)`` returns the update of this worker's
     parameters. Per step ``t = count + 1`` (every worker takes the same branch):
 
@@ -325,6 +327,10 @@ def diloco(
         )
 
     def update_fn(updates, state: DiLoCoState, params=None, **extra_args):
+        """One step: the inner step, the fragments' sends and receives (``lax.switch`` on the step), the update.
+
+        Long because its numbered stages share the step's checked inputs and state; each branch function is short.
+        """
         if params is None:
             raise ValueError("diloco needs params: call update(grads, state, params)")
         if not isinstance(state, DiLoCoState):

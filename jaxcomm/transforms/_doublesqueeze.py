@@ -104,6 +104,8 @@ def doublesqueeze(
 ) -> optax.GradientTransformationExtraArgs:
     """DoubleSqueeze (Tang et al. 2019, Algorithm 1): error-compensated compression on both passes.
 
+    Long because an optax factory's closures share the validated hyper-parameters; each inner function is short.
+
     Per leaf, on worker i of n (``v``, ``δ`` have the leaf's shape and dtype)::
 
         v_i = g_i + δ_i;  δ_i ← v_i − Q(v_i)                    (worker_memory: residual)

@@ -212,6 +212,8 @@ def gradient_dropping(
 ) -> optax.GradientTransformationExtraArgs:
     """Gradient dropping (Algorithm 1) combined with the local gradient (Algorithm 2).
 
+    Long because an optax factory's closures share the validated hyper-parameters; each inner function is short.
+
     Each worker n adds its local gradient ``L^n_t`` to its residual ``E^n``,
     keeps the ``K`` largest magnitudes (``S^n_t``), sums them over workers
     (``G_t``) and emits the combined gradient ``C^n_t`` of Algorithm 2 for the

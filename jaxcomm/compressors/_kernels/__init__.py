@@ -1,1 +1,1 @@
-"""Kernels of the compressors: selection and compaction, counter-based random bits, bit packing."""
+"""Kernels of the compressors: selection (top-k), compaction, counter-based random bits, bit packing."""

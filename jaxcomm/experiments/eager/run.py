@@ -354,7 +354,11 @@ def severe_staleness(config: dict, mode: str, rounds: int) -> dict:
 
 def _run_severe(config: dict, out_dir: Path) -> dict:
     """Sec. 7.2.3 in the mesh simulation; ``out_dir/severe_partial.json`` holds every mode's
-    accuracy history so far (rewritten after every epoch), so a long run that is stopped keeps it."""
+    accuracy history so far (rewritten after every epoch), so a long run that is stopped keeps it.
+
+    Long because every mode's run, evaluation and partial save share the data and the model built once; each
+    inner function is short.
+    """
     import jax
     import jax.numpy as jnp
     import optax

@@ -125,6 +125,12 @@ def _make_algorithm(name: str, topo, tx, cfg):
 
 
 def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: bool) -> dict:
+    """Train ``algorithm`` on ``task`` with ``n`` simulated workers; the run's curves, counts and (with
+    ``trace``) per-tensor traces.
+
+    Long because the run's set-up, the one ``simulate_decentralized`` call and the result's fields are one
+    sequence over shared locals.
+    """
     from ... import data, topology
     from ...algorithms import average_model, simulate_decentralized
     from ...train import classification_eval, evaluate_classifier
@@ -241,6 +247,10 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
 # figures
 # --------------------------------------------------------------------------- #
 def _plots(results: dict, out_dir: Path) -> list:
+    """Write the study's figures into ``out_dir``; returns their paths.
+
+    Long because it draws three kinds of figure from one ``results`` in one matplotlib session; each is a short block.
+    """
     import matplotlib
 
     matplotlib.use("Agg")

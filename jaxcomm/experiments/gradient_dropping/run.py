@@ -37,7 +37,11 @@ def _transform(method: str, config: dict, sync: bool):
 
 
 def run(config: dict, out_dir: Path) -> dict:
-    """Train each (method, sync) pair; write ``perplexity.png`` (validation) and ``train_perplexity.png``."""
+    """Train each (method, sync) pair; write ``perplexity.png`` (validation) and ``train_perplexity.png``.
+
+    Long because it is the study's script: data, model, every (method, sync) run and the two figures, in order
+    over shared locals.
+    """
     from flax import nnx
 
     from ... import data, models
