@@ -525,6 +525,13 @@ def plot(
     ax.set_ylabel(ylabel)
     if logy:
         ax.set_yscale("log")
+    _finish(fig, ax, path, title)
+
+
+def _finish(fig, ax, path: Path, title: str) -> None:
+    """Title, grid and legend on ``ax``; ``fig`` written to ``path`` (PNG, its title in the metadata) and closed."""
+    import matplotlib.pyplot as plt
+
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -548,12 +555,7 @@ def plot_sweep(records: list[dict], path: Path, *, title: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("learning rate (SGD, momentum 0.9)")
     ax.set_ylabel("final test accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Title": title})
-    plt.close(fig)
+    _finish(fig, ax, path, title)
 
 
 def draw(result: dict, png: Path) -> list[Path]:

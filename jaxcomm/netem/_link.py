@@ -205,58 +205,16 @@ def qdisc_commands(settings: LinkSettings, dev: str = "lo") -> list[list[str]]:
             "tbf", "rate", f"{settings.bandwidth_bps:.0f}bit", "burst", str(settings.burst_bytes),
             "latency", _TBF_QUEUE_LATENCY,
         ]  # fmt: skip
+    add = ["tc", "qdisc", "add", "dev", dev]
     if settings.latency_s > 0:
         delay = f"{settings.latency_s * 1e6:.3f}us"
-        cmds.append(
-            [
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "root",
-                "handle",
-                "1:",
-                "netem",
-                "delay",
-                delay,
-                "limit",
-                "100000",
-            ]
-        )
+        cmds.append([*add, "root", "handle", "1:", "netem", "delay", delay, "limit", "100000"])
         if settings.bandwidth_bps is not None:
-            cmds.append(
-                [
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    dev,
-                    "parent",
-                    "1:1",
-                    "handle",
-                    "10:",
-                    *tbf,
-                ]
-            )
+            cmds.append([*add, "parent", "1:1", "handle", "10:", *tbf])
     elif settings.bandwidth_bps is not None:
-        cmds.append(["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+        cmds.append([*add, "root", "handle", "1:", *tbf])
     else:
-        cmds.append(
-            [
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "root",
-                "handle",
-                "1:",
-                "pfifo",
-                "limit",
-                "100000",
-            ]
-        )
+        cmds.append([*add, "root", "handle", "1:", "pfifo", "limit", "100000"])
     return cmds
 
 
