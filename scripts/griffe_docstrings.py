@@ -14,6 +14,9 @@ literal text. Before rendering, this extension rewrites every docstring of the p
 - a reStructuredText literal-block marker (a line ending in ``::``) loses one colon: the indented
   block after it is already a Markdown code block.
 
+It also drops a class's private bases (a name starting with ``_``, such as ``PartialAllreduce``'s
+progress-thread base), so that an API page shows the public API only.
+
 mkdocs.yml loads it with ``plugins.mkdocstrings.handlers.python.options.extensions``.
 """
 
@@ -25,7 +28,7 @@ from typing import Any
 
 import griffe
 
-__all__ = ["SphinxDocstrings", "convert_roles", "fence_doctests", "literal_markers"]
+__all__ = ["SphinxDocstrings", "convert_roles", "fence_doctests", "literal_markers", "public_bases"]
 
 _ROLE = re.compile(
     r":(?:py:)?(?:class|func|meth|mod|attr|data|obj|exc|const|type)"
@@ -121,11 +124,29 @@ def _walk(obj: griffe.Object, seen: set[int]) -> None:
             _walk(member, seen)
 
 
+def public_bases(obj: griffe.Object, seen: set[int] | None = None) -> None:
+    """Drop every class's private bases (last dotted component starting with ``_``) under ``obj``.
+
+    Runs after the docstrings are rewritten, whose cross-references may resolve through a base.
+    """
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if obj.is_class:
+        obj.bases = [b for b in obj.bases if not str(b).split("[")[0].rsplit(".", 1)[-1].startswith("_")]
+    for member in obj.members.values():
+        if not member.is_alias:
+            public_bases(member, seen)
+
+
 class SphinxDocstrings(griffe.Extension):
-    """Rewrite every docstring of a loaded package (see the module docstring)."""
+    """Rewrite every docstring of a loaded package and drop private bases (see the module docstring)."""
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:  # griffe >= 2
         _walk(pkg, set())
+        public_bases(pkg)
 
     def on_package_loaded(self, *, pkg: griffe.Module, **kwargs: Any) -> None:  # griffe 1.x
         _walk(pkg, set())
+        public_bases(pkg)

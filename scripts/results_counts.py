@@ -44,8 +44,8 @@ FLAGS = ("fired",)
 
 
 def results_files(root: Path = ROOT) -> list[Path]:
-    """Every committed results file: ``experiments/*/results/*.json`` and ``docs/**/*.json``."""
-    return sorted({*root.glob("experiments/*/results/*.json"), *root.glob("docs/**/*.json")})
+    """Every committed results file: ``experiments/*/results/**/*.json`` and ``docs/**/*.json``."""
+    return sorted({*root.glob("experiments/*/results/**/*.json"), *root.glob("docs/**/*.json")})
 
 
 def _fix(value, key: str, where: str, problems: list[str]):

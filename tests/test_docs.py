@@ -340,6 +340,61 @@ def test_no_tracker_words_in_user_facing_docs():
 
 
 # --------------------------------------------------------------------------- #
+# Results files: the ones the docs cite exist, and each is named by what it measures
+# --------------------------------------------------------------------------- #
+BENCH_RESULTS = ROOT / "experiments" / "benchmarks" / "results"
+_CITED_JSON = re.compile(r"(?<![\w/.-])((?:experiments/[\w-]+/results|docs/img|results|history)/[\w./{},-]+?\.json)")
+# Words that say when or how a run was made rather than what it measures.
+RUN_HISTORY_WORDS = re.compile(r"(?:^|[_.-])(before|after|rerun|run\d*|quiet|old|pair\d*)(?=$|[_.-])", flags=re.I)
+
+
+def cited_results(text: str) -> list[str]:
+    """Results-file paths cited in ``text``, relative to the repository root: ``results/X`` and
+    ``history/X`` are the benchmarks' (``experiments/benchmarks/results/``); ``{1,2}`` expands."""
+    found = []
+    for path in _CITED_JSON.findall(text):
+        brace = re.search(r"\{([^}]*)\}", path)
+        paths = [path[: brace.start()] + p + path[brace.end() :] for p in brace[1].split(",")] if brace else [path]
+        for p in paths:
+            if p.startswith("history/"):
+                p = "results/" + p
+            found.append("experiments/benchmarks/" + p if p.startswith("results/") else p)
+    return found
+
+
+def test_cited_results_parser():
+    text = "(`results/a_{1,2}.json`, `history/b.json`) and experiments/x/results/c.json, docs/img/d/e.json; OUT.json"
+    assert cited_results(text) == [
+        "experiments/benchmarks/results/a_1.json",
+        "experiments/benchmarks/results/a_2.json",
+        "experiments/benchmarks/results/history/b.json",
+        "experiments/x/results/c.json",
+        "docs/img/d/e.json",
+    ]
+    names = ["step_before_fusion", "topk_run1", "x_rerun", "quiet", "y_old", "z_pair2", "a-after"]
+    assert all(RUN_HISTORY_WORDS.search(n) for n in names)
+    assert not any(RUN_HISTORY_WORDS.search(n) for n in ["fold_runtime", "bold", "threshold", "powersgd_fused"])
+
+
+def test_cited_results_files_exist():
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted(DOCS.rglob("*.md"))]
+    missing = [
+        f"{page.relative_to(ROOT)}: {path}"
+        for page in pages
+        for path in cited_results(page.read_text())
+        if not (ROOT / path).is_file()
+    ]
+    assert not missing, "results files cited in the docs but not in the repository:\n" + "\n".join(missing)
+
+
+def test_results_files_are_named_by_what_they_measure():
+    files = [*ROOT.glob("experiments/*/results/**/*.*"), *(ROOT / "docs" / "img").rglob("*.json")]
+    assert any(f.parent == BENCH_RESULTS for f in files)
+    named = [f.relative_to(ROOT).as_posix() for f in files if RUN_HISTORY_WORDS.search(f.stem)]
+    assert not named, "results files named by when or how they ran, not by what they measure:\n" + "\n".join(named)
+
+
+# --------------------------------------------------------------------------- #
 # The site builds, strictly
 # --------------------------------------------------------------------------- #
 @pytest.mark.docs
@@ -570,3 +625,14 @@ def test_sphinx_roles_become_optional_autorefs():
         '<autoref identifier="pkg.sub.g" optional><code>g</code></autoref> and '
         '<autoref identifier="pkg.Thing.run" optional><code>x</code></autoref>; <code>Nowhere</code>.'
     )
+
+
+def test_private_bases_are_dropped():
+    ext = _griffe_extension()
+    import griffe
+
+    module = griffe.Module("pkg")
+    cls = griffe.Class("Public", bases=["_Private", "pkg._sub._Hidden", "Base", "typing.Generic[T]"])
+    module.set_member("Public", cls)
+    ext.public_bases(module)
+    assert [str(b) for b in cls.bases] == ["Base", "typing.Generic[T]"]
