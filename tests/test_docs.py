@@ -426,6 +426,9 @@ def test_mkdocs_build_strict(tmp_path):
         text = page.read_text()
         raw = re.findall(r":(?:class|func|meth|mod|attr|data|obj|exc):`", text)
         assert raw == [], f"{page}: unconverted Sphinx roles {raw[:3]}"
+    # Only the public API: PartialAllreduce's private base class is not shown.
+    comm = (site / "api" / "comm" / "index.html").read_text()
+    assert 'id="jaxcomm.comm.PartialAllreduce"' in comm and "_ProgressThread" not in comm
 
 
 # --------------------------------------------------------------------------- #
