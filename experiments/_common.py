@@ -1,4 +1,6 @@
-"""Shared pieces of the experiments: data/model set-up, a data-parallel run, plots."""
+"""The study helper every study shares: data and model set-up, a data-parallel run and its
+evaluation, the α-β estimate of its communication time, and plots. (Results are written by
+:func:`jaxcomm.studies.write_results`.)"""
 
 from __future__ import annotations
 
@@ -8,13 +10,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ._registry import IMAGE_DATASETS, IMAGE_MODELS
-from ._spec import parse_method
+from jaxcomm._spec import parse_method
+
+from ._config import IMAGE_DATASETS, IMAGE_MODELS, DataParallelConfig
 
 __all__ = [
+    "load_config_task",
     "load_image_task",
     "method_transform",
     "parse_method",
+    "train_config",
     "train_data_parallel",
     "estimated_comm_time",
     "plot_curves",
@@ -28,7 +33,7 @@ def load_image_task(dataset: str, train_examples: int = 0, test_examples: int = 
 
     ``train_examples``/``test_examples`` > 0 keep a prefix (for smoke runs).
     """
-    from .. import data
+    from jaxcomm import data
 
     if dataset == "mnist":
         train, test = data.load_mnist(split="train"), data.load_mnist(split="test")
@@ -50,11 +55,16 @@ def load_image_task(dataset: str, train_examples: int = 0, test_examples: int = 
     return train, test
 
 
+def load_config_task(config: DataParallelConfig):
+    """:func:`load_image_task` of a data-parallel study's ``dataset``, ``train_examples`` and ``test_examples``."""
+    return load_image_task(config.dataset, config.train_examples, config.test_examples)
+
+
 def build_model(name: str, train, seed: int):
     """An NNX model for the image ``train`` set: ``mlp``, ``eventgrad_cnn`` or ``resnet20``."""
     from flax import nnx
 
-    from .. import models
+    from jaxcomm import models
 
     rngs = nnx.Rngs(seed)
     shape = train.images.shape[1:]
@@ -71,7 +81,7 @@ def for_error_feedback(c):
     """``c``, or ``jaxcomm.compressors.contractive(c)`` where error feedback needs the rescaling: an
     unbiased compressor whose declared ω can reach 1 (random sparsification with ``p <= 1/2``,
     QSGD, TernGrad, stochastic rounding); error feedback refuses those unscaled."""
-    from .. import compressors
+    from jaxcomm import compressors
 
     omega = c.variance_factor
     if omega is not None and (callable(omega) or omega >= 1.0):
@@ -91,8 +101,8 @@ def method_transform(methods: dict, label: str, learning_rate: float, momentum: 
     """
     import optax
 
-    from .. import compressors, memory
-    from ..transforms import compressed_mean
+    from jaxcomm import compressors, memory
+    from jaxcomm.transforms import compressed_mean
 
     if label in methods:
         name, kwargs = methods[label]
@@ -125,7 +135,7 @@ def estimated_comm_time(bits_per_worker_per_step: list[float], workers: int, str
 
     ``strategy`` is the collective's algorithm (``allreduce``: ring; ``allgather``).
     """
-    from .. import cost_model
+    from jaxcomm import cost_model
 
     out = {}
     for gbps in NETWORKS_GBPS:
@@ -162,8 +172,8 @@ def train_data_parallel(
     (what uncompressed float32 would send), ``est_comm_time_s`` at 1/10/25 Gbps
     and ``compute_time_s`` (sum of measured step times).
     """
-    from .. import data
-    from ..train import Trainer
+    from jaxcomm import data
+    from jaxcomm.train import Trainer
 
     trainer = Trainer(build_model(model, train, seed), tx, num_workers=workers, seed=seed)
     key = jax.random.PRNGKey(seed)
@@ -204,6 +214,24 @@ def train_data_parallel(
         "compute_time_s": float(sum(r["step_time"] for r in history[1:])),
         "params": n_params,
     }
+
+
+def train_config(config: DataParallelConfig, name: str, tx, train, test, strategy: str = "allreduce") -> dict:
+    """:func:`train_data_parallel` of ``tx`` with a data-parallel study's ``model``, ``devices``,
+    ``batch_size``, ``steps``, ``eval_every`` and ``seed``; the run's record."""
+    return train_data_parallel(
+        name=name,
+        tx=tx,
+        model=config.model,
+        train=train,
+        test=test,
+        workers=config.devices,
+        batch_size=config.batch_size,
+        steps=config.steps,
+        eval_every=config.eval_every,
+        seed=config.seed,
+        strategy=strategy,
+    )
 
 
 def plot_curves(

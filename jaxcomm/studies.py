@@ -1,15 +1,29 @@
-"""Experiment registry: each paper study is a named :class:`Experiment`.
+"""Studies as named experiments: the registry behind ``jaxcomm list`` and ``jaxcomm run NAME``.
 
-An experiment has a typed configuration (a frozen dataclass with ``default()``,
-the full study, and ``smoke()``, under a minute on 2 cores, run by the tests)
-and a runner ``run(config: dict, out_dir) -> dict`` that writes
-``results.json`` and PNG figures into ``out_dir``. The runner is named by a
-``"module:function"`` string and imported on the first run, so that
-registering and listing experiments imports neither JAX nor Flax.
+The library holds no study; it finds them. A study is a Python package that registers one or
+more :class:`Experiment` when imported (importing neither JAX nor Flax): each has a typed
+configuration (a frozen dataclass with ``default()``, the full study, and ``smoke()``, a small
+one) and a runner ``run(config, out_dir) -> dict``, ``config`` an instance of that dataclass,
+which writes PNG figures into ``out_dir``. The runner is named by a ``"module:function"`` string
+and imported on the first run.
 
-Configurations travel as flat dicts of JSON values (``--set key=value``,
-``results.json``): :func:`config_to_dict` and :func:`config_from_dict` convert
-between a dataclass instance and that form; tuple fields become lists.
+Where studies are found (:func:`experiment_names` and :func:`get_experiment` look once, in this
+order, and take every one they find):
+
+1. the folder named by the environment variable ``JAXCOMM_EXPERIMENTS``, else the first folder
+   called ``experiments`` in the current directory or above it (a checkout's own studies). The
+   folder is a Python package: it is imported under its own name, with its parent put first on
+   ``sys.path``, and its ``STUDIES`` (a tuple of subpackage names) are imported in turn;
+2. every entry point of the group ``jaxcomm.studies`` (a module of an installed package, e.g.
+   ``[project.entry-points."jaxcomm.studies"] mine = "my_package.studies"``), imported.
+
+Finding none is a :class:`NoStudiesError` that says where it looked.
+
+Configurations are dataclass instances end to end; they become flat dicts of JSON values only
+where JSON is written or read (``results.json``, a worker's ``config.json``):
+:func:`config_to_dict` and :func:`config_from_dict` convert (tuple fields become lists), and
+:func:`apply_overrides` applies ``--set key=value`` strings to an instance with
+:func:`dataclasses.replace`, checking each value against its field's type first.
 """
 
 from __future__ import annotations
@@ -23,27 +37,42 @@ import math
 import os
 import socket
 import subprocess
+import sys
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "Experiment",
-    "register_experiment",
-    "get_experiment",
-    "experiment_names",
-    "apply_overrides",
-    "write_results",
-    "config_to_dict",
-    "config_from_dict",
-    "config_help",
-    "check_global_batch",
-    "check_range",
+    "ENTRY_POINT_GROUP",
+    "ENV_VAR",
     "MAX_DEVICES",
     "MAX_SET_CHARS",
+    "SMOKE_MARK",
+    "VARIANTS",
+    "Experiment",
+    "NoStudiesError",
+    "apply_overrides",
+    "check_range",
+    "config_from_dict",
+    "config_help",
+    "config_to_dict",
+    "experiment_names",
+    "figures_marked",
+    "get_experiment",
+    "provenance",
+    "register_experiment",
+    "studies_folder",
+    "worker_pythonpath",
+    "write_results",
 ]
+
+ENV_VAR = "JAXCOMM_EXPERIMENTS"
+"""The environment variable naming a folder of studies (it wins over ``./experiments``)."""
+ENTRY_POINT_GROUP = "jaxcomm.studies"
+"""The entry-point group through which installed packages declare studies."""
 
 
 def _default_summary(results: dict) -> list:
@@ -60,8 +89,9 @@ class Experiment:
       description: one line for ``jaxcomm list``.
       config_type: frozen dataclass of the configuration, with classmethods
         ``default()`` (the full study) and ``smoke()`` (the small one).
-      runner: ``"module:function"`` of ``run(config: dict, out_dir: Path) -> dict``,
-        imported on first use; it writes PNGs (and may write results.json).
+      runner: ``"module:function"`` of ``run(config, out_dir: Path) -> dict`` (``config`` a
+        ``config_type`` instance), imported on first use; it writes PNGs (and may write
+        results.json).
       summary: ``results -> list[dict]`` rows for the printed table.
     """
 
@@ -71,23 +101,13 @@ class Experiment:
     runner: str
     summary: Callable[[dict], list] = _default_summary
 
-    @property
-    def default(self) -> dict:
-        """The full configuration as a dict."""
-        return config_to_dict(self.config_type.default())
+    def config(self, smoke: bool = False, overrides: dict | None = None, *, full: bool = False):
+        """The configuration, a ``config_type`` instance: ``default()``, ``smoke()`` or ``full()``, then ``overrides``.
 
-    @property
-    def smoke(self) -> dict:
-        """The small configuration as a dict."""
-        return config_to_dict(self.config_type.smoke())
-
-    def config(self, smoke: bool = False, overrides: dict | None = None, *, full: bool = False) -> dict:
-        """The configuration as a dict: ``default()``, ``smoke()`` or ``full()``, then ``overrides``.
-
-        ``overrides`` values may be strings from ``--set`` (parsed as the field's
-        type). ``full`` is the larger study of an experiment whose configuration defines
-        ``full()`` (its default is then the shorter main job). Raises ``ValueError`` naming a
-        key that is not a field, or a value of the wrong type; ``smoke`` with ``full``, or
+        ``overrides`` values may be strings from ``--set`` (parsed as the field's type;
+        :func:`apply_overrides`). ``full`` is the larger study of an experiment whose configuration
+        defines ``full()`` (its default is then the shorter main job). Raises ``ValueError`` naming
+        a key that is not a field, or a value of the wrong type; ``smoke`` with ``full``, or
         ``full`` for an experiment without it.
         """
         if smoke and full:
@@ -95,24 +115,23 @@ class Experiment:
         if full and not callable(getattr(self.config_type, "full", None)):
             raise ValueError(f"--full: {self.name} has one study (its default); run it without --full")
         base = self.config_type.smoke() if smoke else self.config_type.full() if full else self.config_type.default()
-        merged = apply_overrides(config_to_dict(base), overrides or {})
-        return config_to_dict(config_from_dict(self.config_type, merged))
+        return apply_overrides(base, overrides or {})
 
-    def run(self, config: dict | Any, out_dir: Path, *, variant: str = "default") -> dict:
-        """Validate ``config`` (a dict or a ``config_type`` instance) and run the study into ``out_dir``.
+    def run(self, config, out_dir: Path, *, variant: str = "default") -> dict:
+        """Run the study of ``config`` (a ``config_type`` instance) into ``out_dir``; its results.
 
         ``variant`` names the configuration (one of :data:`VARIANTS`, as ``results.json`` records
         it); with ``"smoke"`` every figure the study saves says so in its title
-        (:func:`figures_marked`).
+        (:func:`figures_marked`). Raises ``TypeError`` for a ``config`` of another type.
         """
-        from .._validate import check_choice
+        from ._validate import check_choice
 
         variant = check_choice(variant, "variant", VARIANTS)
-        values: dict = config_to_dict(config) if _is_dataclass_instance(config) else config
-        values = config_to_dict(config_from_dict(self.config_type, values))
+        if type(config) is not self.config_type:
+            raise TypeError(f"{self.name}: config must be a {self.config_type.__name__}; got {type(config).__name__}")
         module, _, function = self.runner.partition(":")
         with figures_marked(SMOKE_MARK if variant == "smoke" else ""):
-            return getattr(importlib.import_module(module), function)(values, Path(out_dir))
+            return getattr(importlib.import_module(module), function)(config, Path(out_dir))
 
 
 VARIANTS = ("default", "smoke", "full")
@@ -160,10 +179,6 @@ def _mark_figure(fig) -> None:
         return save(*args, **kwargs)
 
     fig.savefig = savefig
-
-
-def _is_dataclass_instance(obj) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
 def config_to_dict(config) -> dict:
@@ -227,15 +242,25 @@ def _digits(value: int) -> str:
     return f"an integer of {len(str(abs(value)))} digits"
 
 
-def config_from_dict(config_type: type, values: dict):
-    """A ``config_type`` instance from its flat dict form, checking keys and value types.
+def _checked(config_type: type, key: str, value):
+    """``value`` as the type of ``config_type``'s field ``key`` (:func:`_check_value`); ``ValueError``
+    also for an empty tuple where the field's default is not empty (it would run nothing)."""
+    cls_name = config_type.__name__
+    value = _check_value(cls_name, key, value, typing.get_type_hints(config_type)[key])
+    default = {f.name: f.default for f in dataclasses.fields(config_type)}[key]
+    if value == () and isinstance(default, tuple) and default:
+        raise ValueError(f"{cls_name}.{key}: give at least one item (an empty list runs nothing)")
+    return value
 
-    Raises ``ValueError`` for a key that is not a field (listing the valid ones),
-    a missing field, or a value that is not of the field's type (ints are
-    accepted for float fields, lists for tuple fields); a float that is not finite,
-    an int beyond 64 bits; a number outside its field's range (:data:`_RANGES`, for
-    scalars and for each item of a tuple); an empty tuple for a field whose default is
-    not empty (it would run nothing); a name outside its field's choices.
+
+def config_from_dict(config_type: type, values: dict):
+    """A ``config_type`` instance from its flat dict form (as JSON holds it), checking keys and types.
+
+    Raises ``ValueError`` for a key that is not a field (listing the valid ones), a missing
+    field, or a value that is not of the field's type (ints are accepted for float fields, lists
+    for tuple fields; a float must be finite, an int within 64 bits); an empty tuple for a field
+    whose default is not empty (it would run nothing); and whatever the dataclass's own
+    ``__post_init__`` refuses (ranges, choices).
     """
     names = [f.name for f in dataclasses.fields(config_type)]
     unknown = sorted(set(values) - set(names))
@@ -246,77 +271,23 @@ def config_from_dict(config_type: type, values: dict):
     missing = [n for n in names if n not in values]
     if missing:
         raise ValueError(f"{config_type.__name__}: missing config key(s) {missing}")
-    hints = typing.get_type_hints(config_type)
-    cls_name = config_type.__name__
-    checked = {n: _check_value(cls_name, n, values[n], hints[n]) for n in names}
-    defaults = {f.name: f.default for f in dataclasses.fields(config_type)}
-    for n, v in checked.items():
-        key = f"{cls_name}.{n}" if f"{cls_name}.{n}" in _RANGES else n
-        for i, item in enumerate(v) if isinstance(v, tuple) else [(None, v)]:
-            check_range(f"{cls_name}.{n}" + ("" if i is None else f"[{i}]"), key, item)
-        if v == () and isinstance(defaults[n], tuple) and defaults[n]:
-            raise ValueError(f"{cls_name}.{n}: give at least one item (an empty list runs nothing)")
-        _check_choice(cls_name, n, v)
-    return config_type(**checked)
+    return config_type(**{n: _checked(config_type, n, values[n]) for n in names})
 
 
 MAX_DEVICES = 1024
 """The most simulated CPU devices a study (or ``--devices``) may ask for."""
-
-_INF = float("inf")
-_COUNT = (1, _INF, True, True)  # a count of at least one
-_SIZE = (0, _INF, True, True)  # a count or a time that may be zero (0: all, or none)
-_POSITIVE = (0.0, _INF, False, True)  # a rate, a time or a tolerance
-_MOMENTUM = (0.0, 1.0, True, False)
-_FRACTION = (0.0, 1.0, False, True)  # a kept fraction
-# Ranges of the studies' numeric fields, by field name, or "ConfigClass.field" where one study
-# gives a name another meaning: (low, high, low inclusive, high inclusive). A tuple field's
-# range applies to each item. Every float must also be finite, every int within 64 bits.
-_RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    **dict.fromkeys(
-        ("steps", "batch_size", "eval_every", "eval_windows", "seq_len", "embed", "hidden", "sync_every"), _COUNT
-    ),
-    **dict.fromkeys(("batch_per_worker", "resnet_batch_per_worker", "severe_batch_per_worker"), _COUNT),
-    **dict.fromkeys(("workers", "resnet_workers", "severe_workers", "history", "count", "features"), _COUNT),
-    **dict.fromkeys(("train_points", "val_points", "batch_total", "severe_downsample", "severe_epochs"), _COUNT),
-    "MicrobenchConfig.iterations": _COUNT,  # EventGradConfig.iterations <= 0 means "run epochs"
-    "num_procs": (1, 256, True, True),
-    "devices": (1, MAX_DEVICES, True, True),
-    **dict.fromkeys(("train_examples", "test_examples", "resnet_test_examples", "corpus_chars"), _SIZE),
-    **dict.fromkeys(("severe_train_examples", "severe_test_examples", "warmup", "warmup_steps"), _SIZE),
-    **dict.fromkeys(("forced_iterations", "trace_tensors", "severe_warmup_epochs", "noise_std", "horizon"), _SIZE),
-    **dict.fromkeys(("skew_unit_ms", "base_compute_ms", "delays_ms", "severe_min_ms", "severe_max_ms"), _SIZE),
-    **dict.fromkeys(("learning_rate", "lr", "resnet_lr", "severe_lr", "epochs"), _POSITIVE),
-    **dict.fromkeys(("timeout_s", "poll_s", "launch_timeout_s", "equal_loss_rtol"), _POSITIVE),
-    **dict.fromkeys(("momentum", "resnet_momentum", "severe_momentum"), _MOMENTUM),
-    **dict.fromkeys(("topk_ratio", "topk"), _FRACTION),
-    "drop_ratio": (0.0, 1.0, True, False),  # the dropped fraction: 1 would send nothing
-    "seed": (0, 2**32, True, False),  # PRNGKey keeps 32 bits: a larger seed would alias a smaller one
-}
 
 
 def _number(v: float) -> str:
     return "2**32" if v == 2**32 else f"{v:g}"
 
 
-IMAGE_DATASETS = ("mnist", "fashion_mnist", "mnist5k", "digits")
-"""The image datasets of the studies (``_common.load_image_task``)."""
-IMAGE_MODELS = ("mlp", "eventgrad_cnn", "resnet20")
-"""The image models of the studies (``_common.build_model``)."""
-_CHOICES: dict[str, tuple[str, ...]] = {"dataset": IMAGE_DATASETS, "model": IMAGE_MODELS}
-
-
-def _check_choice(cls_name: str, key: str, value) -> None:
-    """``ValueError`` if a field named in :data:`_CHOICES` holds a name outside its choices."""
-    if key in _CHOICES and value not in _CHOICES[key]:
-        raise ValueError(f"{cls_name}.{key} must be one of {', '.join(_CHOICES[key])}; got {value!r}")
-
-
-def check_range(label: str, key: str, value) -> None:
-    """``ValueError`` naming ``label`` if ``value`` is a number outside the range of ``key`` in :data:`_RANGES`."""
-    if key not in _RANGES or isinstance(value, bool) or not isinstance(value, (int, float)):
+def check_range(label: str, value, bounds: tuple[float, float, bool, bool]) -> None:
+    """``ValueError`` naming ``label`` if ``value`` is a number outside ``bounds``: ``(low, high, low
+    inclusive, high inclusive)``. Anything but an int or a float passes (its type is checked elsewhere)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
-    low, high, low_in, high_in = _RANGES[key]
+    low, high, low_in, high_in = bounds
     ok = (value >= low if low_in else value > low) and (value <= high if high_in else value < high)
     if not ok:
         if high == float("inf"):
@@ -326,16 +297,12 @@ def check_range(label: str, key: str, value) -> None:
         raise ValueError(f"{label} must be {want}; got {value!r}")
 
 
-def config_help(config_type: type) -> list[tuple[str, str, str, str]]:
-    """``(key, type, default, meaning)`` for every field of ``config_type``.
-
-    The meaning is the field's entry in the class docstring's ``Attributes:``
-    section (entries naming several keys, ``a, b: ...``, apply to each).
-    """
+def _attribute_meanings(doc: str) -> dict[str, str]:
+    """The entries of a docstring's ``Attributes:`` section (``a, b: ...`` applies to each key)."""
     meanings: dict[str, str] = {}
     base: int | None = None  # indentation of the entries under "Attributes:"
     current: list[str] = []
-    for line in (config_type.__doc__ or "").splitlines():
+    for line in doc.splitlines():
         text = line.strip()
         indent = len(line) - len(line.lstrip())
         if text == "Attributes:":
@@ -356,6 +323,18 @@ def config_help(config_type: type) -> list[tuple[str, str, str, str]]:
         elif indent > base:
             for k in current:
                 meanings[k] = (meanings[k] + " " + text).strip()
+    return meanings
+
+
+def config_help(config_type: type) -> list[tuple[str, str, str, str]]:
+    """``(key, type, default, meaning)`` for every field of ``config_type``.
+
+    The meaning is the field's entry in the ``Attributes:`` section of the class docstring, or
+    of the nearest base class that documents it (a shared base documents the shared fields).
+    """
+    meanings: dict[str, str] = {}
+    for cls in reversed(config_type.__mro__):
+        meanings.update(_attribute_meanings(cls.__doc__ or "") if dataclasses.is_dataclass(cls) else {})
     hints = typing.get_type_hints(config_type)
     default = config_type.default()  # type: ignore[attr-defined]  # every registered config has one
     rows = []
@@ -367,6 +346,11 @@ def config_help(config_type: type) -> list[tuple[str, str, str, str]]:
 
 
 _EXPERIMENTS: dict[str, Experiment] = {}
+_searched: list[bool] = [False]  # the studies were looked for (once per process)
+
+
+class NoStudiesError(ValueError):
+    """No folder of studies and no ``jaxcomm.studies`` entry point was found."""
 
 
 def register_experiment(exp: Experiment) -> Experiment:
@@ -386,8 +370,60 @@ def register_experiment(exp: Experiment) -> Experiment:
     return exp
 
 
+def studies_folder(start: Path | None = None) -> Path | None:
+    """The folder of studies: ``$JAXCOMM_EXPERIMENTS``, else the first ``experiments/`` holding an
+    ``__init__.py`` in ``start`` (default: the current directory) or above it; ``None`` if neither.
+
+    Raises ``ValueError`` if ``JAXCOMM_EXPERIMENTS`` names something other than a package folder.
+    """
+    named = os.environ.get(ENV_VAR)
+    if named:
+        folder = Path(named).expanduser().resolve()
+        if not (folder / "__init__.py").is_file():
+            raise ValueError(f"{ENV_VAR}={named}: not a folder of studies (it needs an __init__.py naming STUDIES)")
+        return folder
+    here = Path(start or Path.cwd()).resolve()
+    for parent in (here, *here.parents):
+        if (parent / "experiments" / "__init__.py").is_file():
+            return parent / "experiments"
+    return None
+
+
+def _import_folder(folder: Path) -> None:
+    """Import the package ``folder`` (its parent first on ``sys.path``) and each of its ``STUDIES``."""
+    name = folder.name
+    if not name.isidentifier():
+        raise ValueError(f"the folder of studies {str(folder)!r} must have a Python name; got {name!r}")
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve().parent != folder:
+        raise ValueError(f"the folder of studies {str(folder)!r}: another module {name!r} is already imported")
+    if str(folder.parent) not in sys.path:
+        sys.path.insert(0, str(folder.parent))
+    package = importlib.import_module(name)
+    for study in getattr(package, "STUDIES", ()):
+        importlib.import_module(f"{name}.{study}")  # the study's __init__ registers its experiments
+
+
+def _load_all() -> None:
+    """Find and import every study (once): the folder of :func:`studies_folder`, then the entry points."""
+    if _searched[0]:
+        return
+    folder = studies_folder()
+    entry_points = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    if folder is None and not entry_points:
+        raise NoStudiesError(
+            f"no studies found: no experiments/ folder in {Path.cwd()} or above it, {ENV_VAR} is not set, "
+            f"and no installed package declares a {ENTRY_POINT_GROUP!r} entry point"
+        )
+    if folder is not None:
+        _import_folder(folder)
+    for entry_point in entry_points:
+        entry_point.load()
+    _searched[0] = True
+
+
 def experiment_names() -> list[str]:
-    """Names of the registered experiments, sorted."""
+    """Names of the registered experiments, sorted (:class:`NoStudiesError` if none can be found)."""
     _load_all()
     return sorted(_EXPERIMENTS)
 
@@ -399,6 +435,17 @@ def get_experiment(name: str) -> Experiment:
         return _EXPERIMENTS[name]
     except KeyError:
         raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(sorted(_EXPERIMENTS))}") from None
+
+
+def worker_pythonpath(package: str, env: Mapping[str, str] | None = None) -> str:
+    """The ``PYTHONPATH`` under which a child process imports the study ``package`` (e.g. a worker
+    run as ``python -m PACKAGE.worker``) and this ``jaxcomm``: the folder above the package's top
+    level, then the folder holding ``jaxcomm``, then ``env``'s ``PYTHONPATH`` (default:
+    ``os.environ``'s)."""
+    top = Path(sys.modules[package.partition(".")[0]].__file__ or "").resolve().parents[1]
+    here = Path(__file__).resolve().parents[1]
+    rest = (os.environ if env is None else env).get("PYTHONPATH", "")
+    return os.pathsep.join(dict.fromkeys(p for p in (str(top), str(here), rest) if p))
 
 
 def _split_top(text: str) -> list[str]:
@@ -451,32 +498,21 @@ def _coerce(key: str, text: Any, like: Any):
     return text
 
 
-def check_global_batch(config) -> None:
-    """``ValueError`` unless ``config.batch_size`` (the global batch) is a multiple of ``config.devices``.
+def apply_overrides(config, overrides: dict):
+    """``config`` (a config dataclass instance) with ``overrides`` applied by :func:`dataclasses.replace`.
 
-    Each of the ``devices`` workers takes ``batch_size / devices`` examples per step
-    (:class:`jaxcomm.data.WorkerBatches`); the study's config calls this from ``__post_init__``.
+    A value may be a string from ``--set``, parsed like the field's current value (``7`` for an
+    int, ``a,b`` or ``["a", "b"]`` for a tuple), then checked against the field's type. Raises
+    ``ValueError`` for a key that is not a field (listing the valid keys), a value that does not
+    parse as the field's type, or one that the dataclass's ``__post_init__`` refuses.
     """
-    name = type(config).__name__
-    if config.devices >= 1 and config.batch_size % config.devices:
-        raise ValueError(
-            f"{name}.batch_size must be a multiple of {name}.devices (each worker takes batch_size / devices "
-            f"examples); got batch_size={config.batch_size}, devices={config.devices}"
-        )
-
-
-def apply_overrides(config: dict, overrides: dict) -> dict:
-    """Return ``config`` updated by ``overrides`` (values may be strings from ``--set``).
-
-    Raises ``ValueError`` for a key not in ``config`` (listing the valid keys) or a
-    value that does not parse as the default's type.
-    """
-    out = dict(config)
+    names = [f.name for f in dataclasses.fields(config)]
+    changes = {}
     for key, value in overrides.items():
-        if key not in out:
-            raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(out))}")
-        out[key] = _coerce(key, value, out[key])
-    return out
+        if key not in names:
+            raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(names))}")
+        changes[key] = _checked(type(config), key, _coerce(key, value, _jsonable(getattr(config, key))))
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def provenance() -> dict:
@@ -497,7 +533,7 @@ def provenance() -> dict:
     try:
         proc = subprocess.run(
             ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parents[2],
+            cwd=Path(__file__).resolve().parents[1],
             capture_output=True,
             text=True,
             timeout=30,
@@ -523,7 +559,7 @@ def _json_value(value: Any) -> Any:
     arrays by their dtype (integers as ints, floats as floats: a measured float that happens to
     be whole stays a float), a :class:`~jaxcomm.BitCount` as its exact ints; anything else is a
     ``TypeError`` naming its type (a count must reach the writer as an integer, from its source)."""
-    from .._bitcount import BitCount
+    from ._bitcount import BitCount
 
     if isinstance(value, BitCount):
         return int(value) if value.ndim == 0 else [_json_value(value[i]) for i in range(len(value))]
@@ -540,12 +576,3 @@ def write_results(out_dir: Path, results: dict) -> Path:
     path = out_dir / "results.json"
     path.write_text(json.dumps(results, indent=2, sort_keys=True, default=_json_value))
     return path
-
-
-# One package per paper: jaxcomm/experiments/<paper>/__init__.py registers its experiments.
-_PAPERS = ("quickstart", "network", "grace", "doublesqueeze", "gradient_dropping", "eventgrad", "eager")
-
-
-def _load_all() -> None:
-    for paper in _PAPERS:
-        importlib.import_module(f"jaxcomm.experiments.{paper}")

@@ -1,11 +1,12 @@
 """``jaxcomm run doublesqueeze``: DoubleSqueeze (Tang et al. 2019, Figs. 1-2) and its baselines.
 
-Registration only (no JAX import); the runner is :mod:`jaxcomm.experiments.doublesqueeze.run`
+Registration only (no JAX import); the runner is :mod:`experiments.doublesqueeze.run`
 and the paper's baselines (MEM-SGD, QSGD and top-k without feedback) are in
-:mod:`jaxcomm.experiments.doublesqueeze.baselines`.
+:mod:`experiments.doublesqueeze.baselines`.
 """
 
-from .._registry import Experiment, register_experiment
+from jaxcomm.studies import Experiment, register_experiment
+
 from .config import DoubleSqueezeConfig
 
 __all__ = ["EXPERIMENT", "DoubleSqueezeConfig"]
@@ -15,7 +16,7 @@ EXPERIMENT = register_experiment(
         name="doublesqueeze",
         description="DoubleSqueeze (1-bit, top-k) vs MEM-SGD vs QSGD vs top-k without feedback vs SGD",
         config_type=DoubleSqueezeConfig,
-        runner="jaxcomm.experiments.doublesqueeze.run:run",
+        runner=f"{__name__}.run:run",
     )
 )
 """The registered experiment."""

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import optax
 
-from .._common import load_image_task, plot_curves, train_data_parallel
-from .config import METHODS
+from .._common import load_config_task, plot_curves, train_config
+from .config import METHODS, DoubleSqueezeConfig
 
 
 def _transform(method: str, ratio: float):
-    from ... import compressors
-    from ...transforms import compressed_mean, doublesqueeze
+    from jaxcomm import compressors
+    from jaxcomm.transforms import compressed_mean, doublesqueeze
+
     from .baselines import memsgd, qsgd_no_feedback, topk_no_feedback
 
     if method == "sgd":
@@ -39,30 +40,16 @@ def _transform(method: str, ratio: float):
     raise ValueError(f"unknown method {method!r}; valid: {list(METHODS)}")
 
 
-def run(config: dict, out_dir: Path) -> dict:
+def run(config: DoubleSqueezeConfig, out_dir: Path) -> dict:
     """Train each method; write ``loss.png`` and ``accuracy.png``."""
-    train, test = load_image_task(config["dataset"], config["train_examples"], config["test_examples"])
+    train, test = load_config_task(config)
     runs = []
-    for method in config["methods"]:
-        comm_tx, strategy = _transform(method, config["topk_ratio"])
-        tx = optax.chain(comm_tx, optax.sgd(config["learning_rate"], momentum=config["momentum"]))
-        runs.append(
-            train_data_parallel(
-                name=method,
-                tx=tx,
-                model=config["model"],
-                train=train,
-                test=test,
-                workers=config["devices"],
-                batch_size=config["batch_size"],
-                steps=config["steps"],
-                eval_every=config["eval_every"],
-                seed=config["seed"],
-                strategy=strategy,
-            )
-        )
+    for method in config.methods:
+        comm_tx, strategy = _transform(method, config.topk_ratio)
+        tx = optax.chain(comm_tx, optax.sgd(config.learning_rate, momentum=config.momentum))
+        runs.append(train_config(config, method, tx, train, test, strategy))
     out = Path(out_dir)
-    setting = f"{config['dataset']}, {config['model']}, {config['devices']} workers, {config['steps']} steps"
+    setting = f"{config.dataset}, {config.model}, {config.devices} workers, {config.steps} steps"
     plot_curves(
         runs,
         out / "loss.png",

@@ -5,11 +5,11 @@
 * ``jaxcomm run eager-hyperplane`` (Sec. 7.2.1, Fig. 10; Sec. 7.2.3, Fig. 12):
   hyperplane regression over MPI, then the severe skew in the mesh simulation.
 
-Registration only (no JAX import): the launcher is :mod:`jaxcomm.experiments.eager.run`,
-the per-rank MPI worker :mod:`jaxcomm.experiments.eager.worker`.
+Registration only (no JAX import): the launcher is :mod:`experiments.eager.run`,
+the per-rank MPI worker :mod:`experiments.eager.worker`.
 """
 
-from .._registry import Experiment, register_experiment
+from jaxcomm.studies import Experiment, register_experiment
 from .config import HyperplaneConfig, MicrobenchConfig
 
 __all__ = ["MICROBENCH", "HYPERPLANE", "MicrobenchConfig", "HyperplaneConfig"]
@@ -19,7 +19,7 @@ MICROBENCH = register_experiment(
         name="eager-microbench",
         description="eager-SGD Fig. 8-9: MPI_Allreduce vs solo/majority allreduce latency and NAP, linear skew",
         config_type=MicrobenchConfig,
-        runner="jaxcomm.experiments.eager.run:run_microbench",
+        runner=f"{__name__}.run:run_microbench",
     )
 )
 """The registered ``eager-microbench`` experiment."""
@@ -29,7 +29,7 @@ HYPERPLANE = register_experiment(
         name="eager-hyperplane",
         description="eager-SGD Sec. 7.2.1/7.2.3: hyperplane regression over MPI + severe skew ResNet-20 (simulation)",
         config_type=HyperplaneConfig,
-        runner="jaxcomm.experiments.eager.run:run_hyperplane",
+        runner=f"{__name__}.run:run_hyperplane",
     )
 )
 """The registered ``eager-hyperplane`` experiment."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from .._config import StudyConfig
+
 __all__ = ["MicrobenchConfig", "HyperplaneConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
-class MicrobenchConfig:
+class MicrobenchConfig(StudyConfig):
     """eager-SGD Sec. 7.1 (Figs. 8-9): collectives under linear skew, ``(rank + 1) * skew_unit_ms`` before each call.
 
     Attributes:
@@ -45,7 +47,7 @@ class MicrobenchConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class HyperplaneConfig:
+class HyperplaneConfig(StudyConfig):
     """eager-SGD Sec. 7.2.1 (hyperplane regression over MPI) and Sec. 7.2.3 (severe skew, mesh simulation).
 
     Hyperplane study (``mpi``), ``y = x . w* + noise`` with a linear model:
@@ -68,7 +70,7 @@ class HyperplaneConfig:
       timeout_s, poll_s: a partial collective's timeout and polling interval (s).
       launch_timeout_s: limit of each ``mpirun`` job (s).
       severe: run the severe-skew study (:func:`jaxcomm.algorithms.simulate_training`).
-      severe_dataset, severe_model: as in :func:`jaxcomm.experiments._common.load_image_task` and ``build_model``.
+      severe_dataset, severe_model: as in :func:`experiments._common.load_image_task` and ``build_model``.
       severe_workers: simulated workers.
       severe_train_examples, severe_test_examples: keep only this many examples (0: all).
       severe_downsample: f > 1 average-pools the images f x f (f^2 fewer FLOPs per example).

@@ -12,7 +12,7 @@
   (:func:`jaxcomm.algorithms.simulate_training`): accuracy against simulated time.
 
 The MPI parts launch ``mpirun`` themselves; each rank runs the module
-:mod:`jaxcomm.experiments.eager.worker`. The
+:mod:`experiments.eager.worker`. The
 load-imbalance schedule (:mod:`jaxcomm.imbalance`) is computed once by the
 launcher and read by every rank: the paper's "same random stream on all ranks".
 """
@@ -30,15 +30,18 @@ from typing import Any
 
 import numpy as np
 
-from ..._validate import as_count
+from jaxcomm._validate import as_count
+from jaxcomm.studies import config_to_dict, worker_pythonpath
+
+from .config import HyperplaneConfig, MicrobenchConfig
 from .worker import hyperplane_data
 
 __all__ = ["launch_mpi", "run_microbench", "run_hyperplane", "severe_learning_rate", "severe_staleness"]
 
-# The folder holding the ``jaxcomm`` package: the workers' working directory, so that
-# ``python -m jaxcomm...`` imports the same package as the launcher.
-_PACKAGE_PARENT = Path(__file__).resolve().parents[3]
-_WORKER = "jaxcomm.experiments.eager.worker"
+# The folder holding the studies' package: the workers' working directory; their PYTHONPATH
+# (``worker_pythonpath``) imports the same study and the same jaxcomm as the launcher.
+_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+_WORKER = f"{__package__}.worker"
 
 # Paper figures (Li et al. 2020).
 PAPER = {
@@ -57,20 +60,20 @@ PAPER = {
 # Launching MPI workers
 # --------------------------------------------------------------------------- #
 def launch_mpi(num_procs: int, args: list, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``python -m jaxcomm.experiments.eager.worker ARGS...`` on ``num_procs`` MPI processes.
+    """Run ``python -m <studies>.eager.worker ARGS...`` on ``num_procs`` MPI processes.
 
     Raises ``RuntimeError`` (with the output's tail) if ``mpirun`` is missing or
     the job fails, and ``subprocess.TimeoutExpired`` after ``timeout`` seconds.
     """
-    from ...comm import mpirun_env, mpirun_path
+    from jaxcomm.comm import mpirun_env, mpirun_path
 
     mpirun = mpirun_path()
     if mpirun is None:
         raise RuntimeError("mpirun not found: install the 'mpi' extra (pip install jaxcomm[mpi])")
     cmd = [mpirun, "-n", str(int(num_procs)), "--oversubscribe", sys.executable, "-m", _WORKER, *map(str, args)]
-    proc = subprocess.run(
-        cmd, env=mpirun_env(single_thread=True), capture_output=True, text=True, timeout=timeout, cwd=_PACKAGE_PARENT
-    )
+    env = mpirun_env(single_thread=True)
+    env["PYTHONPATH"] = worker_pythonpath(__package__, env)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=_PACKAGE_PARENT)
     if proc.returncode != 0:
         raise RuntimeError(
             f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
@@ -98,25 +101,25 @@ def _analytic_microbench(p: int, unit_ms: float) -> dict:
     }
 
 
-def run_microbench(config: dict, out_dir: Path) -> dict:
+def run_microbench(config: MicrobenchConfig, out_dir: Path) -> dict:
     """``eager-microbench``: Fig. 8-9 on ``num_procs`` real MPI processes."""
-    from ... import imbalance
-    from .._registry import write_results
+    from jaxcomm import imbalance
+    from jaxcomm.studies import write_results
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    p = int(config["num_procs"])
-    model = imbalance.LinearSkew(p, unit_ms=float(config["skew_unit_ms"]))
+    p = int(config.num_procs)
+    model = imbalance.LinearSkew(p, unit_ms=float(config.skew_unit_ms))
     with tempfile.TemporaryDirectory(prefix="eager-micro-") as tmp_name:
         tmp = Path(tmp_name)
-        np.save(tmp / "schedule.npy", imbalance.schedule(model, int(config["seed"]), 1))
-        (tmp / "config.json").write_text(json.dumps(config))
+        np.save(tmp / "schedule.npy", imbalance.schedule(model, int(config.seed), 1))
+        (tmp / "config.json").write_text(json.dumps(config_to_dict(config)))
         t0 = time.time()
-        launch_mpi(p, ["microbench", tmp], timeout=float(config["launch_timeout_s"]))
+        launch_mpi(p, ["microbench", tmp], timeout=float(config.launch_timeout_s))
         wall = time.time() - t0
         ranks = [dict(np.load(tmp / f"micro_rank{r}.npz")) for r in range(p)]
     res: dict[str, Any] = {
-        "config": config,
+        "config": config_to_dict(config),
         "paper": {k: v for k, v in PAPER.items() if k.startswith("microbench")},
         "mpirun_s": wall,
     }
@@ -136,7 +139,7 @@ def run_microbench(config: dict, out_dir: Path) -> dict:
     base = per["mpi_allreduce"]["mean_latency_ms"]
     res["speedup_solo"] = base / per["solo"]["mean_latency_ms"]
     res["speedup_majority"] = base / per["majority"]["mean_latency_ms"]
-    res["analytic"] = _analytic_microbench(p, float(config["skew_unit_ms"]))
+    res["analytic"] = _analytic_microbench(p, float(config.skew_unit_ms))
     res["summary"] = [
         {
             "collective": n,
@@ -191,22 +194,22 @@ def _time_to_loss(times: np.ndarray, losses: np.ndarray, target: float):
     return float(times[hit[0]]) if hit.size else None
 
 
-def run_hyperplane(config: dict, out_dir: Path) -> dict:
+def run_hyperplane(config: HyperplaneConfig, out_dir: Path) -> dict:
     """``eager-hyperplane``: Sec. 7.2.1 over MPI, then Sec. 7.2.3 in the mesh simulation."""
-    from .._registry import write_results
+    from jaxcomm.studies import write_results
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
-        "config": config,
+        "config": config_to_dict(config),
         "paper": {k: v for k, v in PAPER.items() if not k.startswith("microbench")},
     }
     summary = []
-    if config["mpi"]:
+    if config.mpi:
         res["hyperplane"] = _run_hyperplane_mpi(config)
         summary += res["hyperplane"]["summary"]
         _plot_hyperplane(res["hyperplane"], out_dir)
-    if config["severe"]:
+    if config.severe:
         res["severe"] = _run_severe(config, out_dir)
         summary += res["severe"]["summary"]
         _plot_severe(res["severe"], out_dir)
@@ -215,29 +218,29 @@ def run_hyperplane(config: dict, out_dir: Path) -> dict:
     return res
 
 
-def _run_hyperplane_mpi(config: dict) -> dict:
-    from ... import imbalance
+def _run_hyperplane_mpi(config: HyperplaneConfig) -> dict:
+    from jaxcomm import imbalance
 
-    p = int(config["num_procs"])
-    if int(config["batch_total"]) % p or int(config["train_points"]) % p:
+    p = int(config.num_procs)
+    if int(config.batch_total) % p or int(config.train_points) % p:
         raise ValueError("batch_total and train_points must be multiples of num_procs")
-    steps_per_epoch = (int(config["train_points"]) // p) // (int(config["batch_total"]) // p)
-    steps = steps_per_epoch * int(config["epochs"])
+    steps_per_epoch = (int(config.train_points) // p) // (int(config.batch_total) // p)
+    steps = steps_per_epoch * int(config.epochs)
     x_val, y_val = hyperplane_data(
-        int(config["seed"]), int(config["val_points"]), int(config["features"]), float(config["noise_std"]), stream=1
+        int(config.seed), int(config.val_points), int(config.features), float(config.noise_std), stream=1
     )
-    d = int(config["features"])
+    d = int(config.features)
     runs = {}
-    for delay in config["delays_ms"]:
+    for delay in config.delays_ms:
         # Sec. 7.2.1: one random process of P delayed every step; same table on every rank.
         model = imbalance.RandomDelay(p, 1, float(delay))
-        table = imbalance.schedule(model, int(config["seed"]), steps)
-        for mode in config["modes"]:
+        table = imbalance.schedule(model, int(config.seed), steps)
+        for mode in config.modes:
             with tempfile.TemporaryDirectory(prefix="eager-hyper-") as tmp_name:
                 tmp = Path(tmp_name)
                 np.save(tmp / "schedule.npy", table)
-                (tmp / "config.json").write_text(json.dumps({**config, "mode": mode}))
-                launch_mpi(p, ["hyperplane", tmp], timeout=float(config["launch_timeout_s"]))
+                (tmp / "config.json").write_text(json.dumps({**config_to_dict(config), "mode": mode}))
+                launch_mpi(p, ["hyperplane", tmp], timeout=float(config.launch_timeout_s))
                 ranks = [dict(np.load(tmp / f"hyper_rank{r}.npz")) for r in range(p)]
             snaps = ranks[0]["snaps"]
             mse = [float(np.mean((x_val @ s[:d] + s[d] - y_val) ** 2)) for s in snaps]
@@ -258,9 +261,9 @@ def _run_hyperplane_mpi(config: dict) -> dict:
                 "undelivered_norm": float(np.linalg.norm(sum(r["leftover"] for r in ranks))),
             }
     summary = []
-    for delay in config["delays_ms"]:
+    for delay in config.delays_ms:
         sync = runs.get(f"sync-{delay:g}")
-        for mode in config["modes"]:
+        for mode in config.modes:
             r = runs[f"{mode}-{delay:g}"]
             row = {
                 "study": "hyperplane (MPI)",
@@ -274,7 +277,7 @@ def _run_hyperplane_mpi(config: dict) -> dict:
                 r["speedup_throughput"] = r["throughput_steps_s"] / sync["throughput_steps_s"]
                 # Equal loss: the first epoch boundary at which the run's validation MSE is within
                 # equal_loss_rtol of synch-SGD's final MSE (Fig. 10b: "equivalent loss value").
-                target = sync["val_mse"][-1] * (1.0 + float(config["equal_loss_rtol"]))
+                target = sync["val_mse"][-1] * (1.0 + float(config.equal_loss_rtol))
                 t_sync = _time_to_loss(np.array(sync["epoch_times_s"]), np.array(sync["val_mse"]), target)
                 t_mode = _time_to_loss(np.array(r["epoch_times_s"]), np.array(r["val_mse"]), target)
                 r["target_val_mse"] = target
@@ -296,7 +299,7 @@ def _pool_images(ds, f: int):
     return ds._replace(images=img)
 
 
-def severe_learning_rate(config: dict, epochs: int, rounds_per_epoch: int):
+def severe_learning_rate(config: HyperplaneConfig, epochs: int, rounds_per_epoch: int):
     """The severe-skew study's learning rate per round (one optimizer update per partial-allreduce round).
 
     ``severe_lr_schedule="constant"``: ``severe_lr``; ``"cosine"``: a cosine decay from ``severe_lr``
@@ -307,13 +310,13 @@ def severe_learning_rate(config: dict, epochs: int, rounds_per_epoch: int):
     """
     import optax
 
-    lr, schedule = float(config["severe_lr"]), config.get("severe_lr_schedule", "constant")
+    lr, schedule = float(config.severe_lr), config.severe_lr_schedule
     total = max(1, int(epochs) * int(rounds_per_epoch))
-    warm = int(round(float(config.get("severe_warmup_epochs", 0)) * int(rounds_per_epoch)))
+    warm = int(round(float(config.severe_warmup_epochs) * int(rounds_per_epoch)))
     if not 0 <= warm < total:
         raise ValueError(
             f"severe_warmup_epochs must be >= 0 and shorter than the run ({epochs} epochs); "
-            f"got {config.get('severe_warmup_epochs')!r}"
+            f"got {config.severe_warmup_epochs!r}"
         )
     if schedule == "constant":
         after = optax.constant_schedule(lr)
@@ -326,16 +329,16 @@ def severe_learning_rate(config: dict, epochs: int, rounds_per_epoch: int):
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm])
 
 
-def _severe_skew(config: dict):
+def _severe_skew(config: HyperplaneConfig):
     """The severe study's imbalance: ``RotatingSkew(severe_workers, severe_min_ms, severe_max_ms)``."""
-    from ... import imbalance
+    from jaxcomm import imbalance
 
     return imbalance.RotatingSkew(
-        int(config["severe_workers"]), float(config["severe_min_ms"]), float(config["severe_max_ms"])
+        int(config.severe_workers), float(config.severe_min_ms), float(config.severe_max_ms)
     )
 
 
-def severe_staleness(config: dict, mode: str, rounds: int) -> dict:
+def severe_staleness(config: HyperplaneConfig, mode: str, rounds: int) -> dict:
     """How stale the severe study's delivered gradients were: :func:`staleness_profile` of its rounds
     (the same skew, clock and key as the training: ``simulate_training`` uses ``split(key)[0]``).
 
@@ -343,16 +346,16 @@ def severe_staleness(config: dict, mode: str, rounds: int) -> dict:
     """
     import jax
 
-    from ...algorithms.eager_sgd import EagerSGDConfig, staleness_profile
+    from jaxcomm.algorithms.eager_sgd import EagerSGDConfig, staleness_profile
 
-    key = jax.random.split(jax.random.key(int(config["seed"])))[0]
-    profile = staleness_profile(EagerSGDConfig(mode, _severe_skew(config), clock=config["severe_clock"]), rounds, key)
+    key = jax.random.split(jax.random.key(int(config.seed)))[0]
+    profile = staleness_profile(EagerSGDConfig(mode, _severe_skew(config), clock=config.severe_clock), rounds, key)
     stats = profile.summary()
     counts = np.asarray(profile.counts)[: stats["max_staleness"] + 1]
     return dict(stats, counts=[as_count(c, "counts") for c in counts])
 
 
-def _run_severe(config: dict, out_dir: Path) -> dict:
+def _run_severe(config: HyperplaneConfig, out_dir: Path) -> dict:
     """Sec. 7.2.3 in the mesh simulation; ``out_dir/severe_partial.json`` holds every mode's
     accuracy history so far (rewritten after every epoch), so a long run that is stopped keeps it.
 
@@ -364,16 +367,16 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
     import optax
     from flax import nnx
 
-    from ...algorithms.eager_sgd import simulate_training
+    from jaxcomm.algorithms.eager_sgd import simulate_training
     from .._common import build_model, load_image_task
 
     train, test = load_image_task(
-        config["severe_dataset"], int(config["severe_train_examples"]), int(config["severe_test_examples"])
+        config.severe_dataset, int(config.severe_train_examples), int(config.severe_test_examples)
     )
-    f = int(config["severe_downsample"])
+    f = int(config.severe_downsample)
     if f > 1:  # f x f average pooling of the images: f^2 fewer FLOPs per example (28 -> 14 for f = 2)
         train, test = (_pool_images(d, f) for d in (train, test))
-    p = int(config["severe_workers"])
+    p = int(config.severe_workers)
     skew = _severe_skew(config)
 
     def loss_fn(m, xb, yb):
@@ -387,9 +390,9 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
         return {"test_acc": float(accuracy(m, jnp.asarray(test.images), jnp.asarray(test.labels)))}
 
     runs = {}
-    b, epochs = int(config["severe_batch_per_worker"]), int(config["severe_epochs"])
+    b, epochs = int(config.severe_batch_per_worker), int(config.severe_epochs)
     lr = severe_learning_rate(config, epochs, rounds_per_epoch=len(train.labels) // (p * b))
-    partial = {"config": config, "history": {}}
+    partial = {"config": config_to_dict(config), "history": {}}
 
     def save_partial(mode, entry):
         partial["history"].setdefault(mode, []).append(entry)
@@ -397,8 +400,8 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
         tmp.write_text(json.dumps(partial, indent=1))
         tmp.replace(out_dir / "severe_partial.json")
 
-    for mode in config["severe_modes"]:
-        model = build_model(config["severe_model"], train, int(config["seed"]))
+    for mode in config.severe_modes:
+        model = build_model(config.severe_model, train, int(config.seed))
         t0 = time.time()
         out = simulate_training(
             model,
@@ -409,9 +412,9 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
             imbalance=skew,
             batch_per_worker=b,
             epochs=epochs,
-            optimizer=optax.sgd(lr, momentum=float(config["severe_momentum"])),
-            key=jax.random.key(int(config["seed"])),
-            clock=config["severe_clock"],
+            optimizer=optax.sgd(lr, momentum=float(config.severe_momentum)),
+            key=jax.random.key(int(config.seed)),
+            clock=config.severe_clock,
             eval_fn=evaluate,
             progress=True,
             on_eval=functools.partial(save_partial, mode),
@@ -425,7 +428,7 @@ def _run_severe(config: dict, out_dir: Path) -> dict:
     for mode, r in runs.items():
         last = r["history"][-1]
         row = {
-            "study": f"severe skew (sim, {config['severe_model']})",
+            "study": f"severe skew (sim, {config.severe_model})",
             "mode": mode,
             "delay_ms": "50..400",
             "nap": float(np.mean(r["nap"])),

@@ -1,7 +1,7 @@
 """MPI worker of the eager-SGD experiments, one process per rank under ``mpirun``.
 
-``python -m jaxcomm.experiments.eager.worker {microbench|hyperplane} DIR`` (started
-by :func:`jaxcomm.experiments.eager.run.launch_mpi`) reads ``DIR/config.json``
+``python -m experiments.eager.worker {microbench|hyperplane} DIR`` (started
+by :func:`experiments.eager.run.launch_mpi`) reads ``DIR/config.json``
 and the load-imbalance table ``DIR/schedule.npy`` (``[steps, P]`` ms, computed
 once by the launcher: the same random stream on all ranks) and writes
 ``DIR/micro_rank{r}.npz`` or ``DIR/hyper_rank{r}.npz``. It needs NumPy, mpi4py
@@ -152,7 +152,7 @@ def main(argv: list[str]) -> None:
     """``argv = [KIND, DIR]``: run the ``KIND`` worker on ``DIR/config.json`` and ``DIR/schedule.npy``."""
     if len(argv) != 2 or argv[0] not in _KINDS:
         raise SystemExit(
-            "usage: python -m jaxcomm.experiments.eager.worker {microbench|hyperplane} DIR "
+            "usage: python -m experiments.eager.worker {microbench|hyperplane} DIR "
             f"(launched under mpirun by jaxcomm run eager-*); got {argv}"
         )
     kind, out = argv[0], Path(argv[1])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .._config import StudyConfig
+
 __all__ = ["ALGORITHMS", "TASKS", "EventGradConfig"]
 
 TASKS = {
@@ -18,7 +20,7 @@ ALGORITHMS = ("dpsgd", "eventgrad", "eventgrad_topk")
 
 
 @dataclasses.dataclass(frozen=True)
-class EventGradConfig:
+class EventGradConfig(StudyConfig):
     """D-PSGD vs EventGraD on a ring, every (task, workers, algorithm); workers simulated with ``jax.vmap``.
 
     Keys with the ``resnet_`` prefix replace their unprefixed namesakes for the
@@ -68,6 +70,16 @@ class EventGradConfig:
     topk: float = 0.1
     trace_tensors: int = 4
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Also ``ValueError`` for a task not in :data:`TASKS` or an algorithm not in :data:`ALGORITHMS`."""
+        super().__post_init__()
+        for task in self.tasks:
+            if task not in TASKS:
+                raise ValueError(f"EventGradConfig.tasks: unknown task {task!r}; valid: {sorted(TASKS)}")
+        for a in self.algorithms:
+            if a not in ALGORITHMS:
+                raise ValueError(f"EventGradConfig.algorithms: unknown algorithm {a!r}; valid: {list(ALGORITHMS)}")
 
     @classmethod
     def default(cls) -> EventGradConfig:

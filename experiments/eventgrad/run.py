@@ -32,7 +32,9 @@ import jax
 import numpy as np
 import optax
 
-from .config import ALGORITHMS, TASKS
+from jaxcomm.studies import config_to_dict
+
+from .config import ALGORITHMS, TASKS, EventGradConfig
 
 # EventGraD (this paper) Tables 1 and 2: CIFAR-10, ResNet-18, 20 epochs, ring.
 PAPER_TABLE1 = {4: (86.5, 87.0, 43.24), 8: (86.3, 86.2, 42.98), 16: (84.9, 84.2, 45.91), 32: (82.5, 81.9, 44.89)}
@@ -44,7 +46,7 @@ PAPER_TABLE2 = {4: (85.4, 36.6, 7.3), 8: (85.26, 37.7, 7.5), 16: (83.09, 37.7, 7
 # --------------------------------------------------------------------------- #
 def _load(dataset: str, train_examples: int, test_examples: int, seed: int):
     """``(train, test)`` :class:`jaxcomm.data.Dataset`, 28x28x1, standardised by the train mean/std."""
-    from ... import data
+    from jaxcomm import data
 
     if dataset == "digits":
         full = data.load_digits()
@@ -74,8 +76,8 @@ def _model(name: str, seed: int):
     """The model as a :class:`jaxcomm.train.PureModel` (one worker's parameters in ``.params``)."""
     from flax import nnx
 
-    from ... import models
-    from ...train import split_model
+    from jaxcomm import models
+    from jaxcomm.train import split_model
 
     rngs = nnx.Rngs(seed)
     model = models.EventGradCNN(rngs=rngs) if name == "eventgrad_cnn" else models.ResNet20(10, 1, rngs=rngs)
@@ -106,53 +108,53 @@ def _traced_tensors(params, count: int) -> list:
 # one run
 # --------------------------------------------------------------------------- #
 def _make_algorithm(name: str, topo, tx, cfg):
-    from ...algorithms import dpsgd, eventgrad
+    from jaxcomm.algorithms import dpsgd, eventgrad
 
     if name == "dpsgd":
         return dpsgd(topo, tx, axis_name="w")
     common = dict(
-        horizon=cfg["horizon"],
-        history=cfg["history"],
-        forced_iterations=cfg["forced_iterations"],
-        threshold_rule=cfg["threshold_rule"],
+        horizon=cfg.horizon,
+        history=cfg.history,
+        forced_iterations=cfg.forced_iterations,
+        threshold_rule=cfg.threshold_rule,
         axis_name="w",
     )
     if name == "eventgrad":
         return eventgrad(topo, tx, **common)
     if name == "eventgrad_topk":
-        return eventgrad(topo, tx, topk=cfg["topk"], **common)
+        return eventgrad(topo, tx, topk=cfg.topk, **common)
     raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {name!r}")
 
 
-def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: bool) -> dict:
+def _train(task: str, algorithm: str, n: int, cfg: EventGradConfig, data_, model_, trace: bool) -> dict:
     """Train ``algorithm`` on ``task`` with ``n`` simulated workers; the run's curves, counts and (with
     ``trace``) per-tensor traces.
 
     Long because the run's set-up, the one ``simulate_decentralized`` call and the result's fields are one
     sequence over shared locals.
     """
-    from ... import data, topology
-    from ...algorithms import average_model, simulate_decentralized
-    from ...train import classification_eval, evaluate_classifier
+    from jaxcomm import data, topology
+    from jaxcomm.algorithms import average_model, simulate_decentralized
+    from jaxcomm.train import classification_eval, evaluate_classifier
 
     spec = TASKS[task]
     pre = spec["prefix"]
     train, test = data_
     pure = model_
     params0 = pure.params
-    batch = cfg[pre + "batch_per_worker"]
-    lr, momentum = cfg[pre + "lr"], cfg[pre + "momentum"]
-    topo = topology.make(cfg["topology"], n)
+    batch = getattr(cfg, pre + "batch_per_worker")
+    lr, momentum = getattr(cfg, pre + "lr"), getattr(cfg, pre + "momentum")
+    topo = topology.make(cfg.topology, n)
     tx = optax.sgd(lr, momentum=momentum or None)
     alg = _make_algorithm(algorithm, topo, tx, cfg)
-    key = jax.random.key(cfg["seed"])
+    key = jax.random.key(cfg.seed)
     batches = data.WorkerBatches(
         data.split_iid(train, n, jax.random.fold_in(key, 1)), n * batch, jax.random.fold_in(key, 2)
     )
-    iterations = cfg[pre + "iterations"]
+    iterations = getattr(cfg, pre + "iterations")
     if iterations <= 0:
-        iterations = max(1, int(round(cfg["epochs"] * batches.steps_per_epoch)))
-    picks = _traced_tensors(params0, cfg["trace_tensors"]) if trace else []
+        iterations = max(1, int(round(cfg.epochs * batches.steps_per_epoch)))
+    picks = _traced_tensors(params0, cfg.trace_tensors) if trace else []
 
     def record(params, state):  # worker 0's value of the traced tensors' trigger fields
         fields = {
@@ -218,7 +220,7 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
         )
     else:
         st = alg.stats(state)
-        forced = min(iterations, cfg["forced_iterations"])
+        forced = min(iterations, cfg.forced_iterations)
         after = iterations - forced
         ev_after = st["events"] - forced * L * n
         out.update(
@@ -337,34 +339,20 @@ def _plots(results: dict, out_dir: Path) -> list:
 # --------------------------------------------------------------------------- #
 # the experiment
 # --------------------------------------------------------------------------- #
-def _validate(cfg: dict) -> None:
-    for task in cfg["tasks"]:
-        if task not in TASKS:
-            raise ValueError(f"tasks: unknown task {task!r}; valid: {sorted(TASKS)}")
-    for a in cfg["algorithms"]:
-        if a not in ALGORITHMS:
-            raise ValueError(f"algorithms: unknown algorithm {a!r}; valid: {list(ALGORITHMS)}")
-    for key in ("workers", "resnet_workers"):
-        if not cfg[key] or any((not isinstance(w, int)) or w < 1 for w in cfg[key]):
-            raise ValueError(f"{key} must be a non-empty list of positive ints; got {cfg[key]!r}")
-
-
-def run(config: dict, out_dir: Path) -> dict:
+def run(cfg: EventGradConfig, out_dir: Path) -> dict:
     """Train every (task, workers, algorithm); write results.json-ready dict and the PNGs."""
-    cfg = dict(config)
-    _validate(cfg)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs, traces = [], {}
-    for task in cfg["tasks"]:
+    for task in cfg.tasks:
         spec = TASKS[task]
         pre = spec["prefix"]
-        data_ = _load(spec["dataset"], cfg["train_examples"], cfg[pre + "test_examples"], cfg["seed"])
-        model_ = _model(spec["model"], cfg["seed"])
-        workers = cfg[pre + "workers"]
+        data_ = _load(spec["dataset"], cfg.train_examples, getattr(cfg, pre + "test_examples"), cfg.seed)
+        model_ = _model(spec["model"], cfg.seed)
+        workers = getattr(cfg, pre + "workers")
         for n in workers:
-            for algo in cfg["algorithms"]:
-                trace = algo == "eventgrad" and n == min(workers) and cfg["trace_tensors"] > 0
+            for algo in cfg.algorithms:
+                trace = algo == "eventgrad" and n == min(workers) and cfg.trace_tensors > 0
                 r = _train(task, algo, n, cfg, data_, model_, trace)
                 print(
                     f"[eventgrad] {task} n={n} {algo}: acc {r['accuracy']:.2f}% "
@@ -375,7 +363,7 @@ def run(config: dict, out_dir: Path) -> dict:
                 if trace:
                     traces[task] = {"workers": n, "trace": r.pop("trace")}
                 runs.append(r)
-    results = {"config": cfg, "runs": runs, "traces": traces}
+    results = {"config": config_to_dict(cfg), "runs": runs, "traces": traces}
     results["table1"], results["table2"] = _tables(runs)
     results["paper"] = {
         "table1_cifar10_resnet18": [

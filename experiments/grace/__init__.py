@@ -1,9 +1,10 @@
 """``jaxcomm run grace``: GRACE Figs. 6/7, quality vs data volume and vs estimated time, whole catalogue.
 
-Registration only (no JAX import); the runner is :mod:`jaxcomm.experiments.grace.run`.
+Registration only (no JAX import); the runner is :mod:`experiments.grace.run`.
 """
 
-from .._registry import Experiment, register_experiment
+from jaxcomm.studies import Experiment, register_experiment
+
 from .config import GraceConfig
 
 __all__ = ["EXPERIMENT", "GraceConfig"]
@@ -13,7 +14,7 @@ EXPERIMENT = register_experiment(
         name="grace",
         description="GRACE Fig. 6/7: accuracy vs wire bits and estimated time, whole catalogue, with/without EF",
         config_type=GraceConfig,
-        runner="jaxcomm.experiments.grace.run:run",
+        runner=f"{__name__}.run:run",
     )
 )
 """The registered experiment."""

@@ -19,25 +19,27 @@ from pathlib import Path
 
 import optax
 
-from ...demo import DEMO_KWARGS
-from .._common import for_error_feedback, load_image_task, train_data_parallel
+from jaxcomm.demo import DEMO_KWARGS
+
+from .._common import for_error_feedback, load_config_task, train_config
+from .config import GraceConfig
 
 LOSSLESS = ("none", "fp16", "bf16")
 
 
-def run(config: dict, out_dir: Path) -> dict:
+def run(config: GraceConfig, out_dir: Path) -> dict:
     """Train every (compressor, EF) pair; write ``quality_vs_bits.png`` and ``quality_vs_time.png``."""
-    from ... import compressors, memory
-    from ...transforms import compressed_mean
+    from jaxcomm import compressors, memory
+    from jaxcomm.transforms import compressed_mean
 
-    names = config["compressors"] or compressors.names()
+    names = config.compressors or compressors.names()
     unknown = sorted(set(names) - set(compressors.names()))
     if unknown:
         raise ValueError(f"unknown compressors {unknown}; valid: {compressors.names()}")
-    train, test = load_image_task(config["dataset"], config["train_examples"], config["test_examples"])
+    train, test = load_config_task(config)
     runs, failed = [], []
     for name in names:
-        for ef in config["error_feedback"]:
+        for ef in config.error_feedback:
             if ef and name in LOSSLESS:
                 continue
             c = compressors.make(name, **DEMO_KWARGS.get(name, {}))
@@ -47,23 +49,11 @@ def run(config: dict, out_dir: Path) -> dict:
             mem = memory.residual(needs_contraction=not c.no_contraction) if ef else memory.none()
             tx = optax.chain(
                 compressed_mean(c, memory=mem),
-                optax.sgd(config["learning_rate"], momentum=config["momentum"]),
+                optax.sgd(config.learning_rate, momentum=config.momentum),
             )
             label = f"{name}{'+EF' if ef else ''}"
             try:
-                r = train_data_parallel(
-                    name=label,
-                    tx=tx,
-                    model=config["model"],
-                    train=train,
-                    test=test,
-                    workers=config["devices"],
-                    batch_size=config["batch_size"],
-                    steps=config["steps"],
-                    eval_every=config["eval_every"],
-                    seed=config["seed"],
-                    strategy=c.strategy,
-                )
+                r = train_config(config, label, tx, train, test, c.strategy)
             except Exception as e:  # one failing compressor must not lose the rest of a long study
                 failed.append({"compressor": name, "error_feedback": bool(ef), "error": f"{type(e).__name__}: {e}"})
                 print(f"grace: {label} failed: {type(e).__name__}: {e}", flush=True)
@@ -72,7 +62,7 @@ def run(config: dict, out_dir: Path) -> dict:
             r["est_comm_time_s_10Gbps"] = r["est_comm_time_s"]["10Gbps"]
             r["est_total_time_s_10Gbps"] = r["compute_time_s"] + r["est_comm_time_s_10Gbps"]
             runs.append(r)
-    setting = f"{config['dataset']}, {config['model']}, {config['devices']} workers, {config['steps']} steps"
+    setting = f"{config.dataset}, {config.model}, {config.devices} workers, {config.steps} steps"
     _plot(runs, Path(out_dir), setting, failed)
     summary = [
         {

@@ -1,9 +1,10 @@
 """``jaxcomm run gradient-dropping``: gradient dropping with local gradients (Algorithm 2), perplexity per step.
 
-Registration only (no JAX import); the runner is :mod:`jaxcomm.experiments.gradient_dropping.run`.
+Registration only (no JAX import); the runner is :mod:`experiments.gradient_dropping.run`.
 """
 
-from .._registry import Experiment, register_experiment
+from jaxcomm.studies import Experiment, register_experiment
+
 from .config import GradientDroppingConfig
 
 __all__ = ["EXPERIMENT", "GradientDroppingConfig"]
@@ -13,7 +14,7 @@ EXPERIMENT = register_experiment(
         name="gradient-dropping",
         description="Char-LSTM on Shakespeare: baseline, drop 99%, +SUM/+PARTIAL/+ERROR, with/without sync",
         config_type=GradientDroppingConfig,
-        runner="jaxcomm.experiments.gradient_dropping.run:run",
+        runner=f"{__name__}.run:run",
     )
 )
 """The registered experiment."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .._config import StudyConfig
+
 __all__ = ["METHODS", "GradientDroppingConfig"]
 
 METHODS = ("baseline", "drop99", "sum", "partial", "error")
@@ -11,7 +13,7 @@ METHODS = ("baseline", "drop99", "sum", "partial", "error")
 
 
 @dataclasses.dataclass(frozen=True)
-class GradientDroppingConfig:
+class GradientDroppingConfig(StudyConfig):
     """Char-LSTM on Shakespeare with gradient dropping and local gradients, Adam, ``devices`` workers.
 
     Attributes:
@@ -51,6 +53,7 @@ class GradientDroppingConfig:
 
     def __post_init__(self) -> None:
         """``ValueError`` for a method that is not a name of :data:`METHODS` (or no method at all)."""
+        super().__post_init__()
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
             raise ValueError(f"GradientDroppingConfig.methods must be names from {list(METHODS)}; unknown: {unknown}")

@@ -17,26 +17,26 @@ import jax
 import optax
 
 from .._common import per_worker, plot_curves
-from .config import METHODS
+from .config import GradientDroppingConfig
 
 
-def _transform(method: str, config: dict, sync: bool):
-    from ... import compressors
-    from ...transforms import compressed_mean, drop_ratio_warmup, gradient_dropping, periodic_average
+def _transform(method: str, config: GradientDroppingConfig, sync: bool):
+    from jaxcomm import compressors
+    from jaxcomm.transforms import compressed_mean, drop_ratio_warmup, gradient_dropping, periodic_average
 
     if method == "baseline":
         parts = [compressed_mean(compressors.none())]
     else:
         mode = "none" if method == "drop99" else method
-        schedule = drop_ratio_warmup(config["drop_ratio"], config["warmup_steps"])
+        schedule = drop_ratio_warmup(config.drop_ratio, config.warmup_steps)
         parts = [gradient_dropping(schedule, mode=mode)]
-    parts.append(optax.adam(config["learning_rate"]))
+    parts.append(optax.adam(config.learning_rate))
     if sync:
-        parts.append(periodic_average(config["sync_every"]))
+        parts.append(periodic_average(config.sync_every))
     return optax.chain(*parts)
 
 
-def run(config: dict, out_dir: Path) -> dict:
+def run(config: GradientDroppingConfig, out_dir: Path) -> dict:
     """Train each (method, sync) pair; write ``perplexity.png`` (validation) and ``train_perplexity.png``.
 
     Long because it is the study's script: data, model, every (method, sync) run and the two figures, in order
@@ -44,45 +44,40 @@ def run(config: dict, out_dir: Path) -> dict:
     """
     from flax import nnx
 
-    from ... import data, models
-    from ...train import Trainer
+    from jaxcomm import data, models
+    from jaxcomm.train import Trainer
 
-    unknown = [m for m in config["methods"] if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; valid: {list(METHODS)}")
     text = data.load_shakespeare()
-    if config["corpus_chars"]:
-        text = text[: config["corpus_chars"]]
+    if config.corpus_chars:
+        text = text[: config.corpus_chars]
     corpus = data.CharCorpus(text, valid_fraction=0.1)
-    xv, yv = corpus.windows(config["seq_len"], "valid")
-    xv, yv = xv[: config["eval_windows"]], yv[: config["eval_windows"]]
+    xv, yv = corpus.windows(config.seq_len, "valid")
+    xv, yv = xv[: config.eval_windows], yv[: config.eval_windows]
     runs = []
-    for method in config["methods"]:
-        for sync in config["sync"]:
+    for method in config.methods:
+        for sync in config.sync:
             name = f"{method}{'+sync' if sync else ''}"
-            model = models.CharLSTM(
-                corpus.vocab_size, config["embed"], config["hidden"], 1, rngs=nnx.Rngs(config["seed"])
-            )
+            model = models.CharLSTM(corpus.vocab_size, config.embed, config.hidden, 1, rngs=nnx.Rngs(config.seed))
             trainer = Trainer(
                 model,
                 _transform(method, config, sync),
                 task="language_model",
-                num_workers=config["devices"],
-                seed=config["seed"],
+                num_workers=config.devices,
+                seed=config.seed,
             )
             batches = corpus.batches(
-                config["seq_len"],
-                config["batch_size"],
-                jax.random.PRNGKey(config["seed"]),
-                num_workers=config["devices"],
+                config.seq_len,
+                config.batch_size,
+                jax.random.PRNGKey(config.seed),
+                num_workers=config.devices,
             )
             _, history = trainer.fit(
                 trainer.init_state(),
                 batches,
-                config["steps"],
+                config.steps,
                 desc=name,
                 eval_fn=functools.partial(trainer.evaluate, x=xv, y=yv, batch_size=128),
-                eval_every=config["eval_every"],
+                eval_every=config.eval_every,
             )
             final = [r for r in history if "eval_perplexity" in r][-1]
             runs.append(
@@ -93,7 +88,7 @@ def run(config: dict, out_dir: Path) -> dict:
                     "history": history,
                     "final_valid_perplexity": final["eval_perplexity"],
                     "wire_bits_total": sum(r["wire_bits_total"] for r in history),
-                    "wire_bits_per_worker": per_worker(sum(r["wire_bits_total"] for r in history), config["devices"]),
+                    "wire_bits_per_worker": per_worker(sum(r["wire_bits_total"] for r in history), config.devices),
                 }
             )
     out = Path(out_dir)

@@ -4,13 +4,13 @@
   loopback is shaped to each bandwidth of the configuration (:mod:`jaxcomm.netem`); dense
   against compressed and local-update methods, measured wall-clock time to a test accuracy,
   bytes counted by the kernel, and :mod:`jaxcomm.cost_model`'s prediction beside each. The
-  command prints the headline table (:func:`~jaxcomm.experiments.network.run.headline`).
+  command prints the headline table (:func:`~experiments.network.run.headline`).
 
-Registration only (no JAX import): the launcher is :mod:`jaxcomm.experiments.network.run`,
-the per-rank MPI worker :mod:`jaxcomm.experiments.network.worker`.
+Registration only (no JAX import): the launcher is :mod:`experiments.network.run`,
+the per-rank MPI worker :mod:`experiments.network.worker`.
 """
 
-from .._registry import Experiment, register_experiment
+from jaxcomm.studies import Experiment, register_experiment
 from .config import METHODS, TimeToAccuracyConfig
 
 __all__ = ["EXPERIMENT", "METHODS", "TimeToAccuracyConfig"]
@@ -28,7 +28,7 @@ EXPERIMENT = register_experiment(
         name="time-to-accuracy",
         description="an MLP on Fashion-MNIST, 4 MPI processes, 12 methods on emulated 10 Mbit/s-1 Gbit/s links",
         config_type=TimeToAccuracyConfig,
-        runner="jaxcomm.experiments.network.run:run",
+        runner=f"{__name__}.run:run",
         summary=_headline,
     )
 )

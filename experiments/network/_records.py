@@ -4,7 +4,7 @@ Pure functions of the jobs' ``results.json`` (no JAX, no launch): a record per l
 and seed for each route (:func:`records_end_to_end`, :func:`records_decomposed`,
 :func:`records_predicted`), their summary over seeds with the speed-ups (:func:`summarize`),
 the routes' agreement (:func:`agreement`), the sweep's rows (:func:`sweep_records`) and the
-headline table (:func:`headline`). :mod:`jaxcomm.experiments.network.run` launches the jobs
+headline table (:func:`headline`). :mod:`experiments.network.run` launches the jobs
 and re-exports these.
 """
 
@@ -36,21 +36,21 @@ def _label(bandwidth: str) -> str:
 
 
 def _rate_bps(bandwidth: str, link: dict) -> float:
-    from ... import netem
+    from jaxcomm import netem
 
     rate = netem.parse_rate(str(bandwidth), "bandwidths")
     return float(link["throughput_bps"]) if rate is None else float(rate)
 
 
 def _shaped(bandwidth: str) -> bool:
-    from ... import netem
+    from jaxcomm import netem
 
     return netem.parse_rate(str(bandwidth), "bandwidths") is not None
 
 
 def _predicted_comm_s(run: dict, n: int, rate_bps: float, latency_s: float) -> float:
     """Predicted communication per step (s): one communication period's, over its ``sync_every`` steps."""
-    from ... import cost_model
+    from jaxcomm import cost_model
 
     h = int(run.get("sync_every", 1))
     net = cost_model.Network(rate_bps / 1e9, latency_s)
@@ -66,7 +66,7 @@ def _predicted_comm_s(run: dict, n: int, rate_bps: float, latency_s: float) -> f
 
 def _predicted_bytes(run: dict, n: int) -> float:
     """Predicted bytes on the link per step, all workers: one period's over its ``sync_every`` steps."""
-    from ... import cost_model
+    from jaxcomm import cost_model
 
     h = int(run.get("sync_every", 1))
     return float(cost_model.step_bytes(run["strategy"], run["wire_bits_per_step"] * h / 8, n)) / h

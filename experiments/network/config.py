@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .._config import StudyConfig
 from ..quickstart.config import METHODS as _QUICKSTART_METHODS
 
 __all__ = ["METHODS", "ROUTES", "SWEPT_LEARNING_RATES", "MethodInfo", "TimeToAccuracyConfig", "build_method"]
@@ -227,7 +228,7 @@ def build_method(label: str, learning_rate: float, momentum: float, options: Map
 
 
 @dataclasses.dataclass(frozen=True)
-class TimeToAccuracyConfig:
+class TimeToAccuracyConfig(StudyConfig):
     """Wall-clock time to a test accuracy, MPI processes on an emulated network.
 
     Every job is one ``mpirun`` of ``procs`` processes inside a private network namespace
@@ -305,7 +306,8 @@ class TimeToAccuracyConfig:
 
     def __post_init__(self) -> None:
         """``ValueError`` naming the first invalid field (``TimeToAccuracyConfig.FIELD: ...``)."""
-        from ... import netem
+        super().__post_init__()
+        from jaxcomm import netem
 
         def bad(field: str, why: str):
             raise ValueError(f"TimeToAccuracyConfig.{field}: {why}")

@@ -4,7 +4,7 @@ Each job is one ``mpirun`` of ``procs`` processes inside a private network names
 shaped loopback carries every byte between the ranks (:func:`jaxcomm.netem.launch`, Open MPI's
 ring collectives :data:`jaxcomm.netem.RING_COLLECTIVES`); the ranks train with
 :class:`jaxcomm.train.Trainer` over :class:`jaxcomm.comm.MPIComm`
-(:mod:`~jaxcomm.experiments.network.worker`).
+(:mod:`~experiments.network.worker`).
 
 Routes (``route`` of :class:`~.config.TimeToAccuracyConfig`):
 
@@ -42,7 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .._registry import provenance  # the study's results carry it (jaxcomm run adds it to every study's)
+from jaxcomm.studies import config_to_dict, provenance, worker_pythonpath  # the study's results carry it (jaxcomm run adds it to every study's)
+from .config import TimeToAccuracyConfig
 from ._records import (
     RECORD_KEYS,
     _label,
@@ -60,7 +61,6 @@ from ._records import (
 __all__ = [
     "RECORD_KEYS",
     "agreement",
-    "check_config",
     "decomposed_time",
     "headline",
     "provenance",
@@ -72,22 +72,10 @@ __all__ = [
     "sweep_records",
 ]
 
-# The folder holding the ``jaxcomm`` package: the workers' working directory, so that
-# ``python -m jaxcomm...`` imports the same package as the launcher.
-_PACKAGE_PARENT = Path(__file__).resolve().parents[3]
-_WORKER = "jaxcomm.experiments.network.worker"
-
-
-def check_config(config: dict) -> dict:
-    """The configuration as checked by :class:`~.config.TimeToAccuracyConfig`.
-
-    Raises:
-      ValueError: naming the first invalid field (before anything runs).
-    """
-    from .._registry import config_from_dict, config_to_dict
-    from .config import TimeToAccuracyConfig
-
-    return config_to_dict(config_from_dict(TimeToAccuracyConfig, dict(config)))
+# The folder holding the studies' package: the workers' working directory; their PYTHONPATH
+# (``worker_pythonpath``) imports the same study and the same jaxcomm as the launcher.
+_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+_WORKER = f"{__package__}.worker"
 
 
 def _panels(
@@ -124,17 +112,17 @@ def _panels(
     return panels
 
 
-def _plot(panels: list, bytes_job: dict, rows: list[dict], config: dict, out_dir: Path) -> None:
+def _plot(panels: list, bytes_job: dict, rows: list[dict], config: TimeToAccuracyConfig, out_dir: Path) -> None:
     """Write the study's three figures into ``out_dir`` (see the module docstring), one colour per method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = list(config["methods"])
+    methods = list(config.methods)
     colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
-    what = f"{config['model']} on {config['dataset']}, {config['procs']} MPI processes"
-    target = float(config["target_accuracy"])
+    what = f"{config.model} on {config.dataset}, {config.procs} MPI processes"
+    target = float(config.target_accuracy)
     _plot_time(plt, panels, colors, what, target, out_dir)
     _plot_bytes(plt, bytes_job, colors, what, target, out_dir)
     _plot_step_model(plt, rows, methods, colors, what, out_dir)
@@ -234,20 +222,20 @@ def _plot_step_model(plt, rows: list[dict], methods: list, colors: dict, what: s
     plt.close(fig)
 
 
-def _launch(config: dict, bandwidth: str, job_dir: Path, env: dict, extra: dict | None = None) -> dict:
+def _launch(config: TimeToAccuracyConfig, bandwidth: str, job_dir: Path, env: dict, extra: dict | None = None) -> dict:
     """One ``mpirun`` job of the worker on a link of ``bandwidth``; its results."""
-    from ... import netem
+    from jaxcomm import netem
 
     job_dir.mkdir(parents=True, exist_ok=True)
-    job_config = {**config, "bandwidth": bandwidth, **(extra or {})}
+    job_config = {**config_to_dict(config), "bandwidth": bandwidth, **(extra or {})}
     (job_dir / "config.json").write_text(json.dumps(job_config, indent=1))
     print(f"time-to-accuracy: job on link {bandwidth} -> {job_dir}", flush=True)
     res = netem.launch(
-        int(config["procs"]),
+        int(config.procs),
         [sys.executable, "-m", _WORKER, str(job_dir)],
         bandwidth=bandwidth,
         env=env,
-        timeout=float(config["timeout_s"]),
+        timeout=float(config.timeout_s),
         cwd=_PACKAGE_PARENT,
         report=job_dir / "launch.json",
     )
@@ -259,29 +247,27 @@ def _launch(config: dict, bandwidth: str, job_dir: Path, env: dict, extra: dict 
     return job
 
 
-def run(config: dict, out_dir: Path) -> dict:
+def run(config: TimeToAccuracyConfig, out_dir: Path) -> dict:
     """Run the study of ``config`` (its ``route``); write the figures and return the results:
     ``records`` (one per link, method, seed and route; keys :data:`RECORD_KEYS`), ``summary``
     (:func:`summarize`), ``provenance``, the jobs (``training``, ``timing_jobs``, ``jobs``: the
     end-to-end ones), ``sweep`` (with ``lr_sweep``) and, for ``route="compare"``, ``agreement``.
 
     Raises:
-      ValueError: an invalid configuration (before anything runs).
       jaxcomm.netem.NetemUnavailable: no private network namespace can be made here.
       RuntimeError: a job failed (its output's tail is in the message).
     """
-    from ... import netem
+    from jaxcomm import netem
 
-    config = check_config(config)
     missing = netem.missing_requirements()
     if missing:
         raise netem.NetemUnavailable(
             "time-to-accuracy runs MPI jobs on an emulated network; this process lacks: " + "; ".join(missing)
         )
     out_dir = Path(out_dir)
-    route = config["route"]
+    route = config.route
     env = {**os.environ, **netem.RING_COLLECTIVES}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = worker_pythonpath(__package__, env)
     # Every job compiles the same steps: a persistent compilation cache shared by the jobs
     # saves all but the first compilation (it never enters the timed steps either way).
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(out_dir / "jax_cache"))
@@ -292,7 +278,7 @@ def run(config: dict, out_dir: Path) -> dict:
     if route in ("decomposed", "compare"):
         # One job: it trains on the unshaped link, then times every method on each shaped link
         # (the worker reshapes the namespace's link between timing windows).
-        shaped = [bw for bw in config["bandwidths"] if _shaped(bw)]
+        shaped = [bw for bw in config.bandwidths if _shaped(bw)]
         training = _launch(config, "unlimited", out_dir / "train", env, {"time_links": shaped})
         compute: dict[str, list[float]] = {}
         for r in training["runs"]:
@@ -300,7 +286,7 @@ def run(config: dict, out_dir: Path) -> dict:
         if shaped:  # the launcher counted the last link's qdisc only: the training's count is the worker's
             training["launch"] = {**training["launch"], **training.pop("link_counters")}
         timed = {tj["bandwidth"]: tj for tj in training.pop("timing_jobs", [])}
-        for bandwidth in config["bandwidths"]:
+        for bandwidth in config.bandwidths:
             if not _shaped(bandwidth):  # the training job ran on this link: timed end to end
                 records += records_end_to_end(training)
                 continue
@@ -316,7 +302,7 @@ def run(config: dict, out_dir: Path) -> dict:
             results["sweep"] = sweep_records(training)
             results["learning_rates"] = training["learning_rates"]
     if route in ("end_to_end", "compare"):
-        for bandwidth in config["bandwidths"]:
+        for bandwidth in config.bandwidths:
             if route == "compare" and not _shaped(bandwidth):
                 continue  # the training job is this link's end-to-end measurement
             # route compare: the rates the training job's sweep chose, not a second sweep per link
@@ -332,6 +318,6 @@ def run(config: dict, out_dir: Path) -> dict:
     if route == "compare":
         results["agreement"] = agreement(records)
     _plot(
-        _panels(training, timing_jobs, e2e_jobs, config["bandwidths"]), training or e2e_jobs[0], rows, config, out_dir
+        _panels(training, timing_jobs, e2e_jobs, config.bandwidths), training or e2e_jobs[0], rows, config, out_dir
     )
     return results

@@ -1,7 +1,7 @@
 """MPI worker of ``jaxcomm run time-to-accuracy``: one process per rank, on the emulated link.
 
-``python -m jaxcomm.experiments.network.worker DIR`` (started by
-:func:`jaxcomm.experiments.network.run.run` through :func:`jaxcomm.netem.launch`) reads
+``python -m experiments.network.worker DIR`` (started by
+:func:`experiments.network.run.run` through :func:`jaxcomm.netem.launch`) reads
 ``DIR/config.json`` (the :class:`~.config.TimeToAccuracyConfig` fields, ``bandwidth`` and,
 on the decomposed route, ``time_links``) and rank 0 writes ``DIR/results.json`` (again after
 every run, ``"complete"`` once all are done). Every job first measures its link:
@@ -26,7 +26,7 @@ method and seed,
   wall-clock seconds so far on rank 0: evaluation, data loading and compilation are not
   counted), ``accuracy`` (test accuracy over ``eval_examples``, evaluated in parallel),
   ``link_bytes`` (bytes the kernel's qdisc passed during those steps, all ranks) and
-  ``wire_bits`` (the pipeline's count for one worker, :func:`~jaxcomm.experiments._common.per_worker`
+  ``wire_bits`` (the pipeline's count for one worker, :func:`~experiments._common.per_worker`
   of the trainer's ``wire_bits_total``: an ``int`` when every worker sent alike);
 * ``step_s`` (s; the median over whole periods of a period's mean step), ``wire_bits_per_step``
   (one worker's, mean over whole periods) and ``messages_per_step`` (the collectives' arrays
@@ -182,9 +182,9 @@ def compute_step_time(
     here to one of ``N X`` bit/s beside that GPU (see docs/network.md).
 
     Args:
-      model, dataset: as :class:`~jaxcomm.experiments.network.config.TimeToAccuracyConfig`.
+      model, dataset: as :class:`~experiments.network.config.TimeToAccuracyConfig`.
       batch_size: examples per step (one worker's batch).
-      method: a label of :data:`~jaxcomm.experiments.network.config.METHODS`.
+      method: a label of :data:`~experiments.network.config.METHODS`.
       learning_rate, momentum: of the method's ``optax.sgd``.
       steps: steps timed after two untimed ones (compilation), ``>= 1``; rounded up to whole
         communication periods of the method.
@@ -283,7 +283,7 @@ def _compute_s(method: str, seed: int, lr: float, cfg: dict, train, world, cache
 
 def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, world, rank: int, cache: dict) -> dict:
     from jaxcomm._progress import progress_bar
-    from jaxcomm.experiments._common import per_worker
+    from experiments._common import per_worker
     from jaxcomm.netem import measure_window
 
     n = world.Get_size()
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run the job of ``DIR/config.json``; rank 0 writes ``DIR/results.json``."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise SystemExit("usage: python -m jaxcomm.experiments.network.worker DIR")
+        raise SystemExit("usage: python -m experiments.network.worker DIR")
     out = Path(argv[0])
     cfg = json.loads((out / "config.json").read_text())
     from mpi4py import MPI

@@ -1,9 +1,10 @@
 """``jaxcomm run quickstart``: the README's study, compression vs none on MNIST with 8 simulated devices.
 
-Registration only (no JAX import); the runner is :mod:`jaxcomm.experiments.quickstart.run`.
+Registration only (no JAX import); the runner is :mod:`experiments.quickstart.run`.
 """
 
-from .._registry import Experiment, register_experiment
+from jaxcomm.studies import Experiment, register_experiment
+
 from .config import QuickstartConfig
 
 __all__ = ["EXPERIMENT", "QuickstartConfig"]
@@ -15,7 +16,7 @@ EXPERIMENT = register_experiment(
             "MNIST on 8 simulated devices: no compression vs top-k/EF-signSGD/PowerSGD with error feedback, QSGD"
         ),
         config_type=QuickstartConfig,
-        runner="jaxcomm.experiments.quickstart.run:run",
+        runner=f"{__name__}.run:run",
     )
 )
 """The registered experiment."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .._registry import check_global_batch
+from .._config import DataParallelConfig
 
 __all__ = ["METHODS", "QuickstartConfig"]
 
@@ -20,44 +20,28 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class QuickstartConfig:
+class QuickstartConfig(DataParallelConfig):
     """The README's study: compressed data-parallel SGD with momentum on ``devices`` mesh workers.
 
     Attributes:
-      dataset: ``"mnist"``, ``"fashion_mnist"``, ``"mnist5k"`` or ``"digits"``.
-      model: ``"mlp"``, ``"eventgrad_cnn"`` or ``"resnet20"``.
-      devices: data-parallel workers (simulated CPU devices).
-      batch_size: examples per step over all workers (the global batch; each worker gets
-        ``batch_size / devices``).
-      steps: optimizer steps per method.
-      eval_every: steps between test evaluations.
-      learning_rate, momentum: of ``optax.sgd``.
       methods: labels from :data:`METHODS` or method specs
         ``COMPRESSOR(k=v)+MEMORY@STRATEGY`` (e.g. ``topk(ratio=0.01)+residual``), trained in this order.
-      train_examples, test_examples: keep only this many examples (0: all).
-      seed: initialisation, data split and compressor randomness.
     """
 
     dataset: str = "mnist"
     model: str = "eventgrad_cnn"
-    devices: int = 8
-    batch_size: int = 256
     steps: int = 300
     eval_every: int = 100
     learning_rate: float = 0.05
-    momentum: float = 0.9
-    methods: tuple[str, ...] = tuple(METHODS)
-    train_examples: int = 0
     test_examples: int = 0
-    seed: int = 0
+    methods: tuple[str, ...] = tuple(METHODS)
 
     def __post_init__(self) -> None:
-        """``ValueError`` for a global batch that the workers cannot share, or a method that is
-        neither a label of :data:`METHODS` nor a valid spec."""
-        check_global_batch(self)
+        """Also ``ValueError`` for a method that is neither a label of :data:`METHODS` nor a valid spec."""
+        super().__post_init__()
         specs = [m for m in self.methods if m not in METHODS]
         if specs:  # every spec is parsed without JAX; then building them (checking values) imports it
-            from .._spec import check_methods
+            from jaxcomm._spec import check_methods
 
             try:
                 check_methods(specs)

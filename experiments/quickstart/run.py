@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .._common import load_image_task, method_transform, parse_method, plot_curves, train_data_parallel
+from .._common import load_config_task, method_transform, parse_method, plot_curves, train_config
 from .config import METHODS, QuickstartConfig
 
 
@@ -26,11 +26,10 @@ def _transform(method: str, lr: float, momentum: float):
     return tx, c.strategy if strategy == "auto" else strategy
 
 
-def figure_title(config: dict) -> str:
+def figure_title(config: QuickstartConfig) -> str:
     """The accuracy figure's title, from the config: dataset, model, workers, global batch, steps."""
     return (
-        f"{config['dataset']}, {config['model']}, {config['devices']} workers, "
-        f"batch {config['batch_size']}, {config['steps']} steps"
+        f"{config.dataset}, {config.model}, {config.devices} workers, batch {config.batch_size}, {config.steps} steps"
     )
 
 
@@ -54,31 +53,16 @@ def with_cumulative(runs: list[dict], workers: int) -> list[dict]:
     return out
 
 
-def run(config: dict, out_dir: Path) -> dict:
+def run(config: QuickstartConfig, out_dir: Path) -> dict:
     """Train each method; write ``accuracy.png`` and return the results."""
-    QuickstartConfig(**{**config, "methods": tuple(config["methods"])})  # checks the method specs
-    train, test = load_image_task(config["dataset"], config["train_examples"], config["test_examples"])
+    train, test = load_config_task(config)
     runs = []
-    for method in config["methods"]:
-        tx, strategy = _transform(method, config["learning_rate"], config["momentum"])
-        runs.append(
-            train_data_parallel(
-                name=method,
-                tx=tx,
-                model=config["model"],
-                train=train,
-                test=test,
-                workers=config["devices"],
-                batch_size=config["batch_size"],
-                steps=config["steps"],
-                eval_every=config["eval_every"],
-                seed=config["seed"],
-                strategy=strategy,
-            )
-        )
+    for method in config.methods:
+        tx, strategy = _transform(method, config.learning_rate, config.momentum)
+        runs.append(train_config(config, method, tx, train, test, strategy))
     title = figure_title(config)
     plot_curves(runs, Path(out_dir) / "accuracy.png", title=title, ylabel="test accuracy")
-    cumulative = with_cumulative(runs, config["devices"])
+    cumulative = with_cumulative(runs, config.devices)
     plot_curves(
         cumulative,
         Path(out_dir) / "accuracy_vs_bits.png",
