@@ -35,7 +35,7 @@ MAX_SPEC_CHARS = 1000
 MAX_DEPTH = 2
 """The deepest bracket nesting accepted in a spec (a call's parentheses are depth 1)."""
 
-_PACKAGE = Path(__file__).resolve().parents[1]
+_PACKAGE = Path(__file__).resolve().parent
 _SYNTAX = "expected NAME or NAME(key=value, ...), e.g. topk(ratio=0.01)"
 
 
@@ -289,7 +289,7 @@ def check_methods(specs: Iterable[str]) -> None:
     parsed = [(spec, parse_method(spec)) for spec in specs]
     if not parsed:
         return
-    from .. import compressors, memory
+    from . import compressors, memory
 
     for spec, (comp, mem, _) in parsed:
         for make, (name, kwargs), what in ((compressors.make, comp, "compressor"), (memory.make, mem, "memory")):

@@ -61,6 +61,8 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+if str(ROOT) not in sys.path:  # the studies (experiments.*) import from the checkout's root
+    sys.path.insert(0, str(ROOT))
 STUDIES = ("topk-ef", "doublesqueeze-topk", "qsgd-ef", "gradient-dropping", "sign-ef", "doublesqueeze-bytes")
 TITLES = {
     "topk-ef": "Top-k 1 % with and without error feedback",
@@ -100,7 +102,7 @@ def _image_variants(study: str) -> dict[str, Callable]:
     import optax
 
     from jaxcomm import compressors, memory
-    from jaxcomm.experiments.doublesqueeze.baselines import memsgd
+    from experiments.doublesqueeze.baselines import memsgd
     from jaxcomm.transforms import compressed_mean, doublesqueeze
 
     def sgd(lr=0.05, momentum=0.9):
@@ -176,7 +178,7 @@ def _refusal(study: str) -> str | None:
 def _train_one(study: str, label: str, build: Callable, seed: int, setting: ImageSetting, data, steps=None) -> dict:
     """One run of ``build() -> (tx, strategy)`` for ``steps`` (default ``setting.steps``); its record:
     the test-accuracy curve, the final accuracy and the library's wire count (one worker's bits)."""
-    from jaxcomm.experiments._common import train_data_parallel
+    from experiments._common import train_data_parallel
 
     steps = steps or setting.steps
     tx, strategy = build()
@@ -208,7 +210,7 @@ def _train_one(study: str, label: str, build: Callable, seed: int, setting: Imag
 
 
 def _image_data(setting: ImageSetting):
-    from jaxcomm.experiments._common import load_image_task
+    from experiments._common import load_image_task
 
     return load_image_task(setting.dataset, 0, setting.test_examples)
 
@@ -307,7 +309,7 @@ def run_doublesqueeze_bytes(seeds: list[int], setting: ImageSetting, smoke: bool
     import optax
 
     from jaxcomm import compressors
-    from jaxcomm.experiments.doublesqueeze.baselines import memsgd
+    from experiments.doublesqueeze.baselines import memsgd
     from jaxcomm.transforms import compressed_mean, doublesqueeze
 
     sgd = lambda: optax.sgd(0.05, momentum=0.9)
@@ -356,8 +358,8 @@ def run_gradient_dropping(seeds: list[int], steps: int, eval_every: int, smoke: 
     """baseline, drop99, PARTIAL and PARTIAL + sync (every 500 steps) for every seed."""
     import tempfile
 
-    from jaxcomm.experiments.gradient_dropping.config import GradientDroppingConfig
-    from jaxcomm.experiments.gradient_dropping.run import run
+    from experiments.gradient_dropping.config import GradientDroppingConfig
+    from experiments.gradient_dropping.run import run
 
     base = GradientDroppingConfig.smoke() if smoke else GradientDroppingConfig.default()
     base = dataclasses.replace(
@@ -375,7 +377,7 @@ def run_gradient_dropping(seeds: list[int], steps: int, eval_every: int, smoke: 
             cfg = dataclasses.replace(base, seed=seed, methods=methods, sync=sync)
             t0 = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:
-                out = run(dataclasses.asdict(cfg), Path(tmp))
+                out = run(cfg, Path(tmp))
             wall = (time.perf_counter() - t0) / len(out["runs"])
             for r in out["runs"]:
                 curve = [(row["step"], row["eval_perplexity"]) for row in r["history"] if "eval_perplexity" in row]
