@@ -199,10 +199,9 @@ def test_progress_in_a_log_file_is_one_line_per_update():
 def test_grace_records_a_failing_run_and_goes_on(monkeypatch, tmp_path):
     # A run that raises (here: a fake trainer that "diverges" for qsgd) is listed under `failed`;
     # the remaining runs still happen and the figures are still written.
+    from experiments import _common
     from experiments.grace import run as grace
     from jaxcomm.train import NonFiniteLossError
-
-    from experiments import _common
 
     monkeypatch.setattr(grace, "load_config_task", lambda config: (None, None))
 

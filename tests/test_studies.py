@@ -125,7 +125,8 @@ def test_the_installed_package_holds_no_study():
     from experiments import STUDIES  # the checkout's root is on sys.path (pytest's pythonpath)
 
     assert "grace" in STUDIES and len(STUDIES) >= 7
-    folders = [p for p in (ROOT / "jaxcomm").rglob("*") if p.is_dir() and p.name in {*STUDIES, "experiments", "studies"}]
+    named = {*STUDIES, "experiments", "studies"}
+    folders = [p for p in (ROOT / "jaxcomm").rglob("*") if p.is_dir() and p.name in named]
     assert folders == []
     registering = [
         p.relative_to(ROOT).as_posix()

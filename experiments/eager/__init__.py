@@ -10,6 +10,7 @@ the per-rank MPI worker :mod:`experiments.eager.worker`.
 """
 
 from jaxcomm.studies import Experiment, register_experiment
+
 from .config import HyperplaneConfig, MicrobenchConfig
 
 __all__ = ["MICROBENCH", "HYPERPLANE", "MicrobenchConfig", "HyperplaneConfig"]

@@ -333,9 +333,7 @@ def _severe_skew(config: HyperplaneConfig):
     """The severe study's imbalance: ``RotatingSkew(severe_workers, severe_min_ms, severe_max_ms)``."""
     from jaxcomm import imbalance
 
-    return imbalance.RotatingSkew(
-        int(config.severe_workers), float(config.severe_min_ms), float(config.severe_max_ms)
-    )
+    return imbalance.RotatingSkew(int(config.severe_workers), float(config.severe_min_ms), float(config.severe_max_ms))
 
 
 def severe_staleness(config: HyperplaneConfig, mode: str, rounds: int) -> dict:
@@ -368,6 +366,7 @@ def _run_severe(config: HyperplaneConfig, out_dir: Path) -> dict:
     from flax import nnx
 
     from jaxcomm.algorithms.eager_sgd import simulate_training
+
     from .._common import build_model, load_image_task
 
     train, test = load_image_task(

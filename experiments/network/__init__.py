@@ -11,6 +11,7 @@ the per-rank MPI worker :mod:`experiments.network.worker`.
 """
 
 from jaxcomm.studies import Experiment, register_experiment
+
 from .config import METHODS, TimeToAccuracyConfig
 
 __all__ = ["EXPERIMENT", "METHODS", "TimeToAccuracyConfig"]

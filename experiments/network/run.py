@@ -42,8 +42,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxcomm.studies import config_to_dict, provenance, worker_pythonpath  # the study's results carry it (jaxcomm run adds it to every study's)
-from .config import TimeToAccuracyConfig
+from jaxcomm.studies import (  # the study's results carry it (jaxcomm run adds it to every study's)
+    config_to_dict,
+    provenance,
+    worker_pythonpath,
+)
+
 from ._records import (
     RECORD_KEYS,
     _label,
@@ -57,6 +61,7 @@ from ._records import (
     summarize,
     sweep_records,
 )
+from .config import TimeToAccuracyConfig
 
 __all__ = [
     "RECORD_KEYS",
@@ -317,7 +322,5 @@ def run(config: TimeToAccuracyConfig, out_dir: Path) -> dict:
     results["summary"] = rows
     if route == "compare":
         results["agreement"] = agreement(records)
-    _plot(
-        _panels(training, timing_jobs, e2e_jobs, config.bandwidths), training or e2e_jobs[0], rows, config, out_dir
-    )
+    _plot(_panels(training, timing_jobs, e2e_jobs, config.bandwidths), training or e2e_jobs[0], rows, config, out_dir)
     return results

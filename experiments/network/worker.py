@@ -282,8 +282,8 @@ def _compute_s(method: str, seed: int, lr: float, cfg: dict, train, world, cache
 
 
 def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, world, rank: int, cache: dict) -> dict:
-    from jaxcomm._progress import progress_bar
     from experiments._common import per_worker
+    from jaxcomm._progress import progress_bar
     from jaxcomm.netem import measure_window
 
     n = world.Get_size()

@@ -101,8 +101,8 @@ def _image_variants(study: str) -> dict[str, Callable]:
     """``label -> (() -> (tx, strategy))`` for an image study."""
     import optax
 
-    from jaxcomm import compressors, memory
     from experiments.doublesqueeze.baselines import memsgd
+    from jaxcomm import compressors, memory
     from jaxcomm.transforms import compressed_mean, doublesqueeze
 
     def sgd(lr=0.05, momentum=0.9):
@@ -308,8 +308,8 @@ def run_doublesqueeze_bytes(seeds: list[int], setting: ImageSetting, smoke: bool
     """
     import optax
 
-    from jaxcomm import compressors
     from experiments.doublesqueeze.baselines import memsgd
+    from jaxcomm import compressors
     from jaxcomm.transforms import compressed_mean, doublesqueeze
 
     sgd = lambda: optax.sgd(0.05, momentum=0.9)
