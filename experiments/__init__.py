@@ -17,5 +17,14 @@ benchmarks, scripts run on their own.
 7
 """
 
-STUDIES = ("quickstart", "network", "grace", "doublesqueeze", "gradient_dropping", "eventgrad", "eager")
+STUDIES = (
+    "quickstart",
+    "network",
+    "grace",
+    "doublesqueeze",
+    "gradient_dropping",
+    "eventgrad",
+    "eager",
+    "paper_claims",
+)
 """The study packages, imported in this order by ``jaxcomm list`` and ``jaxcomm run``."""

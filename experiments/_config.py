@@ -42,6 +42,7 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     **dict.fromkeys(("topk_ratio", "topk"), _FRACTION),
     "drop_ratio": (0.0, 1.0, True, False),  # the dropped fraction: 1 would send nothing
     "seed": (0, 2**32, True, False),  # PRNGKey keeps 32 bits: a larger seed would alias a smaller one
+    "PaperClaimsConfig.seeds": (0, 2**32, True, False),
 }
 """Ranges of the studies' numeric fields, by field name, or ``"ConfigClass.field"`` where one study
 gives a name another meaning: ``(low, high, low inclusive, high inclusive)``. A tuple field's range

@@ -40,8 +40,10 @@ compared pair (mean ± standard deviation of the per-seed differences). ``<study
 ``sign-ef-sweep.png`` (final accuracy against the rate) and ``doublesqueeze-bytes-bytes.png`` (accuracy
 against the megabits a worker sent).
 
-usage: python experiments/studies/paper_claims.py [--study all|topk-ef|...] [--seeds 0,1,2]
-       [--steps N] [--out docs/img/claims] [--smoke]
+usage: python -m experiments.paper_claims.run [--study all|topk-ef|...] [--seeds 0,1,2]
+       [--steps N] [--out docs/img/claims] [--smoke]    (from the repository's root)
+
+or ``jaxcomm run paper-claims [--smoke] [--set studies=topk-ef --set seeds=0,1,2 --set steps=N]``.
 """
 
 from __future__ import annotations
@@ -59,11 +61,10 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+from .config import CLAIMS, PaperClaimsConfig
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-if str(ROOT) not in sys.path:  # the studies (experiments.*) import from the checkout's root
-    sys.path.insert(0, str(ROOT))
-STUDIES = ("topk-ef", "doublesqueeze-topk", "qsgd-ef", "gradient-dropping", "sign-ef", "doublesqueeze-bytes")
 TITLES = {
     "topk-ef": "Top-k 1 % with and without error feedback",
     "doublesqueeze-topk": "DoubleSqueeze top-k against its baselines",
@@ -101,9 +102,10 @@ def _image_variants(study: str) -> dict[str, Callable]:
     """``label -> (() -> (tx, strategy))`` for an image study."""
     import optax
 
-    from experiments.doublesqueeze.baselines import memsgd
     from jaxcomm import compressors, memory
     from jaxcomm.transforms import compressed_mean, doublesqueeze
+
+    from ..doublesqueeze.baselines import memsgd
 
     def sgd(lr=0.05, momentum=0.9):
         return optax.sgd(lr, momentum=momentum)
@@ -178,7 +180,7 @@ def _refusal(study: str) -> str | None:
 def _train_one(study: str, label: str, build: Callable, seed: int, setting: ImageSetting, data, steps=None) -> dict:
     """One run of ``build() -> (tx, strategy)`` for ``steps`` (default ``setting.steps``); its record:
     the test-accuracy curve, the final accuracy and the library's wire count (one worker's bits)."""
-    from experiments._common import train_data_parallel
+    from .._common import train_data_parallel
 
     steps = steps or setting.steps
     tx, strategy = build()
@@ -210,7 +212,7 @@ def _train_one(study: str, label: str, build: Callable, seed: int, setting: Imag
 
 
 def _image_data(setting: ImageSetting):
-    from experiments._common import load_image_task
+    from .._common import load_image_task
 
     return load_image_task(setting.dataset, 0, setting.test_examples)
 
@@ -308,9 +310,10 @@ def run_doublesqueeze_bytes(seeds: list[int], setting: ImageSetting, smoke: bool
     """
     import optax
 
-    from experiments.doublesqueeze.baselines import memsgd
     from jaxcomm import compressors
     from jaxcomm.transforms import compressed_mean, doublesqueeze
+
+    from ..doublesqueeze.baselines import memsgd
 
     sgd = lambda: optax.sgd(0.05, momentum=0.9)
     build = {
@@ -358,8 +361,8 @@ def run_gradient_dropping(seeds: list[int], steps: int, eval_every: int, smoke: 
     """baseline, drop99, PARTIAL and PARTIAL + sync (every 500 steps) for every seed."""
     import tempfile
 
-    from experiments.gradient_dropping.config import GradientDroppingConfig
-    from experiments.gradient_dropping.run import run
+    from ..gradient_dropping.config import GradientDroppingConfig
+    from ..gradient_dropping.run import run
 
     base = GradientDroppingConfig.smoke() if smoke else GradientDroppingConfig.default()
     base = dataclasses.replace(
@@ -644,6 +647,18 @@ def run_study(study: str, seeds: list[int], steps: int | None, out: Path, smoke:
     return result
 
 
+def run(config: PaperClaimsConfig, out_dir: Path) -> dict:
+    """Run every study of ``config`` (:func:`run_study`: ``<study>.json`` and its figures in
+    ``out_dir``); one summary row per seed-paired difference, each printed as it is known."""
+    rows = []
+    for study in config.studies:
+        r = run_study(study, list(config.seeds), config.steps, Path(out_dir), config.small)
+        for d in r["summary"]["differences"]:
+            print(f"{study}: {d['pair']}: {d['mean']:+.4f} ± {d['std']:.4f} (seed-paired)", flush=True)
+            rows.append({"study": study, "pair": d["pair"], "mean": d["mean"], "std": d["std"]})
+    return {"summary": rows, "files": [f"{study}.json" for study in config.studies]}
+
+
 def replot(path: Path) -> Path:
     """Redraw ``<study>.png`` (and the study's other figures) beside a ``<study>.json`` written by
     :func:`run_study`."""
@@ -663,7 +678,7 @@ def replot(path: Path) -> Path:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--study", default="all", choices=("all", *STUDIES))
+    p.add_argument("--study", default="all", choices=("all", *CLAIMS))
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the study's)")
     p.add_argument("--out", default=str(ROOT / "docs" / "img" / "claims"))
@@ -683,10 +698,8 @@ def main(argv=None) -> None:
         p.error("--seeds must name at least one seed")
     if a.steps is not None and a.steps < 1:
         p.error(f"--steps must be >= 1; got {a.steps}")
-    for study in STUDIES if a.study == "all" else (a.study,):
-        r = run_study(study, seeds, a.steps, Path(a.out), a.smoke)
-        for d in r["summary"]["differences"]:
-            print(f"{study}: {d['pair']}: {d['mean']:+.4f} ± {d['std']:.4f} (seed-paired)", flush=True)
+    studies = CLAIMS if a.study == "all" else (a.study,)
+    run(PaperClaimsConfig(studies=studies, seeds=tuple(seeds), steps=a.steps, small=a.smoke), Path(a.out))
 
 
 if __name__ == "__main__":
