@@ -322,5 +322,11 @@ def run(config: TimeToAccuracyConfig, out_dir: Path) -> dict:
     results["summary"] = rows
     if route == "compare":
         results["agreement"] = agreement(records)
-    _plot(_panels(training, timing_jobs, e2e_jobs, config.bandwidths), training or e2e_jobs[0], rows, config, out_dir)
+    _plot(
+        _panels(training, timing_jobs, e2e_jobs, list(config.bandwidths)),
+        training or e2e_jobs[0],
+        rows,
+        config,
+        out_dir,
+    )
     return results
