@@ -33,8 +33,8 @@ _SUBMODULES = (
     "train",  # mesh, jit-compiled step, training loop, checkpoints
     "models",  # Flax models of the experiments
     "data",  # offline datasets and per-worker batching
-    # the papers' studies and checks
-    "experiments",  # ``jaxcomm run NAME``
+    # running studies, and checks
+    "studies",  # the registry behind ``jaxcomm list`` and ``jaxcomm run NAME``
     "testing",  # the compressor contract battery
 )
 
@@ -61,10 +61,10 @@ if TYPE_CHECKING:  # static tools (type checkers, the API docs) see plain import
     from . import compressors as compressors
     from . import cost_model as cost_model
     from . import data as data
-    from . import experiments as experiments
     from . import imbalance as imbalance
     from . import memory as memory
     from . import models as models
+    from . import studies as studies
     from . import testing as testing
     from . import topology as topology
     from . import train as train

@@ -16,6 +16,12 @@ imported). Each run writes ``results.json`` and PNG plots into ``--out``
 ``jaxcomm run EXPERIMENT --help`` lists every configuration key with its type,
 default and meaning.
 
+The experiments are the studies found by :mod:`jaxcomm.studies`: the folder named by
+``JAXCOMM_EXPERIMENTS``, else the ``experiments/`` folder of the current directory or
+the nearest one above it (a checkout of the repository), and the modules of installed
+packages' ``jaxcomm.studies`` entry points. Where there are none, ``list`` and ``run``
+say so in one line (exit status 2).
+
 A method (quickstart's ``--set methods=...``, comma-separated) is a label or a
 spec ``COMPRESSOR[(k=v, ...)][+MEMORY[(k=v, ...)]][@STRATEGY]``, e.g.
 ``topk(ratio=0.01)+residual@allgather``; the grammar is in the documentation's
@@ -51,6 +57,7 @@ traceback and exit status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -89,9 +96,9 @@ def _fail(message: object) -> int:
 def _check_devices(n: int | None) -> None:
     """``ValueError`` unless ``n`` (``--devices``) is ``None`` or within the studies' device range."""
     if n is not None:
-        from .experiments._registry import check_range
+        from .studies import MAX_DEVICES, check_range
 
-        check_range("--devices", "devices", n)
+        check_range("--devices", n, (1, MAX_DEVICES, True, True))
 
 
 def _set_devices(n: int | None) -> None:
@@ -127,10 +134,14 @@ def _parse_sets(items: list[str]) -> dict:
 
 def _cmd_list(args) -> int:
     from . import compressors
-    from .experiments import experiment_names, get_experiment
+    from .studies import experiment_names, get_experiment
 
+    try:
+        names = experiment_names()
+    except ValueError as e:  # no studies found, or a folder of studies that cannot be imported
+        return _fail(e)
     print("Experiments:")
-    for name in experiment_names():
+    for name in names:
         print(f"  {name:20s} {get_experiment(name).description}")
     print("\nCompressors:")
     print("  " + ", ".join(compressors.names()))
@@ -139,7 +150,7 @@ def _cmd_list(args) -> int:
 
 def _cmd_run(args) -> int:
     from ._paths import check_output_path
-    from .experiments import get_experiment
+    from .studies import config_to_dict, get_experiment
 
     if args.experiment is None:
         if args.help:
@@ -154,27 +165,26 @@ def _cmd_run(args) -> int:
             return 0
         _check_devices(args.devices)
         overrides = _parse_sets(args.set or [])
-        if args.devices is not None and "devices" in exp.default:
+        if args.devices is not None and "devices" in {f.name for f in dataclasses.fields(exp.config_type)}:
             overrides["devices"] = args.devices  # --devices is the study's worker count
         config = exp.config(smoke=args.smoke, overrides=overrides, full=args.full)
         out = Path(args.out or Path("runs") / (exp.name + variant.replace(" --", "-")))
         check_output_path(out, "--out", folder=True)
         # The study's own worker count (or --devices): simulate that many CPU devices.
-        _set_devices(int(config["devices"]) if "devices" in config else args.devices)
+        _set_devices(int(config.devices) if hasattr(config, "devices") else args.devices)
     except ValueError as e:
         return _fail(e)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         return _fail(f"--out: cannot make the folder {str(out)!r}: {e.strerror}")
-    from .experiments import write_results
-    from .experiments._registry import provenance
+    from .studies import provenance, write_results
 
     print(f"jaxcomm run {exp.name}{variant} -> {out}")
     t0 = time.time()
     which = "smoke" if args.smoke else "full" if args.full else "default"
     results = exp.run(config, out, variant=which)  # a smoke run's figures say so in their titles
-    results.setdefault("config", config)
+    results.setdefault("config", config_to_dict(config))
     results.setdefault("experiment", exp.name)
     results["variant"] = which
     results["provenance"] = {**provenance(), "command": ["jaxcomm", *args.argv]}
@@ -190,7 +200,7 @@ def _cmd_run(args) -> int:
 
 def _print_run_help(parser, exp) -> None:
     """``jaxcomm run NAME --help``: the options, then every config key with type, default and meaning."""
-    from .experiments._registry import config_help
+    from .studies import config_help
 
     parser.print_help()
     print(f"\nconfig keys of {exp.name} ({exp.description}); override with --set KEY=VALUE:")

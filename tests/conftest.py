@@ -22,6 +22,8 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The repository's studies, wherever a test runs from (some change into a temporary folder first).
+os.environ.setdefault("JAXCOMM_EXPERIMENTS", os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
 STRICT_PROMOTION = os.environ.get("JAXCOMM_STRICT_PROMOTION", "0") == "1"
 if STRICT_PROMOTION:
     os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"

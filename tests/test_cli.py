@@ -1,6 +1,7 @@
 """The command line: listing, bad names and keys, a smoke run writing JSON + PNG."""
 
 import contextlib
+import dataclasses
 import json
 import re
 import sys
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxcomm import cli, compressors
-from jaxcomm.experiments import apply_overrides, experiment_names, get_experiment
+from jaxcomm.studies import apply_overrides, experiment_names, get_experiment
 
 
 def test_list_shows_experiments_and_compressors(capsys):
@@ -46,13 +47,13 @@ def test_full_is_refused_where_it_does_not_apply(capsys):
     assert cli.main(["run", "time-to-accuracy", "--smoke", "--full"]) == 2
     assert "choose one" in capsys.readouterr().err
     full = get_experiment("time-to-accuracy").config(full=True)
-    assert full != get_experiment("time-to-accuracy").config() and full["model"] == "resnet20"
+    assert full != get_experiment("time-to-accuracy").config() and full.model == "resnet20"
 
 
 def test_override_types_are_checked():
     cfg = get_experiment("grace").config(smoke=True)
-    assert apply_overrides(cfg, {"steps": "7"})["steps"] == 7
-    assert apply_overrides(cfg, {"compressors": '["topk"]'})["compressors"] == ["topk"]
+    assert apply_overrides(cfg, {"steps": "7"}) == dataclasses.replace(cfg, steps=7)
+    assert apply_overrides(cfg, {"compressors": '["topk"]'}).compressors == ("topk",)
     with pytest.raises(ValueError, match=r"could not parse .seven. as int"):
         apply_overrides(cfg, {"steps": "seven"})
 
@@ -108,7 +109,7 @@ def test_quickstart_smoke_via_cli(tmp_path, capsys):
         rows = r["history"]
         assert all(type(row["wire_bits_total"]) is int and type(row["messages"]) is int for row in rows)
         assert r["wire_bits_total"] == sum(row["wire_bits_total"] for row in rows) == 8 * r["wire_bits_per_worker"]
-    assert {r["method"] for r in results["summary"]} == set(get_experiment("quickstart").config(smoke=True)["methods"])
+    assert {r["method"] for r in results["summary"]} == set(get_experiment("quickstart").config(smoke=True).methods)
     by = {r["method"]: r for r in results["summary"]}
     assert by["topk-1%+EF"]["Mbit_per_worker"] < by["none"]["Mbit_per_worker"] / 10
     assert "test_accuracy" in capsys.readouterr().out
@@ -125,7 +126,7 @@ def test_results_keep_integer_counts_integers(tmp_path):
     import numpy as np
 
     from jaxcomm import BitCount
-    from jaxcomm.experiments import write_results
+    from jaxcomm.studies import write_results
 
     big = BitCount.of(2**41) + BitCount.of(2**41)  # past int32 and float32's exact range
     path = write_results(
@@ -198,10 +199,11 @@ def test_progress_in_a_log_file_is_one_line_per_update():
 def test_grace_records_a_failing_run_and_goes_on(monkeypatch, tmp_path):
     # A run that raises (here: a fake trainer that "diverges" for qsgd) is listed under `failed`;
     # the remaining runs still happen and the figures are still written.
-    from jaxcomm.experiments.grace import run as grace
+    from experiments import _common
+    from experiments.grace import run as grace
     from jaxcomm.train import NonFiniteLossError
 
-    monkeypatch.setattr(grace, "load_image_task", lambda *a, **k: (None, None))
+    monkeypatch.setattr(grace, "load_config_task", lambda config: (None, None))
 
     def fake_train(*, name, **kwargs):
         if name.startswith("qsgd"):
@@ -216,9 +218,8 @@ def test_grace_records_a_failing_run_and_goes_on(monkeypatch, tmp_path):
             "est_comm_time_s": {"10Gbps": 0.1},
         }
 
-    monkeypatch.setattr(grace, "train_data_parallel", fake_train)
-    cfg = get_experiment("grace").config(smoke=True)
-    cfg["compressors"] = ["none", "qsgd", "topk"]
+    monkeypatch.setattr(_common, "train_data_parallel", fake_train)
+    cfg = get_experiment("grace").config(smoke=True, overrides={"compressors": "none,qsgd,topk"})
     out = grace.run(cfg, tmp_path)
     assert [r["name"] for r in out["runs"]] == ["none", "topk", "topk+EF"]
     assert out["failed"] == [
@@ -229,7 +230,7 @@ def test_grace_records_a_failing_run_and_goes_on(monkeypatch, tmp_path):
 
     for png, xlabel in (("quality_vs_bits.png", "bits sent per worker"), ("quality_vs_time.png", "estimated")):
         info = Image.open(tmp_path / png).text
-        assert f"{cfg['dataset']}, {cfg['model']}, {cfg['devices']} workers, {cfg['steps']} steps" in info["Title"]
+        assert f"{cfg.dataset}, {cfg.model}, {cfg.devices} workers, {cfg.steps} steps" in info["Title"]
         assert info["XLabel"].startswith(xlabel) and info["YLabel"] == "compressor"
     assert "α-β model" in Image.open(tmp_path / "quality_vs_time.png").text["XLabel"]  # the model is named
 
@@ -262,7 +263,7 @@ def test_import_jaxcomm_imports_no_submodule_and_no_heavy_dependency():
 def test_registering_and_listing_experiments_imports_no_jax():
     out = _fresh_python(
         "import sys\n"
-        "from jaxcomm.experiments import experiment_names, get_experiment\n"
+        "from jaxcomm.studies import experiment_names, get_experiment\n"
         "for n in experiment_names():\n"
         "    get_experiment(n).config(smoke=True)\n"
         "print(sorted(m for m in ('jax', 'flax', 'numpy', 'matplotlib') if m in sys.modules))\n"
@@ -311,8 +312,8 @@ def _top_level_import_graph() -> dict:
 
 def test_no_import_cycle_between_top_level_modules():
     graph = _top_level_import_graph()
-    # The walk resolves relative imports, also three levels deep (experiments/grace/run.py).
-    assert "_table" in graph["cli"] and "_table" in graph["demo"] and "demo" in graph["experiments"]
+    # The walk resolves relative imports, also three levels deep (compressors/_kernels/select.py).
+    assert "_table" in graph["cli"] and "_table" in graph["demo"] and "_vma" in graph["compressors"]
 
     def reach(start):
         seen, todo = set(), [start]
@@ -328,25 +329,26 @@ def test_no_import_cycle_between_top_level_modules():
 
 
 def test_typed_configs_check_keys_and_types():
-    import dataclasses
-
-    from jaxcomm.experiments.grace import GraceConfig
+    from experiments.grace import GraceConfig
+    from jaxcomm.studies import config_from_dict, config_to_dict
 
     exp = get_experiment("grace")
     assert exp.config_type is GraceConfig
-    assert exp.config(smoke=True) == {
-        f.name: (list(v) if isinstance(v, tuple) else v)
-        for f in dataclasses.fields(GraceConfig)
-        for v in [getattr(GraceConfig.smoke(), f.name)]
-    }
+    smoke = exp.config(smoke=True)
+    assert smoke == GraceConfig.smoke()
+    # The dict form (JSON's): tuples as lists, and back to the same instance.
+    as_dict = config_to_dict(smoke)
+    assert as_dict["compressors"] == list(smoke.compressors) and config_from_dict(GraceConfig, as_dict) == smoke
     with pytest.raises(dataclasses.FrozenInstanceError):
-        GraceConfig.default().steps = 3
+        GraceConfig.default().steps = 3  # type: ignore[misc]
     with pytest.raises(ValueError, match=r"GraceConfig.steps: expected int, got 'four'"):
-        exp.run(dict(exp.config(smoke=True), steps="four"), "unused")
+        config_from_dict(GraceConfig, dict(as_dict, steps="four"))
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \['nope'\] for GraceConfig"):
-        exp.run(dict(exp.config(smoke=True), nope=1), "unused")
-    # ints widen to float fields; JSON lists are accepted for tuple fields.
-    assert exp.config(overrides={"learning_rate": "1"})["learning_rate"] == 1.0
+        config_from_dict(GraceConfig, dict(as_dict, nope=1))
+    with pytest.raises(TypeError, match=r"grace: config must be a GraceConfig; got dict"):
+        exp.run(as_dict, "unused")  # type: ignore[arg-type]
+    # ints widen to float fields.
+    assert exp.config(overrides={"learning_rate": "1"}).learning_rate == 1.0
 
 
 def test_eager_worker_is_a_module_with_a_usage_line():
@@ -355,21 +357,21 @@ def test_eager_worker_is_a_module_with_a_usage_line():
     from pathlib import Path
 
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxcomm.experiments.eager.worker", "nope"],
+        [sys.executable, "-m", "experiments.eager.worker", "nope"],
         cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode != 0 and "usage: python -m jaxcomm.experiments.eager.worker" in proc.stderr
+    assert proc.returncode != 0 and "usage: python -m experiments.eager.worker" in proc.stderr
 
 
 def test_list_overrides_take_comma_separated_items():
     cfg = get_experiment("time-to-accuracy").config(smoke=True)
-    assert apply_overrides(cfg, {"methods": "topk-1%+EF"})["methods"] == ["topk-1%+EF"]
-    assert apply_overrides(cfg, {"methods": "none, fp16"})["methods"] == ["none", "fp16"]
-    assert apply_overrides(cfg, {"seeds": "0,1,2"})["seeds"] == [0, 1, 2]
-    assert apply_overrides(cfg, {"seeds": "[3]"})["seeds"] == [3]
+    assert apply_overrides(cfg, {"methods": "topk-1%+EF"}).methods == ("topk-1%+EF",)
+    assert apply_overrides(cfg, {"methods": "none, fp16"}).methods == ("none", "fp16")
+    assert apply_overrides(cfg, {"seeds": "0,1,2"}).seeds == (0, 1, 2)
+    assert apply_overrides(cfg, {"seeds": "[3]"}).seeds == (3,)
     with pytest.raises(ValueError, match=r"could not parse .x. as int"):
         apply_overrides(cfg, {"seeds": "1,x"})
 
@@ -382,7 +384,7 @@ def _cli_subprocess(*args: str, cwd):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu", JAXCOMM_EXPERIMENTS=str(root / "experiments"))
     return subprocess.run(
         [sys.executable, "-m", "jaxcomm", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
@@ -554,7 +556,7 @@ def test_spec_signatures_read_from_source_match_the_live_registry():
     registry's: the same compressors, memories and strategies, with the same keyword parameters."""
     import jaxcomm.memory
     import jaxcomm.transforms._pipeline  # signatures() reads the live modules where they are imported
-    from jaxcomm.experiments import _spec
+    from jaxcomm import _spec
 
     comps, mems, strategies = _spec.signatures()
     assert set(comps) == set(compressors.names()) and set(mems) == set(jaxcomm.memory.names())
@@ -577,7 +579,7 @@ _SCALARS = (
 def test_spec_formatting_and_parsing_round_trip(data):
     """``parse_method`` of a spec written from a compressor, a memory, their keywords (any of each factory's
     parameters, any scalar literal) and a strategy gives back exactly those parts."""
-    from jaxcomm.experiments._spec import parse_method, signatures
+    from jaxcomm._spec import parse_method, signatures
 
     comps, mems, strategies = signatures()
     comp = data.draw(st.sampled_from(sorted(comps)))
@@ -600,7 +602,7 @@ def test_spec_formatting_and_parsing_round_trip(data):
 @given(st.text(alphabet="topk(ratio=0.1,[]{}:)+EF@ -'\"\\*x9e", max_size=60))
 def test_any_spec_text_is_parsed_or_refused_with_a_value_error(text):
     """Arbitrary spec text never escapes as another exception (TypeError, RecursionError, ...)."""
-    from jaxcomm.experiments._spec import parse_method
+    from jaxcomm._spec import parse_method
 
     with contextlib.suppress(ValueError):
         parse_method(text)
@@ -610,12 +612,12 @@ def test_any_spec_text_is_parsed_or_refused_with_a_value_error(text):
 def test_run_help_lists_every_config_key_with_type_and_default(tmp_path, name):
     import dataclasses
 
-    from jaxcomm.experiments._registry import config_help
+    from jaxcomm.studies import config_help, config_to_dict
 
     exp = get_experiment(name)
     proc = _cli_subprocess("run", name, "--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    default = exp.default
+    default = config_to_dict(exp.config())
     for f in dataclasses.fields(exp.config_type):
         assert f"  {f.name} (" in proc.stdout
         assert f"default {json.dumps(default[f.name])}" in proc.stdout
@@ -633,7 +635,7 @@ def test_top_level_help_is_plain_text(tmp_path):
 
 
 def test_method_specs_parse_and_bad_ones_name_the_part():
-    from jaxcomm.experiments._common import parse_method
+    from experiments._common import parse_method
 
     assert parse_method("topk(ratio=0.01)+residual@allgather") == (
         ("topk", {"ratio": 0.01}),
@@ -657,14 +659,14 @@ def test_list_override_keeps_commas_inside_a_spec():
     cfg = get_experiment("quickstart").config(
         smoke=True, overrides={"methods": "topk(ratio=0.01,seed=3)+residual,none"}
     )
-    assert cfg["methods"] == ["topk(ratio=0.01,seed=3)+residual", "none"]
+    assert cfg.methods == ("topk(ratio=0.01,seed=3)+residual", "none")
 
 
 def test_quickstart_figure_title_follows_the_config(tmp_path):
     from PIL import Image
 
-    from jaxcomm.experiments._common import plot_curves
-    from jaxcomm.experiments.quickstart.run import figure_title
+    from experiments._common import plot_curves
+    from experiments.quickstart.run import figure_title
 
     cfg = get_experiment("quickstart").config(
         smoke=True, overrides={"dataset": "fashion_mnist", "model": "mlp", "devices": 2, "steps": 7}
@@ -685,7 +687,7 @@ def test_figures_marked_puts_the_suffix_on_each_figures_title_once(tmp_path):
     import matplotlib.pyplot as plt
     from PIL import Image
 
-    from jaxcomm.experiments._registry import SMOKE_MARK, figures_marked
+    from jaxcomm.studies import SMOKE_MARK, figures_marked
 
     def figures():
         one, ax = plt.subplots()
@@ -713,7 +715,7 @@ def test_figures_marked_puts_the_suffix_on_each_figures_title_once(tmp_path):
 def test_cumulative_bits_and_time_are_running_sums():
     import numpy as np
 
-    from jaxcomm.experiments.quickstart.run import with_cumulative
+    from experiments.quickstart.run import with_cumulative
 
     rng = np.random.default_rng(0)
     bits, secs = rng.integers(1, 10**6, 9), rng.random(9)
@@ -730,7 +732,7 @@ def test_single_evaluation_runs_are_drawn_as_dots_over_their_names(tmp_path):
     # A smoke run evaluated once has one x value: the figure says so instead of a 3.8-4.2 axis.
     from PIL import Image
 
-    from jaxcomm.experiments._common import plot_curves
+    from experiments._common import plot_curves
 
     runs = [
         {"name": n, "history": [{"step": 1, "loss": 2.0}, {"step": 4, "loss": 1.5, "eval_accuracy": a}]}

@@ -46,7 +46,7 @@ PUBLIC_MODULES = public_modules()
 
 def test_public_modules_are_discovered():
     # The walk must see the package's core modules; an empty walk would make the checks vacuous.
-    assert {"compressors", "comm", "experiments"} <= set(PUBLIC_MODULES)
+    assert {"compressors", "comm", "studies"} <= set(PUBLIC_MODULES)
 
 
 def _own_docstring(obj) -> str | None:
@@ -267,8 +267,8 @@ def test_cli_help_points_at_the_method_spec_page():
     """The ``jaxcomm`` help names no private module; the page it points to documents the grammar,
     and the page's example specs parse."""
     import jaxcomm.cli as cli
-    from jaxcomm.experiments._common import parse_method
-    from jaxcomm.experiments._registry import _split_top
+    from experiments._common import parse_method
+    from jaxcomm.studies import _split_top
 
     doc = cli.__doc__ or ""
     assert re.findall(r"jaxcomm(?:\.\w+)*\._\w+", doc) == [], "the CLI help points at a private module"

@@ -20,9 +20,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
+from experiments.doublesqueeze.baselines import memsgd, qsgd_no_feedback, topk_no_feedback
 from jaxcomm.comm import MeshAxis, use
 from jaxcomm.compressors import scaled_sign
-from jaxcomm.experiments.doublesqueeze.baselines import memsgd, qsgd_no_feedback, topk_no_feedback
 from jaxcomm.transforms import doublesqueeze
 
 SHAPES = {"b": (6,), "w": (3, 5)}  # 6 and 15 entries: chunks of 4 workers need padding

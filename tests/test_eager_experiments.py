@@ -6,12 +6,13 @@ the synchronous baselines see every process, the partial collectives respect
 their quorum, and the models of all processes stay identical.
 """
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from jaxcomm.experiments import get_experiment
+from jaxcomm.studies import get_experiment
 
 pytestmark = pytest.mark.strict_promotion
 
@@ -23,7 +24,7 @@ def test_microbench_smoke(tmp_path):
     exp = get_experiment("eager-microbench")
     cfg = exp.config(smoke=True)
     res = exp.run(cfg, tmp_path)
-    p, iters = cfg["num_procs"], cfg["iterations"]
+    p, iters = cfg.num_procs, cfg.iterations
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["config"]["num_procs"] == p and (tmp_path / "microbench.png").stat().st_size > 0
     per = res["collectives"]
@@ -48,21 +49,21 @@ def test_hyperplane_smoke(tmp_path):
     cfg = exp.config(smoke=True)
     res = exp.run(cfg, tmp_path)
     assert (tmp_path / "hyperplane.png").stat().st_size > 0 and (tmp_path / "severe.png").stat().st_size > 0
-    assert json.loads((tmp_path / "results.json").read_text())["config"]["epochs"] == cfg["epochs"]
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["epochs"] == cfg.epochs
     runs = res["hyperplane"]["runs"]
-    p, delay = cfg["num_procs"], cfg["delays_ms"][0]
+    p, delay = cfg.num_procs, cfg.delays_ms[0]
     assert set(runs) == {f"{m}-{delay:g}" for m in ("sync", "solo", "majority")}
     for key, r in runs.items():
         assert r["models_identical"], key  # every process applied every round's result
-        assert len(r["val_mse"]) == cfg["epochs"]
+        assert len(r["val_mse"]) == cfg.epochs
         # Starting from w = 0 the validation MSE is |w*|^2 + noise^2 ~ features + 4; training lowers it.
-        assert r["val_mse"][-1] < 0.5 * cfg["features"], key
+        assert r["val_mse"][-1] < 0.5 * cfg.features, key
         assert 1 <= r["nap_mean"] <= p
     assert runs[f"sync-{delay:g}"]["nap_mean"] == p and runs[f"sync-{delay:g}"]["fresh_fraction"] == 1.0
     # Partial collectives leave some processes out some of the time under an injected delay.
     assert runs[f"solo-{delay:g}"]["nap_mean"] < p
     sv = res["severe"]["runs"]
-    assert set(sv) == set(cfg["severe_modes"])
+    assert set(sv) == set(cfg.severe_modes)
     # The partial results written after every epoch hold the whole history at the end.
     partial = json.loads((tmp_path / "severe_partial.json").read_text())["history"]
     assert partial == {mode: r["history"] for mode, r in sv.items()}
@@ -88,23 +89,27 @@ def test_hyperplane_smoke(tmp_path):
 def test_severe_learning_rate_schedules():
     """severe_lr_schedule: the constant rate, or a cosine decay from severe_lr to 0 over all rounds;
     severe_warmup_epochs: a linear ramp from 0 first, the decay over the rounds after it."""
-    from jaxcomm.experiments.eager.run import severe_learning_rate
+    from experiments.eager.config import HyperplaneConfig
+    from experiments.eager.run import severe_learning_rate
+
+    def cfg(**changes):
+        return dataclasses.replace(HyperplaneConfig.default(), severe_lr=0.05, **changes)
 
     def at(schedule, rounds):
         return [float(schedule(r)) for r in rounds]
 
-    assert severe_learning_rate({"severe_lr": 0.05}, 10, rounds_per_epoch=10) == 0.05  # default: constant
-    cos = severe_learning_rate({"severe_lr": 0.05, "severe_lr_schedule": "cosine"}, 10, rounds_per_epoch=10)
+    assert severe_learning_rate(cfg(), 10, rounds_per_epoch=10) == 0.05  # default: constant
+    cos = severe_learning_rate(cfg(severe_lr_schedule="cosine"), 10, rounds_per_epoch=10)
     assert np.allclose(at(cos, [0, 50, 100]), [0.05, 0.025, 0.0], atol=1e-7)
     # 2 warm-up epochs of 10 rounds: 0 at round 0, half at 10, the full rate at 20; then the schedule.
-    warm = {"severe_lr": 0.05, "severe_warmup_epochs": 2}
+    warm = {"severe_warmup_epochs": 2.0}
     assert np.allclose(
-        at(severe_learning_rate(warm, 8, 10), [0, 10, 20, 50, 80]), [0, 0.025, 0.05, 0.05, 0.05], atol=1e-7
+        at(severe_learning_rate(cfg(**warm), 8, 10), [0, 10, 20, 50, 80]), [0, 0.025, 0.05, 0.05, 0.05], atol=1e-7
     )
-    warm_cos = severe_learning_rate(dict(warm, severe_lr_schedule="cosine"), 8, 10)
+    warm_cos = severe_learning_rate(cfg(**warm, severe_lr_schedule="cosine"), 8, 10)
     assert np.allclose(at(warm_cos, [0, 10, 20, 50, 80]), [0, 0.025, 0.05, 0.025, 0.0], atol=1e-7)
     with pytest.raises(ValueError, match="severe_lr_schedule"):
-        severe_learning_rate({"severe_lr": 0.05, "severe_lr_schedule": "step"}, 10, rounds_per_epoch=10)
-    for bad in (-1, 8):
+        severe_learning_rate(cfg(severe_lr_schedule="step"), 10, rounds_per_epoch=10)
+    for bad in (-1.0, 8.0):  # -1: refused by the configuration's range; 8: no shorter than the run
         with pytest.raises(ValueError, match="severe_warmup_epochs"):
-            severe_learning_rate(dict(warm, severe_warmup_epochs=bad), 8, 10)
+            severe_learning_rate(cfg(severe_warmup_epochs=bad), 8, 10)

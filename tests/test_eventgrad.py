@@ -232,7 +232,7 @@ def test_bad_arguments_and_mismatched_topology():
 def test_eventgrad_experiment_smoke(tmp_path):
     import json
 
-    from jaxcomm.experiments import get_experiment, write_results
+    from jaxcomm.studies import get_experiment, write_results
 
     exp = get_experiment("eventgrad")
     cfg = exp.config(smoke=True)

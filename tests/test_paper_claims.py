@@ -1,27 +1,15 @@
-"""experiments/studies/paper_claims.py: seed-paired summaries, figures, and a smoke run of every study."""
+"""``jaxcomm run paper-claims`` (experiments/paper_claims/): seed-paired summaries, figures, and a smoke run
+of every study."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("_paper_claims", ROOT / "experiments" / "studies" / "paper_claims.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-claims = _load()
+from experiments.paper_claims import run as claims
+from jaxcomm.studies import get_experiment
 
 
 @settings(max_examples=25, deadline=None)
@@ -111,10 +99,15 @@ def compile_cache(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("study", claims.STUDIES)
+@pytest.mark.parametrize("study", claims.CLAIMS)
 def test_smoke_run_of_every_study(study, tmp_path, compile_cache):
-    claims.main(["--study", study, "--smoke", "--seeds", "0,1", "--out", str(tmp_path)])
+    exp = get_experiment("paper-claims")
+    out = exp.run(exp.config(smoke=True, overrides={"studies": study}), tmp_path, variant="smoke")
     result = json.loads((tmp_path / f"{study}.json").read_text())
+    assert out["files"] == [f"{study}.json"]
+    assert [(r["pair"], r["mean"]) for r in out["summary"]] == [
+        (d["pair"], d["mean"]) for d in result["summary"]["differences"]
+    ]
     assert result["seeds"] == [0, 1]
     runs = result["runs"]
     variants = {r["variant"] for r in runs}
@@ -154,7 +147,16 @@ def test_smoke_run_of_every_study(study, tmp_path, compile_cache):
     from PIL import Image
 
     with Image.open(tmp_path / f"{study}.png") as png:
-        assert png.info["Title"] == result["figure"]["title"] and "2 seeds" in png.info["Title"]
+        assert png.info["Title"] == result["figure"]["title"] + " (smoke run)" and "2 seeds" in png.info["Title"]
     for suffix in result.get("more_figures", {}):
         assert (tmp_path / f"{study}-{suffix}.png").exists()
     assert claims.replot(tmp_path / f"{study}.json").exists()
+
+
+@pytest.mark.parametrize("argv", [["--seeds", "0,x"], ["--seeds", ","], ["--steps", "0"], ["--study", "nosuch"]])
+def test_script_refuses_bad_arguments_before_any_run(argv, tmp_path, capsys):
+    """``python -m experiments.paper_claims.run``: a bad option is a usage error (exit 2), nothing written."""
+    with pytest.raises(SystemExit) as e:
+        claims.main([*argv, "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxcomm import cost_model, netem
-from jaxcomm.experiments import get_experiment
+from jaxcomm.studies import get_experiment
 
 pytestmark = pytest.mark.strict_promotion
 
@@ -39,13 +39,12 @@ EXP = get_experiment("time-to-accuracy")
         ("dgc_steps_per_stage", 0, "dgc_steps_per_stage"),
     ],
 )
-def test_bad_config_names_the_field_before_anything_runs(tmp_path, key, value, match):
-    from jaxcomm.experiments.network.run import run
+def test_bad_config_names_the_field_before_anything_runs(key, value, match):
+    """A bad value is refused where the configuration is made (from ``--set`` or JSON), so no run can start."""
+    from jaxcomm.studies import config_from_dict, config_to_dict
 
-    cfg = {**EXP.config(smoke=True), key: value}
     with pytest.raises(ValueError, match=match):
-        run(cfg, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+        config_from_dict(EXP.config_type, {**config_to_dict(EXP.config(smoke=True)), key: value})
 
 
 def _run(method, reached_step, compute_s, seed=0, reached_s=None, strategy="allreduce", bits=32e6, sync_every=1):
@@ -118,7 +117,7 @@ TIMING = {
 
 
 def test_decomposed_records_and_summary_against_closed_forms():
-    from jaxcomm.experiments.network.run import RECORD_KEYS, decomposed_time, records_decomposed, summarize
+    from experiments.network.run import RECORD_KEYS, decomposed_time, records_decomposed, summarize
 
     assert decomposed_time(200, TIMING["timings"][3]) == pytest.approx(10 * 0.3 + 190 * 0.1)
     assert decomposed_time(5, TIMING["timings"][3]) == pytest.approx(5 * 0.3)
@@ -159,11 +158,11 @@ def test_decomposed_records_and_summary_against_closed_forms():
 
 def test_periodic_methods_predicted_per_period():
     """A method that communicates every H steps: the prediction is one period's, over H steps."""
-    from jaxcomm.experiments.network.run import summarize
+    from experiments.network.run import summarize
 
     timing = {**TIMING, "timings": [_timing("diloco-H20", 0.1, sync_every=20, bits=32e6 / 20, messages=4 / 20)]}
     training = {**TRAINING, "runs": [_run("diloco-H20", 100, 0.05)]}
-    from jaxcomm.experiments.network.run import records_decomposed
+    from experiments.network.run import records_decomposed
 
     (row,) = summarize(records_decomposed(training, timing), [timing])
     want = (8 * 2 * 3 * 4e6 / 1e7 + 2 * 3 * 1 * 1e-4) / 20
@@ -174,7 +173,7 @@ def test_periodic_methods_predicted_per_period():
 
 def test_predicted_time_to_target_closed_form():
     """A link not timed: steps x (compute + one period's ring all-reduce over H steps)."""
-    from jaxcomm.experiments.network.run import records_predicted
+    from experiments.network.run import records_predicted
 
     training = {**TRAINING, "runs": [_run("diloco-H20", 100, 0.05, bits=32e6 / 20, sync_every=20), _run("x", None, 1)]}
     training["runs"][0]["messages_per_step"] = 4 / 20
@@ -185,7 +184,7 @@ def test_predicted_time_to_target_closed_form():
 
 
 def test_end_to_end_records_and_agreement():
-    from jaxcomm.experiments.network.run import agreement, records_decomposed, records_end_to_end, summarize
+    from experiments.network.run import agreement, records_decomposed, records_end_to_end, summarize
 
     e2e = {**TRAINING, "bandwidth": "10mbit"}
     records = records_end_to_end(e2e)
@@ -201,7 +200,7 @@ def test_end_to_end_records_and_agreement():
 
 
 def test_sweep_records():
-    from jaxcomm.experiments.network.run import sweep_records
+    from experiments.network.run import sweep_records
 
     sweep = [
         {**_run("none", 100, 0.05, reached_s=1.0), "learning_rate": 0.05},
@@ -216,7 +215,7 @@ def test_sweep_records():
 
 
 def test_the_sweep_chooses_the_rate_with_the_fewest_steps():
-    from jaxcomm.experiments.network.worker import choose_learning_rates
+    from experiments.network.worker import choose_learning_rates
 
     def run(method, lr, step, last_accuracy=0.1):
         r = {**_run(method, step, 0.01), "learning_rate": lr}
@@ -237,25 +236,25 @@ def test_the_sweep_chooses_the_rate_with_the_fewest_steps():
 
 @pytest.mark.mpi
 def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
-    from jaxcomm.experiments.network.run import RECORD_KEYS
+    from experiments.network.run import RECORD_KEYS
 
     cfg = EXP.config(smoke=True)
-    assert cfg["route"] == "decomposed"
+    assert cfg.route == "decomposed"
     res = EXP.run(cfg, tmp_path)
-    n, target, every = cfg["procs"], cfg["target_accuracy"], cfg["eval_every"]
+    n, target, every = cfg.procs, cfg.target_accuracy, cfg.eval_every
     job = res["training"]
     assert job["bandwidth"] == "unlimited" and job["procs"] == n and job["mode"] == "train"
     assert job["launch"]["drops"] == 0
-    assert [r["method"] for r in job["runs"]] == list(cfg["methods"])
+    assert [r["method"] for r in job["runs"]] == list(cfg.methods)
     for r in job["runs"]:
         curve = r["curve"]
         steps = [p["step"] for p in curve]
-        assert steps == list(range(every, r["steps"] + 1, every)) and r["steps"] <= cfg["max_steps"]
+        assert steps == list(range(every, r["steps"] + 1, every)) and r["steps"] <= cfg.max_steps
         assert np.all(np.diff([0.0] + [p["time_s"] for p in curve]) > 0)
         assert np.all(np.diff([0] + [p["link_bytes"] for p in curve]) > 0)
         hits = [p for p in curve if p["accuracy"] >= target]
         if r["reached"] is None:
-            assert not hits and r["steps"] == cfg["max_steps"]
+            assert not hits and r["steps"] == cfg.max_steps
         else:
             assert hits[0]["step"] == r["reached"]["step"] == r["steps"]
             assert r["reached"]["time_s"] == curve[-1]["time_s"]
@@ -275,21 +274,21 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         assert r["compute_s"] > 0 and r["step_s"] > 0 and r["sync_every"] == 1
     # The sweep: every method at each rate for the first seed; the run at the chosen rate is reused.
     assert [(s["method"], s["learning_rate"]) for s in res["sweep"]] == [
-        (m, lr) for lr in cfg["lr_sweep"] for m in cfg["methods"]
+        (m, lr) for lr in cfg.lr_sweep for m in cfg.methods
     ]
     for r in job["runs"]:
-        assert r["learning_rate"] == res["learning_rates"][r["method"]] in cfg["lr_sweep"]
+        assert r["learning_rate"] == res["learning_rates"][r["method"]] in cfg.lr_sweep
         assert r in job["sweep"]
     # One job timed both links after training (its link reshaped between them), with the chosen rates.
-    links = [netem.parse_rate(bw) for bw in cfg["bandwidths"]]
-    assert [tj["bandwidth"] for tj in res["timing_jobs"]] == list(cfg["bandwidths"])
+    links = [netem.parse_rate(bw) for bw in cfg.bandwidths]
+    assert [tj["bandwidth"] for tj in res["timing_jobs"]] == list(cfg.bandwidths)
     for tj, rate in zip(res["timing_jobs"], links):
         assert tj["mode"] == "time" and tj["launch"]["drops"] == 0
         assert [(t["method"], t["learning_rate"]) for t in tj["timings"]] == list(res["learning_rates"].items())
         # the link was given this rate before its steps were timed (the unshaped link counts with pfifo)
         assert tj["shape"]["bandwidth_bps"] == rate and {t["qdisc"] for t in tj["timings"]} == {"tbf"}
         for t in tj["timings"]:
-            assert len(t["step_times"]) == cfg["timing_steps"] and t["warmup_steps"] == 0
+            assert len(t["step_times"]) == cfg.timing_steps and t["warmup_steps"] == 0
             # A token bucket passes at most burst + rate · t / 8 bytes in t seconds (the window's wall clock,
             # which also holds the closing barrier and the ranks' lag behind rank 0's step clock).
             assert sum(t["step_times"]) <= t["window_s"]
@@ -297,7 +296,7 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
     # The records: one per link, method and seed, with these keys and types.
     records = res["records"]
     assert [(r["link"], r["method"], r["seed"]) for r in records] == [
-        (bw, m, 0) for bw in cfg["bandwidths"] for m in cfg["methods"]
+        (bw, m, 0) for bw in cfg.bandwidths for m in cfg.methods
     ]
     for rec in records:
         assert tuple(rec) == RECORD_KEYS and rec["route"] == "decomposed" and isinstance(rec["reached"], bool)
@@ -311,14 +310,14 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
     assert set(prov) == {"jax", "jaxlib", "jaxcomm", "git_commit", "hostname", "cpu_count", "date_utc"}
     assert prov["cpu_count"] >= 1 and prov["jax"]
     rows = [(row["link"], row["method"]) for row in res["summary"]]
-    assert rows == [(bw, m) for bw in cfg["bandwidths"] for m in cfg["methods"]]
+    assert rows == [(bw, m) for bw in cfg.bandwidths for m in cfg.methods]
     head = EXP.summary(res)
     assert [(h["link"], h["method"]) for h in head] == rows
     assert list(head[0]) == [
         "link", "route", "method", "reached", "time to target (s)", "×16-bit", "×fp32", "MB to target", "utilization"
     ]  # fmt: skip
     job_file = json.loads((tmp_path / "train" / "results.json").read_text())
-    assert job_file["complete"] and len(job_file["runs"]) == len(cfg["methods"])
+    assert job_file["complete"] and len(job_file["runs"]) == len(cfg.methods)
     for name in ("accuracy_vs_time.png", "accuracy_vs_bytes.png", "step_time_model.png"):
         assert (tmp_path / name).stat().st_size > 10_000
 
@@ -328,8 +327,8 @@ def test_the_default_learning_rates_are_the_committed_sweeps_choices():
     with the main job's results, method by method, and every default method has its swept rate."""
     from pathlib import Path
 
-    from jaxcomm.experiments.network.config import SWEPT_LEARNING_RATES, TimeToAccuracyConfig
-    from jaxcomm.experiments.network.worker import choose_learning_rates
+    from experiments.network.config import SWEPT_LEARNING_RATES, TimeToAccuracyConfig
+    from experiments.network.worker import choose_learning_rates
 
     results = Path(__file__).resolve().parents[1] / "experiments/benchmarks/results"
     chosen: dict[str, float] = {}
@@ -347,7 +346,7 @@ def test_the_network_page_quotes_the_cost_model_of_its_results():
     import re
     from pathlib import Path
 
-    from jaxcomm.experiments.network._records import _predicted_comm_s, _rate_bps
+    from experiments.network._records import _predicted_comm_s, _rate_bps
 
     root = Path(__file__).resolve().parents[1]
     results = json.loads((root / "experiments/benchmarks/results/time_to_accuracy.json").read_text())
@@ -369,7 +368,7 @@ def test_the_network_page_quotes_the_cost_model_of_its_results():
 
 
 def test_a_study_on_the_unshaped_link_alone_plots_its_training_job():
-    from jaxcomm.experiments.network.run import _panels
+    from experiments.network.run import _panels
 
     panels = _panels(TRAINING, [], [], ["unlimited"])
     assert [title for title, _ in panels] == ["link unlimited (measured end to end)"]

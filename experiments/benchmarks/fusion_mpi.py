@@ -432,7 +432,7 @@ def breakdown_worker(args, comm) -> None:
     from step_overhead import TARGET_RATIO, TREES, make_compressor, memory_for
 
     import jaxcomm as jc
-    from jaxcomm.experiments.network.worker import _idle_barrier
+    from experiments.network.worker import _idle_barrier
 
     rank, size, world = comm.rank, comm.size, comm.comm
     loop = Loopback(size, rank)

@@ -1,0 +1,164 @@
+"""MPI worker of the eager-SGD experiments, one process per rank under ``mpirun``.
+
+``python -m experiments.eager.worker {microbench|hyperplane} DIR`` (started
+by :func:`experiments.eager.run.launch_mpi`) reads ``DIR/config.json``
+and the load-imbalance table ``DIR/schedule.npy`` (``[steps, P]`` ms, computed
+once by the launcher: the same random stream on all ranks) and writes
+``DIR/micro_rank{r}.npz`` or ``DIR/hyper_rank{r}.npz``. It needs NumPy, mpi4py
+and :class:`jaxcomm.comm.PartialAllreduce`; ``import jaxcomm`` itself imports
+no submodule, so the experiments, Flax and Orbax stay out of the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["hyperplane_data", "main"]
+
+
+def _microbench(cfg: dict, out: Path) -> None:
+    """Fig. 8: skew, then time one collective; repeat per collective and iteration."""
+    from mpi4py import MPI
+
+    from jaxcomm.comm import PartialAllreduce
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    skew = np.load(out / "schedule.npy")[:, rank] / 1000.0  # seconds, [iterations]
+    iters, warmup, count = int(cfg["iterations"]), int(cfg["warmup"]), int(cfg["count"])
+    x = np.full(count, float(rank + 1), np.float32)
+    y = np.empty_like(x)
+    results = {}
+    for name in ("mpi_allreduce", "solo", "majority"):
+        pa = None
+        if name != "mpi_allreduce":
+            pa = PartialAllreduce(
+                count,
+                np.float32,
+                mode=name,
+                seed=int(cfg["seed"]),
+                timeout=float(cfg["timeout_s"]),
+                poll_s=float(cfg["poll_s"]),
+            )
+        lat = np.zeros(iters)
+        nap = np.zeros(iters, np.int64)
+        included = np.zeros(iters, bool)
+        for it in range(warmup + iters):
+            comm.Barrier()
+            time.sleep(float(skew[it % len(skew)]))
+            t0 = time.perf_counter()
+            if pa is None:
+                comm.Allreduce(x, y, op=MPI.SUM)
+                n_active, inc = size, True
+            else:
+                res = pa(x)
+                n_active, inc = res.nap, res.included
+            dt = time.perf_counter() - t0
+            if it >= warmup:
+                lat[it - warmup], nap[it - warmup], included[it - warmup] = dt, n_active, inc
+        if pa is not None:
+            pa.close()
+        results[name] = (lat, nap, included)
+    arrays: dict[str, Any] = {
+        f"{k}_{f}": v[i] for k, v in results.items() for i, f in enumerate(("latency", "nap", "included"))
+    }
+    np.savez(out / f"micro_rank{rank}.npz", **arrays)
+
+
+def hyperplane_data(seed: int, rows: int, features: int, noise: float, stream: int):
+    """``(x, y)`` rows of the hyperplane ``y = x . w* + noise`` (float32), deterministic per stream."""
+    w_star = np.random.default_rng([seed, 0]).standard_normal(features, dtype=np.float32)
+    rng = np.random.default_rng([seed, 1, stream])
+    x = rng.standard_normal((rows, features), dtype=np.float32)
+    y = x @ w_star + noise * rng.standard_normal(rows, dtype=np.float32)
+    return x, y.astype(np.float32)
+
+
+def _hyperplane(cfg: dict, out: Path) -> None:
+    """Sec. 7.2.1: one-layer linear model, local batch B/P, sleep-emulated compute + injected delay."""
+    from mpi4py import MPI
+
+    from jaxcomm.comm import PartialAllreduce
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mode = cfg["mode"]
+    delays = (np.load(out / "schedule.npy")[:, rank] / 1000.0).astype(float)  # [steps] seconds
+    d, b = int(cfg["features"]), int(cfg["batch_total"]) // size
+    shard_rows = int(cfg["train_points"]) // size
+    x, y = hyperplane_data(int(cfg["seed"]), shard_rows, d, float(cfg["noise_std"]), stream=2 + rank)
+    steps_per_epoch = shard_rows // b
+    epochs = int(cfg["epochs"])
+    lr, base = float(cfg["lr"]), float(cfg["base_compute_ms"]) / 1000.0
+    w = np.zeros(d + 1, np.float32)  # weights and bias (the paper's 8,193 parameters)
+    grad = np.zeros(d + 1, np.float32)
+    pa = PartialAllreduce(
+        d + 1,
+        np.float32,
+        mode=mode,
+        seed=int(cfg["seed"]),
+        timeout=float(cfg["timeout_s"]),
+        poll_s=float(cfg["poll_s"]),
+    )
+    snaps, times, nap, included = [], [], [], []
+    comm.Barrier()
+    t_start = time.perf_counter()
+    step = 0
+    for epoch in range(epochs):
+        order = np.random.default_rng([int(cfg["seed"]), 3, rank, epoch]).permutation(shard_rows)
+        for s in range(steps_per_epoch):
+            t0 = time.perf_counter()
+            idx = order[s * b : (s + 1) * b]
+            xb, yb = x[idx], y[idx]
+            err = xb @ w[:d] + w[d] - yb  # d(1/2 mean err^2)/dw
+            grad[:d] = xb.T @ err / b
+            grad[d] = err.mean()
+            target = base + float(delays[step])  # emulated accelerator time plus the injected delay
+            left = target - (time.perf_counter() - t0)
+            if left > 0:
+                time.sleep(left)
+            res = pa(grad)
+            w -= lr * res.data / size  # Algorithm 2: G = partial_allreduce(G_local) / P
+            nap.append(res.nap)
+            included.append(res.included)
+            step += 1
+        times.append(time.perf_counter() - t_start)
+        snaps.append(w.copy())
+    t_total = time.perf_counter() - t_start
+    pa.close()
+    leftover = pa.leftover()
+    np.savez(
+        out / f"hyper_rank{rank}.npz",
+        snaps=np.array(snaps),
+        times=np.array(times),
+        nap=np.array(nap),
+        included=np.array(included),
+        total=t_total,
+        leftover=leftover,
+        final=w,
+    )
+
+
+_KINDS = {"microbench": _microbench, "hyperplane": _hyperplane}
+
+
+def main(argv: list[str]) -> None:
+    """``argv = [KIND, DIR]``: run the ``KIND`` worker on ``DIR/config.json`` and ``DIR/schedule.npy``."""
+    if len(argv) != 2 or argv[0] not in _KINDS:
+        raise SystemExit(
+            "usage: python -m experiments.eager.worker {microbench|hyperplane} DIR "
+            f"(launched under mpirun by jaxcomm run eager-*); got {argv}"
+        )
+    kind, out = argv[0], Path(argv[1])
+    cfg = json.loads((out / "config.json").read_text())
+    _KINDS[kind](cfg, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
