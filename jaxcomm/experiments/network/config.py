@@ -157,6 +157,9 @@ METHODS: dict[str, Builder] = {
     "sparseloco-H20-1%-bf16-overlap10": _diloco(
         compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=10, blend=0.5, overlap=True
     ),
+    "sparseloco-H40-1%-bf16-overlap30": _diloco(
+        40, compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=30, blend=0.5, overlap=True
+    ),
     "sparseloco-H20-1%-bf16-overlap10-carry": _diloco(
         compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=10, carry_local=True, overlap=True
     ),
