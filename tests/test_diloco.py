@@ -262,6 +262,13 @@ def test_overlap_needs_an_mpi_communicator_and_update_needs_params():
         jc.diloco("sgd", every=2)
 
 
+@pytest.mark.parametrize("poll_s", [0, -1e-3, float("nan"), "1ms"])
+def test_async_mean_refuses_a_bad_poll_interval_before_mpi(poll_s):
+    """The communication thread's poll interval is checked by name before MPI is imported."""
+    with pytest.raises((ValueError, TypeError), match="poll_s"):
+        jc.comm.AsyncMean(None, poll_s=poll_s)
+
+
 @pytest.mark.mpi
 def test_mpi_in_step_and_overlapped_match_the_reference_with_a_late_rank(tmp_path):
     """``mpirun -n 3`` (tests/mpi_scripts/diloco_mpi.py): Streaming DiLoCo over MPIComm, with the

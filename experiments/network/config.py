@@ -158,6 +158,9 @@ METHODS: dict[str, Builder] = {
     "sparseloco-H20-1%-bf16-overlap10": _diloco(
         compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=10, blend=0.5, overlap=True
     ),
+    "sparseloco-H40-1%-bf16-overlap30": _diloco(
+        40, compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=30, blend=0.5, overlap=True
+    ),
     "sparseloco-H20-1%-bf16-overlap10-carry": _diloco(
         compressor=_topk1_bf16, memory=_residual09, outer=_outer_sgd1, delay=10, carry_local=True, overlap=True
     ),
@@ -191,6 +194,8 @@ METHODS: dict[str, Builder] = {
   thread during the next 5 or 10 inner steps, then blended half-half (``overlap=True, delay=5 or
   10, blend=0.5``); ``-overlap10-carry`` / ``-overlap19-carry``: overlapped during 10 or 19
   inner steps, each worker keeping its progress since the sync (``carry_local=True``);
+  ``sparseloco-H40-1%-bf16-overlap30``: every 40 steps, gathered during the next 30 inner
+  steps, then blended half-half (a period long enough to hide a sync on a slow link);
 * ``diloco-H10-int8``, ``sparseloco-H10``, ``sparseloco-H5``: the same with ``every`` = 10 or 5."""
 
 SWEPT_LEARNING_RATES: dict[str, float] = {

@@ -11,7 +11,7 @@ family uses them to overlap a fragment's outer exchange with the next inner step
 
 Arithmetic, per array of ``d`` entries over ``n`` processes:
 
-* float32/float64: ``MPI_Allreduce(SUM)``, then ``/ n``;
+* float32/float64: ``MPI_Allreduce(SUM)`` (non-blocking, as every collective here), then ``/ n``;
 * float16/bfloat16: the 16-bit route of :class:`~jaxcomm.comm.MPIComm`'s ``sum`` done on the host:
   zero-pad to ``n c`` (``c = ⌈d / n⌉``), ``MPI_Alltoall`` of the 16-bit words, a float32 sum of
   the ``n`` chunks at each owner rounded once to 16 bits, ``MPI_Allgather`` of the rounded
@@ -19,11 +19,18 @@ Arithmetic, per array of ``d`` entries over ``n`` processes:
   ``2 (n − 1) c`` 16-bit words);
 * gather (any dtype, shape ``s``): ``MPI_Allgather`` of the array's bytes; the result is
   ``(n, *s)``, row ``r`` process ``r``'s array, bit for bit.
+
+The thread starts each collective non-blocking (``MPI_Iallreduce``, ``MPI_Ialltoall``,
+``MPI_Iallgather``) and waits for it by testing it every ``poll_s`` seconds, sleeping in between.
+A blocking MPI call busy-polls (Open MPI spins on its progress engine), so a communication thread
+waiting on a slow link would take a core from the computation it is meant to overlap; a sleeping
+thread gives it back. The cost is a completion noticed up to ``poll_s`` late.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -47,12 +54,18 @@ class AsyncMean:
     Args:
       comm: an ``mpi4py.MPI.Comm`` (e.g. ``MPIComm().comm``); a private duplicate is used, so the
         thread's messages never match the step's own collectives.
+      poll_s: seconds the thread sleeps between tests of a collective in flight (> 0; default
+        0.5 ms). Smaller notices completion sooner and takes more of a core while waiting.
     Raises:
       RuntimeError: MPI was not initialised with ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by
         default), which a communication thread beside the step's collectives needs.
+      ValueError: ``poll_s`` not a finite number > 0.
     """
 
-    def __init__(self, comm):
+    def __init__(self, comm, poll_s: float = 5e-4):
+        from .._validate import check_finite_scalar
+
+        self.poll_s = check_finite_scalar(poll_s, "poll_s", positive=True)  # before MPI is touched
         from mpi4py import MPI
 
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -88,11 +101,17 @@ class AsyncMean:
     def _mean(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         return [self._mean_one(a) for a in arrays]
 
+    def _wait_all(self, requests: list) -> None:
+        """Wait for non-blocking collectives, testing them every ``poll_s`` seconds (each test also
+        drives MPI's progress) and sleeping in between, so the wait leaves the cores to the step."""
+        while not self._MPI.Request.Testall(requests):
+            time.sleep(self.poll_s)
+
     def _mean_one(self, x: np.ndarray) -> np.ndarray:
         MPI, n = self._MPI, self.size
         if x.dtype.name not in _SIXTEEN:
             out = np.empty_like(x)
-            self.comm.Allreduce(x, out, op=MPI.SUM)
+            self._wait_all([self.comm.Iallreduce(x, out, op=MPI.SUM)])
             return (out / n).astype(np.promote_types(x.dtype, np.float32))
         flat = x.reshape(-1)
         d = flat.shape[0]
@@ -100,21 +119,18 @@ class AsyncMean:
         words = np.zeros(n * c, np.uint16)
         words[:d] = flat.view(np.uint16)
         received = np.empty_like(words)
-        self.comm.Alltoall(words, received)  # chunk j to process j
+        self._wait_all([self.comm.Ialltoall(words, received)])  # chunk j to process j
         mine = received.reshape(n, c).view(x.dtype).astype(np.float32).sum(axis=0).astype(x.dtype)
         gathered = np.empty(n * c, np.uint16)
-        self.comm.Allgather(mine.view(np.uint16), gathered)
+        self._wait_all([self.comm.Iallgather(mine.view(np.uint16), gathered)])
         total = gathered.view(x.dtype)[:d].astype(np.float32).reshape(x.shape)
         return total / np.float32(n)
 
     def _gather(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        out = []
-        for x in arrays:
-            flat = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-            received = np.empty(self.size * flat.shape[0], np.uint8)
-            self.comm.Allgather(flat, received)
-            out.append(received.view(x.dtype).reshape(self.size, *x.shape))
-        return out
+        flats = [np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in arrays]
+        received = [np.empty(self.size * f.shape[0], np.uint8) for f in flats]
+        self._wait_all([self.comm.Iallgather(f, r) for f, r in zip(flats, received)])
+        return [r.view(x.dtype).reshape(self.size, *x.shape) for r, x in zip(received, arrays)]
 
     # -- traced side ------------------------------------------------------- #
     def start(self, tag: int, leaves) -> jax.Array:
