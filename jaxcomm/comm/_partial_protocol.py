@@ -1,6 +1,8 @@
 """The partial allreduce's wire and records: message tags and layouts, the majority initiator's hash,
 the binomial activation tree, and the errors and results both threads of
-:class:`~jaxcomm.comm.PartialAllreduce` share.
+:class:`~jaxcomm.comm.PartialAllreduce` share. Also the host-side MPI helpers it shares with the
+MPI watchdog and the one-sided exchange: mpi4py imported on first use, the odd ranks out, a ``with``
+block's close-or-abort and the job abort.
 
 NumPy and mpi4py only (mpi4py imported on first use), like every module of the partial allreduce,
 so that MPI worker scripts can load them without JAX.
