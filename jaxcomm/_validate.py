@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Collection
-from typing import Any
+from collections.abc import Collection, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,7 +36,10 @@ __all__ = [
     "check_same_tree",
     "check_seed",
     "check_static",
+    "lookup",
 ]
+
+_T = TypeVar("_T")
 
 _STATIC_INT = "its value is needed in Python: an array shape, a count, a bit width or a number of levels"
 _STATIC_FLOAT = "its value is used in Python when the object is built"
@@ -129,6 +132,19 @@ def check_choice(value, name: str, choices: Collection) -> Any:
     if not ok:
         raise ValueError(f"{name} must be one of {tuple(choices)}; got {value!r}")
     return value
+
+
+def lookup(table: Mapping[str, _T], name, what: str) -> _T:
+    """``table[name]``: the entry a name picks from a table of named choices (a registry of factories).
+
+    Raises:
+      ValueError: ``name`` is not a key of ``table``; the message calls it an unknown ``what`` and
+        lists the keys, sorted.
+    """
+    try:
+        return table[name]
+    except (KeyError, TypeError):  # TypeError: an unhashable name
+        raise ValueError(f"unknown {what} {name!r}; valid names: {', '.join(sorted(table))}") from None
 
 
 def _concrete_scalar(value, name: str):

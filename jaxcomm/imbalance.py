@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._validate import check_int
+from ._validate import check_int, lookup
 
 __all__ = [
     "ImbalanceModel",
@@ -255,8 +255,4 @@ def names() -> list[str]:
 
 def make(name: str, num_workers: int, **kwargs) -> ImbalanceModel:
     """Build a model by name (``random_delay``, ``linear_skew``, ``rotating_skew``, ``empirical``)."""
-    try:
-        factory = _FACTORIES[name]
-    except KeyError:
-        raise ValueError(f"unknown imbalance model {name!r}; valid: {', '.join(names())}") from None
-    return factory(num_workers, **kwargs)
+    return lookup(_FACTORIES, name, "imbalance model")(num_workers, **kwargs)

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._validate import check_bool, check_finite_scalar
+from ._validate import check_bool, check_finite_scalar, lookup
 
 __all__ = [
     "Memory",
@@ -316,14 +316,13 @@ _FACTORIES: dict[str, Callable[..., Memory]] = {
 def make(name: str, **kwargs) -> Memory:
     """Build a memory by name: ``make("residual", beta=0.9)``.
 
+    ``name`` is one of :func:`names` (``none``, ``residual``, ``dgc``, ``efsignsgd``); ``kwargs`` go
+    to the factory of that name, whose docstring lists them.
+
     Raises:
       ValueError: unknown name (the message lists the valid ones).
     """
-    try:
-        factory = _FACTORIES[name]
-    except KeyError:
-        raise ValueError(f"unknown memory {name!r}; valid names: {', '.join(names())}") from None
-    return factory(**kwargs)
+    return lookup(_FACTORIES, name, "memory")(**kwargs)
 
 
 def names() -> list[str]:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._protocol import CAPABILITIES, _host_int
+from ._protocol import CAPABILITIES, _check_perm, _host_int
 
 __all__ = ["MeshAxis"]
 
@@ -199,14 +199,7 @@ class MeshAxis:
         pairs and their receivers are zeroed.
         """
         n = self._check_bound()
-        perm = [(int(s), int(d)) for s, d in perm]
-        for s, d in perm:
-            if not (0 <= s < n and 0 <= d < n):
-                raise ValueError(f"permutation pair {(s, d)} is out of range for {n} workers")
-        srcs = [s for s, _ in perm]
-        dsts = [d for _, d in perm]
-        if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-            raise ValueError(f"perm must have distinct sources and distinct destinations; got {perm}")
+        perm = _check_perm(perm, n)
         return jax.tree.map(lambda x: self._ppermute_keyed(x, perm, n), tree)
 
     def _ppermute_keyed(self, x, perm, n):

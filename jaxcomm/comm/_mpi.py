@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._validate import check_bool
-from ._protocol import CAPABILITIES, _host_int
+from ._protocol import CAPABILITIES, _check_perm, _host_int
 
 __all__ = ["MPIComm"]
 
@@ -177,15 +177,7 @@ class MPIComm:
         distinct. A process that sends and receives uses ``MPI_Sendrecv``, so
         chains and cycles of any length cannot deadlock.
         """
-        n = self._size
-        perm = [(int(s), int(d)) for s, d in perm]
-        for s, d in perm:
-            if not (0 <= s < n and 0 <= d < n):
-                raise ValueError(f"permutation pair {(s, d)} is out of range for {n} workers")
-        srcs = [s for s, _ in perm]
-        dsts = [d for _, d in perm]
-        if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-            raise ValueError(f"perm must have distinct sources and distinct destinations; got {perm}")
+        perm = _check_perm(perm, self._size)
         dest = next((d for s, d in perm if s == self.rank), None)
         source = next((s for s, d in perm if d == self.rank), None)
         self._agree("permute", tree, f"perm={sorted(perm)}")

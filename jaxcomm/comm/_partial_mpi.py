@@ -60,7 +60,6 @@ scripts can load them without importing JAX.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
@@ -73,6 +72,8 @@ from ._partial_protocol import (
     PartialCollectiveError,
     PartialCollectiveTimeout,
     PartialResult,
+    _abort_job,
+    _close_or_abort,
     _import_mpi,
     _odd_ones,
     _splitmix64,
@@ -267,11 +268,7 @@ class PartialAllreduce(_ProgressThread):
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
-            try:
-                self.close()
-            except (PartialCollectiveTimeout, PartialCollectiveError) as e:
-                self._fault_exit(e)
-                raise
+            _close_or_abort(self.close, (PartialCollectiveTimeout, PartialCollectiveError), self._fault_exit)
         else:
             # Do not mask the original exception; stop the thread quickly.
             with self._cond:
@@ -288,11 +285,8 @@ class PartialAllreduce(_ProgressThread):
     def _fault_exit(self, err: BaseException) -> None:
         """End the job on a fault (``abort_on_fault``): a hung peer never reaches
         ``MPI_Finalize``, which would otherwise block this process forever."""
-        if not self.abort_on_fault or self.size == 1:
-            return
-        sys.stderr.write(f"jaxcomm: rank {self.rank}: {type(err).__name__}: {err}; aborting the job\n")
-        sys.stderr.flush()
-        self._parent.Abort(1)
+        if self.abort_on_fault and self.size > 1:
+            _abort_job(self._parent, self.rank, err)
 
     def pending_requests(self) -> int:
         """Number of MPI requests still owned by this object (0 after :meth:`close`)."""

@@ -1,6 +1,8 @@
 """The partial allreduce's wire and records: message tags and layouts, the majority initiator's hash,
 the binomial activation tree, and the errors and results both threads of
-:class:`~jaxcomm.comm.PartialAllreduce` share.
+:class:`~jaxcomm.comm.PartialAllreduce` share. Also the host-side MPI helpers it shares with the
+MPI watchdog and the one-sided exchange: mpi4py imported on first use, the odd ranks out, a ``with``
+block's close-or-abort and the job abort.
 
 NumPy and mpi4py only (mpi4py imported on first use), like every module of the partial allreduce,
 so that MPI worker scripts can load them without JAX.
@@ -8,7 +10,8 @@ so that MPI worker scripts can load them without JAX.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -126,6 +129,26 @@ def _odd_ones(counts: dict) -> list:
     values = list(counts.values())
     common = max(set(values), key=lambda v: (values.count(v), v))
     return sorted(q for q, v in counts.items() if v != common)
+
+
+def _close_or_abort(close: Callable[[], object], faults, fault_exit: Callable[[BaseException], None]) -> None:
+    """A ``with`` block's clean exit from an MPI object: ``close()``; a fault it raises (an instance
+    of ``faults``, a class or a tuple of them) goes to ``fault_exit`` (which may end the job, see
+    :func:`_abort_job`) and then on to the caller."""
+    try:
+        close()
+    except faults as e:
+        fault_exit(e)
+        raise
+
+
+def _abort_job(comm, rank: int, err: BaseException, *, where: str = "", code: int = 1) -> None:
+    """End the MPI job on a fault (an object's ``abort_on_fault``): ``err`` on stderr, then
+    ``comm.Abort(code)``. A hung peer never reaches ``MPI_Finalize``, which would otherwise block this
+    process forever. The line reads ``jaxcomm: rank R: <type><where>: <err>; aborting the job``."""
+    sys.stderr.write(f"jaxcomm: rank {rank}: {type(err).__name__}{where}: {err}; aborting the job\n")
+    sys.stderr.flush()
+    comm.Abort(code)
 
 
 def _children(rank: int, root: int, size: int) -> list:

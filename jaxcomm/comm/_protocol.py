@@ -203,6 +203,24 @@ def _host_int(value, name: str = "value") -> int:
     return int(value)
 
 
+def _check_perm(perm: Iterable[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """``perm`` as a list of ``(source, destination)`` ``int`` pairs for ``permute`` among ``n`` workers.
+
+    Raises:
+      ValueError: a pair names a worker outside ``[0, n)``, or two pairs share a source or a
+        destination.
+    """
+    pairs = [(int(s), int(d)) for s, d in perm]
+    for s, d in pairs:
+        if not (0 <= s < n and 0 <= d < n):
+            raise ValueError(f"permutation pair {(s, d)} is out of range for {n} workers")
+    srcs = [s for s, _ in pairs]
+    dsts = [d for _, d in pairs]
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ValueError(f"perm must have distinct sources and distinct destinations; got {pairs}")
+    return pairs
+
+
 def _check_declared(caps, owner) -> frozenset[str]:
     if not isinstance(caps, frozenset):
         raise TypeError(f"{owner}.capabilities must be a frozenset of collective names; got {caps!r}")

@@ -53,12 +53,13 @@ block ``MPI_Finalize``.
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
 import jax
 import numpy as np
+
+from ._partial_protocol import _abort_job, _close_or_abort
 
 __all__ = ["RMAExchange", "OneSidedEventGrad", "RMAExchangeTimeout"]
 
@@ -279,11 +280,7 @@ class RMAExchange:
 
     def __exit__(self, exc_type, exc, tb):
         if exc is None:
-            try:
-                self.free()
-            except RMAExchangeTimeout as e:
-                self._fault_exit(e)
-                raise
+            _close_or_abort(self.free, RMAExchangeTimeout, self._fault_exit)
         elif isinstance(exc, RMAExchangeTimeout):
             self._fault_exit(exc)
         else:
@@ -331,11 +328,8 @@ class RMAExchange:
         )
 
     def _fault_exit(self, err: BaseException) -> None:
-        if not self.abort_on_fault or self.comm.Get_size() == 1:
-            return
-        sys.stderr.write(f"jaxcomm: rank {self.rank}: {type(err).__name__}: {err}; aborting the job\n")
-        sys.stderr.flush()
-        self.comm.Abort(1)
+        if self.abort_on_fault and self.comm.Get_size() > 1:
+            _abort_job(self.comm, self.rank, err)
 
 
 class OneSidedEventGrad:
@@ -348,28 +342,17 @@ class OneSidedEventGrad:
     Args:
       algorithm: the :class:`~jaxcomm.algorithms.EventGrad`.
       params: this worker's initial parameters.
-      comm: ``mpi4py`` communicator (default ``COMM_WORLD``).
-      lockstep, timeout, abort_on_fault: see :class:`RMAExchange`.
+      **exchange_options: ``comm``, ``lockstep``, ``timeout``, ``abort_on_fault``: passed on to
+        :class:`RMAExchange` (the windows this object exchanges through), with its defaults.
 
     >>> # under mpirun -n 4:  eg = eventgrad(ring(4), 0.05)
     >>> # ose = OneSidedEventGrad(eg, params); state = ose.init(params)
     >>> # params, state = ose.step(params, grads, state); ...; ose.free()
     """
 
-    def __init__(
-        self,
-        algorithm,
-        params,
-        *,
-        comm=None,
-        lockstep: bool = False,
-        timeout: float = 60.0,
-        abort_on_fault: bool = True,
-    ):
+    def __init__(self, algorithm, params, **exchange_options):
         self.algorithm = algorithm
-        self.exchange = RMAExchange(
-            algorithm, params, comm=comm, lockstep=lockstep, timeout=timeout, abort_on_fault=abort_on_fault
-        )
+        self.exchange = RMAExchange(algorithm, params, **exchange_options)
         # jit of the algorithm's own functions: compilations are shared by every instance.
         self._prepare = jax.jit(algorithm.prepare)
         self._finish = jax.jit(algorithm.finish, static_argnames="index")

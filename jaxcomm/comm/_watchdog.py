@@ -94,7 +94,7 @@ from typing import Any
 import numpy as np
 
 from .._validate import check_bool, check_choice
-from ._partial_protocol import _import_mpi, _odd_ones
+from ._partial_protocol import _abort_job, _close_or_abort, _import_mpi, _odd_ones
 
 __all__ = ["MPIWatchdog", "MPIWatchdogError", "WATCHDOG_ABORT_CODE"]
 
@@ -340,11 +340,7 @@ class MPIWatchdog:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
-            try:
-                self.close()
-            except MPIWatchdogError as e:
-                self._fault_exit(e)
-                raise
+            _close_or_abort(self.close, MPIWatchdogError, self._fault_exit)
         elif self.abort_on_fault and self.size > 1:
             self._closing = True
             self._stop.set()
@@ -359,13 +355,8 @@ class MPIWatchdog:
         return False
 
     def _fault_exit(self, err: BaseException) -> None:
-        if not self.abort_on_fault or self.size == 1:
-            return
-        sys.stderr.write(
-            f"jaxcomm: rank {self.rank}: {type(err).__name__} left the MPI watchdog block: {err}; aborting the job\n"
-        )
-        sys.stderr.flush()
-        self._parent.Abort(WATCHDOG_ABORT_CODE)
+        if self.abort_on_fault and self.size > 1:
+            _abort_job(self._parent, self.rank, err, where=" left the MPI watchdog block", code=WATCHDOG_ABORT_CODE)
 
     # -- watchdog thread ----------------------------------------------------- #
     def _beat(self) -> np.ndarray:

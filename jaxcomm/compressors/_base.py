@@ -29,7 +29,7 @@ from typing_extensions import dataclass_transform
 
 from .._bitcount import BitCount
 from .._keys import step_keys
-from .._validate import check_choice, check_float_input, check_int, check_key, check_seed
+from .._validate import check_choice, check_float_input, check_int, check_key, check_seed, lookup
 
 Array = jax.Array
 PRNGKey = jax.Array
@@ -541,11 +541,7 @@ def make(name: str, **kwargs) -> Compressor:
     Raises:
       ValueError: unknown name (the message lists the valid ones).
     """
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(names())}") from None
-    return factory(**kwargs)
+    return lookup(_REGISTRY, name, "compressor")(**kwargs)
 
 
 def names() -> list[str]:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import Compressor, Payload, payload_dataclass, register, static_field
-from ._primitives import flat32, restore, size_of
-from ._quantize import big_scale_factor, jitted_compressor, max_abs, nan_unless_finite
+from ._base import Compressor, payload_dataclass, register
+from ._primitives import flat32, restore
+from ._quantize import _ScaledCodesPayload, big_scale_factor, jitted_compressor, max_abs, nan_unless_finite
 
 Array = jax.Array
 
@@ -45,8 +43,8 @@ def eightbit_codebook() -> np.ndarray:
 
 
 @payload_dataclass
-class EightBitPayload(Payload):
-    """8-bit codes and the max-abs scale.
+class EightBitPayload(_ScaledCodesPayload):
+    """8-bit codes and the max-abs scale; wire bits ``8 d + 32``.
 
     Attributes:
       codes: uint8 ``(d,)``, byte ``sign << 7 | m`` (see :func:`eightbit_codebook`).
@@ -54,14 +52,7 @@ class EightBitPayload(Payload):
       shape, dtype: static.
     """
 
-    codes: Array
-    scale: Array
-    shape: tuple = static_field()
-    dtype: Any = static_field()
-
-    def wire_bits(self) -> int:
-        """``8 d + 32``."""
-        return 8 * size_of(self.shape) + 32
+    code_bits = 8
 
 
 @register("eightbit")

@@ -60,10 +60,15 @@ TernGrad, stochastic rounding), :mod:`._inceptionn`, :mod:`._sketchml` and
 
 from __future__ import annotations
 
+import math
+from typing import Any, ClassVar
+
 import jax
 import jax.numpy as jnp
+from jax import Array
 
-from ._base import Compressor
+from ._base import Compressor, Payload, payload_dataclass, static_field
+from ._kernels.bitpack import packed_size
 
 
 def max_abs(xf):
@@ -155,3 +160,21 @@ def jitted_compressor(
         params=params,
         **facts,
     )
+
+
+@payload_dataclass
+class _ScaledCodesPayload(Payload):
+    """The format of a quantizer with one tensor-wide scale: a ``code_bits``-bit code per entry
+    (packed, ``8 / code_bits`` codes a byte) and the float32 scale ``max_i |x_i|``.
+
+    Wire bits: ``8 ceil(d code_bits / 8) + 32``.
+    """
+
+    codes: Array
+    scale: Array
+    shape: tuple = static_field()
+    dtype: Any = static_field()
+    code_bits: ClassVar[int] = 8
+
+    def wire_bits(self) -> int:
+        return 8 * packed_size(math.prod(self.shape), self.code_bits) + 32

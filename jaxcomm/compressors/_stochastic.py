@@ -19,7 +19,7 @@ from ._base import Compressor, Payload, payload_dataclass, register, static_fiel
 from ._kernels.bitpack import code_width, pack, pack_codes, packed_code_bits, unpack, unpack_codes
 from ._kernels.random_bits import uniform_bits, uniform_floats
 from ._primitives import flat32, packed_size, restore, size_of
-from ._quantize import big_scale_factor, jitted_compressor, l2_norm, max_abs, nan_unless_finite
+from ._quantize import _ScaledCodesPayload, big_scale_factor, jitted_compressor, l2_norm, max_abs, nan_unless_finite
 
 Array = jax.Array
 
@@ -188,8 +188,8 @@ def natural(*, seed: int = 0) -> Compressor:
 
 
 @payload_dataclass
-class TernaryPayload(Payload):
-    """2-bit ternary codes and the max-abs scale.
+class TernaryPayload(_ScaledCodesPayload):
+    """2-bit ternary codes and the max-abs scale; wire bits ``8 ceil(d/4) + 32``.
 
     Attributes:
       codes: uint8 ``(ceil(d/4),)``, packed 2-bit codes (0: 0, 1: +1, 2: -1).
@@ -197,14 +197,7 @@ class TernaryPayload(Payload):
       shape, dtype: static.
     """
 
-    codes: Array
-    scale: Array
-    shape: tuple = static_field()
-    dtype: Any = static_field()
-
-    def wire_bits(self) -> int:
-        """``8 ceil(d/4) + 32``."""
-        return 8 * packed_size(size_of(self.shape), 2) + 32
+    code_bits = 2
 
 
 @register("terngrad")

@@ -166,24 +166,22 @@ def load_mnist(path: PathLike | None = None, split: str = "train", normalize: bo
 
 
 def load_fashion_mnist(path: PathLike | None = None, split: str = "train", normalize: bool = True) -> Dataset:
-    """Load Fashion-MNIST (Xiao, Rasul & Vollgraf 2017) from IDX files.
+    """Load Fashion-MNIST (Xiao, Rasul & Vollgraf 2017) from IDX files: the files, splits, shapes and
+    errors of :func:`load_mnist`, with ten kinds of clothing for the ten digits.
 
     With :class:`jaxcomm.models.ResNet20` this is the project's CIFAR-class workload: CIFAR-10
     cannot be fetched offline, so wherever a paper reports CIFAR-10 the experiments run Fashion-MNIST
     and say so.
 
     Args:
-      path: directory holding ``{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]``; default
+      path: directory holding the IDX files of :func:`load_mnist`'s ``path``; default
         ``data_dir() / "fashion_mnist"`` (from the Debian package ``dataset-fashion-mnist``).
-      split: ``"train"`` (60,000 examples) or ``"test"`` (10,000).
-      normalize: ``True``: ``float32`` pixels in ``[0, 1]``; ``False``: raw ``uint8``.
+      split, normalize: as in :func:`load_mnist`.
     Returns:
-      :class:`Dataset` with images ``[N, 28, 28, 1]``, labels ``int32`` in 0..9, 10 classes.
+      :class:`Dataset` as from :func:`load_mnist`: images ``[N, 28, 28, 1]``, labels ``int32`` in
+      0..9, 10 classes.
     Raises:
-      FileNotFoundError: ``path`` (or a file in it) does not exist; the message says how to fetch.
-      ValueError: ``split`` is not ``"train"``/``"test"``.
-      DatasetError: (a ``ValueError``) a truncated, corrupt or malformed file, images and labels
-        whose counts differ, or a label outside ``0..9``: one line naming the file and the fix.
+      FileNotFoundError, ValueError, DatasetError: as :func:`load_mnist` raises them.
     """
     return _load_idx_pair(_resolve_dir(path, "fashion_mnist"), _check_split(split), normalize, 10)
 

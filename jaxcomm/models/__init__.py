@@ -22,7 +22,7 @@ from typing import Any
 
 from flax import nnx
 
-from .._validate import check_choice
+from .._validate import lookup
 from ._cnn import EventGradCNN
 from ._common import ParamCount, count_params
 from ._lstm import CharLSTM, LSTMLayer
@@ -59,5 +59,4 @@ def names() -> list[str]:
 
 def make(name: str, *, rngs: nnx.Rngs, **kwargs: Any) -> nnx.Module:
     """Build a model by name, e.g. ``make("resnet20", in_channels=1, rngs=nnx.Rngs(0))``."""
-    check_choice(name, "name", names())
-    return _REGISTRY[name](rngs=rngs, **kwargs)
+    return lookup(_REGISTRY, name, "model")(rngs=rngs, **kwargs)

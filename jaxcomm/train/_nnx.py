@@ -155,6 +155,14 @@ def language_model_loss(model: PureModel) -> Callable:
     return loss_fn
 
 
+# The named tasks of :class:`jaxcomm.train.Trainer` (``task="classification"``): each one's loss,
+# built from the model.
+TASK_LOSSES: dict[str, Callable[[PureModel], Callable]] = {
+    "classification": classification_loss,
+    "language_model": language_model_loss,
+}
+
+
 def classification_eval(model: PureModel) -> Callable:
     """The jitted evaluation batch ``(params, model_state, x, y) -> (loss_sum, correct_sum)``.
 

@@ -31,14 +31,7 @@ from ..comm import require_host
 from ._checkpoint import Checkpointer, check_accept_changes, check_metadata
 from ._describe import describe
 from ._mesh import make_mesh
-from ._nnx import (
-    PureModel,
-    classification_eval,
-    classification_loss,
-    evaluate_classifier,
-    language_model_loss,
-    split_model,
-)
+from ._nnx import TASK_LOSSES, PureModel, classification_eval, evaluate_classifier, split_model
 from ._step import TrainState, init_train_state, make_train_step
 
 __all__ = ["Trainer", "NonFiniteLossError", "to_workers"]
@@ -129,12 +122,11 @@ class Trainer:
         self.pure: PureModel = split_model(self.model)
         if callable(self.task):
             self.loss_fn = self.task
-        elif self.task == "classification":
-            self.loss_fn = classification_loss(self.pure)
-        elif self.task == "language_model":
-            self.loss_fn = language_model_loss(self.pure)
+        elif isinstance(self.task, str) and self.task in TASK_LOSSES:
+            self.loss_fn = TASK_LOSSES[self.task](self.pure)
         else:
-            raise ValueError(f"task must be 'classification', 'language_model' or a loss function; got {self.task!r}")
+            named = ", ".join(map(repr, TASK_LOSSES))
+            raise ValueError(f"task must be {named} or a loss function; got {self.task!r}")
         self.mesh: Mesh | None = None
         if self.comm is None:
             mesh = self.mesh = make_mesh(self.num_workers)
