@@ -12,8 +12,9 @@ import math
 import numpy as np
 import pytest
 
-from jaxcomm import cost_model, netem
+from jaxcomm import cost_model
 from jaxcomm.experiments import get_experiment
+from jaxcomm.netem._link import parse_rate
 
 pytestmark = pytest.mark.strict_promotion
 
@@ -281,7 +282,7 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         assert r["learning_rate"] == res["learning_rates"][r["method"]] in cfg["lr_sweep"]
         assert r in job["sweep"]
     # One job timed both links after training (its link reshaped between them), with the chosen rates.
-    links = [netem.parse_rate(bw) for bw in cfg["bandwidths"]]
+    links = [parse_rate(bw) for bw in cfg["bandwidths"]]
     assert [tj["bandwidth"] for tj in res["timing_jobs"]] == list(cfg["bandwidths"])
     for tj, rate in zip(res["timing_jobs"], links):
         assert tj["mode"] == "time" and tj["launch"]["drops"] == 0

@@ -133,7 +133,8 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
     """
     from ... import data, topology
     from ...algorithms import average_model, simulate_decentralized
-    from ...train import classification_eval, evaluate_classifier
+    from ...train import evaluate_classifier
+    from ...train._nnx import classification_eval
 
     spec = TASKS[task]
     pre = spec["prefix"]

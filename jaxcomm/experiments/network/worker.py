@@ -426,7 +426,7 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
 def _link_payload(bandwidth: str, n: int) -> int:
     """Bytes of the all-reduce that measures the throughput: 4 MiB unshaped, else about half a
     second of the link's rate for the whole ring, at least 256 KiB."""
-    from jaxcomm.netem import parse_rate
+    from jaxcomm.netem._link import parse_rate
 
     rate = parse_rate(str(bandwidth), "bandwidth")
     if rate is None:
@@ -511,7 +511,8 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
     qdisc's settings, :meth:`~jaxcomm.netem.LinkSettings.describe`), ``link`` (the measured rate)
     and ``timings`` (each with ``qdisc``, the kind of qdisc that counted its window).
     """
-    from jaxcomm.netem import link_counters, reshape
+    from jaxcomm.netem import link_counters
+    from jaxcomm.netem._link import reshape
 
     n = world.Get_size()
     runs = result["runs"]
