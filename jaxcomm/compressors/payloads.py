@@ -1,4 +1,4 @@
-"""Payload types: what each compressor sends, one namespace.
+"""Payload types: the base every payload derives from, and the tools to write a new one.
 
 A payload is a pytree whose array leaves are exactly the wire format and
 whose static fields (shape, dtype, counts known at trace time) are not sent;
@@ -17,7 +17,7 @@ with :func:`payload_dataclass` and :func:`static_field` on a subclass of
 
 :func:`array_bits` counts a payload's own arrays the way the format sends them
 (counted fields: their valid rows; ``inferred`` fields: nothing);
-``jaxcomm.testing.check_wire_bits`` requires ``wire_bits`` to equal it.
+the contract battery (:mod:`jaxcomm.testing`) requires ``wire_bits`` to equal it.
 
 The built-in payloads are defined beside their compressors and reached through them (each
 factory's docstring names what it sends): ``DensePayload`` (none, fp16, bf16),

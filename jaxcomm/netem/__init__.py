@@ -62,14 +62,11 @@ from __future__ import annotations
 
 from ._cluster import initialize_distributed
 from ._counters import cluster_window, link_counters, measure, measure_window
-
-# Reached as ``netem.<name>`` by the studies (jaxcomm's experiments), and ``missing_requirements``
-# looked up here by :func:`unavailable` and :func:`launch`: importable, not public.
-from ._launcher import RING_COLLECTIVES as RING_COLLECTIVES
+from ._launcher import RING_COLLECTIVES as RING_COLLECTIVES  # not public: the studies read netem.<name>
 from ._launcher import launch, unavailable
-from ._launcher import missing_requirements as missing_requirements
+from ._launcher import missing_requirements as missing_requirements  # not public: launch looks it up here
 from ._link import NetemError, NetemUnavailable
-from ._link import parse_rate as parse_rate
+from ._link import parse_rate as parse_rate  # not public: the studies read netem.<name>
 
 __all__ = [
     # launching a job on the emulated network
