@@ -133,8 +133,7 @@ def _train(task: str, algorithm: str, n: int, cfg: dict, data_, model_, trace: b
     """
     from ... import data, topology
     from ...algorithms import average_model, simulate_decentralized
-    from ...train import evaluate_classifier
-    from ...train._nnx import classification_eval
+    from ...train import classification_eval, evaluate_classifier
 
     spec = TASKS[task]
     pre = spec["prefix"]

@@ -426,7 +426,7 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
 def _link_payload(bandwidth: str, n: int) -> int:
     """Bytes of the all-reduce that measures the throughput: 4 MiB unshaped, else about half a
     second of the link's rate for the whole ring, at least 256 KiB."""
-    from jaxcomm.netem._link import parse_rate
+    from jaxcomm.netem import parse_rate
 
     rate = parse_rate(str(bandwidth), "bandwidth")
     if rate is None:
