@@ -65,7 +65,9 @@ from pathlib import Path
 
 from ._table import format_table
 
-__all__ = ["main", "format_table"]
+__all__ = [
+    "main",
+]
 
 
 def _plain(text: str) -> str:

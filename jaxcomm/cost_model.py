@@ -67,23 +67,13 @@ import numpy as np
 from ._validate import check_choice, check_finite_scalar, check_int
 
 __all__ = [
-    "Cluster",
     "Network",
-    "DEFAULT_LATENCY_S",
+    "Cluster",
     "STANDARD_NETWORKS",
-    "COLLECTIVES",
-    "allreduce_time",
-    "reduce_scatter_time",
-    "allgather_time",
-    "broadcast_time",
-    "neighbor_exchange_time",
     "comm_time",
     "cumulative_comm_time",
     "estimate_times",
-    "STEP_STRATEGIES",
-    "TOPOLOGIES",
     "step_bytes",
-    "step_latency_rounds",
     "step_time",
 ]
 

@@ -22,7 +22,9 @@ from flax import nnx
 from . import compressors as C
 from ._table import format_table
 
-__all__ = ["DEMO_KWARGS", "gradient_table", "run_demo"]
+__all__ = [
+    "run_demo",
+]
 
 DEMO_KWARGS: dict[str, dict[str, Any]] = {
     "qsgd": dict(levels=16),

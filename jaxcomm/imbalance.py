@@ -37,7 +37,6 @@ import numpy as np
 from ._validate import check_int, lookup
 
 __all__ = [
-    "ImbalanceModel",
     "RandomDelay",
     "LinearSkew",
     "RotatingSkew",

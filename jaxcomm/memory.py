@@ -43,7 +43,6 @@ from ._validate import check_bool, check_finite_scalar, lookup
 
 __all__ = [
     "Memory",
-    "DGCMemoryState",
     "none",
     "residual",
     "dgc",

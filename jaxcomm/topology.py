@@ -48,9 +48,7 @@ __all__ = [
     "from_matrix",
     "make",
     "names",
-    "validate_mixing_matrix",
     "spectral_gap",
-    "as_topology",
 ]
 
 _ATOL = 1e-6

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxcomm.comm import bucket_sizes
+from jaxcomm.comm._packing import bucket_sizes
 
 __all__ = ["expected_sent", "layout"]
 

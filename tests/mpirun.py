@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxcomm.comm import mpirun_env as _mpirun_env
-from jaxcomm.comm import mpirun_path
+from jaxcomm.comm._launch import mpirun_env as _mpirun_env
+from jaxcomm.comm._launch import mpirun_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def suite_xla_flags() -> str:
 
 
 def mpirun_env(single_thread: bool = False) -> dict:
-    """:func:`jaxcomm.comm.mpirun_env` (one CPU device per process: ``XLA_FLAGS`` removed), with the
+    """:func:`jaxcomm.comm._launch.mpirun_env` (one CPU device per process: ``XLA_FLAGS`` removed), with the
     suite's compile options put back, so that an MPI process compiles as the test process that
     checks its results does."""
     env = _mpirun_env(single_thread=single_thread)

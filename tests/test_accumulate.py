@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.transforms import AccumulateState, accumulate, zero_counters
+from jaxcomm.transforms import accumulate
+from jaxcomm.transforms._accumulate import AccumulateState, warn_multisteps, zero_counters
 
 N, LR = 4, 0.1
 COLLECTIVES = {
@@ -171,11 +172,11 @@ def test_multisteps_around_a_communicating_transform_is_named():
     inner = optax.chain(jc.compressed_mean(jc.compressors.topk(ratio=0.1), axis_name="data"), optax.sgd(0.1))
     state = optax.MultiSteps(inner, every_k_schedule=2).init({"w": jnp.zeros(3)})
     with pytest.warns(UserWarning, match="communicate on every micro-step"):
-        assert jc.transforms.warn_multisteps(state)
+        assert warn_multisteps(state)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not jc.transforms.warn_multisteps(optax.MultiSteps(optax.sgd(0.1), 2).init({"w": jnp.zeros(3)}))
-        assert not jc.transforms.warn_multisteps(accumulate(inner, 2).init({"w": jnp.zeros(3)}))
+        assert not warn_multisteps(optax.MultiSteps(optax.sgd(0.1), 2).init({"w": jnp.zeros(3)}))
+        assert not warn_multisteps(accumulate(inner, 2).init({"w": jnp.zeros(3)}))
 
 
 def test_trainer_refuses_multisteps_around_a_communicating_transform():

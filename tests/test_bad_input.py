@@ -23,6 +23,9 @@ import jaxcomm.data as jd
 from jaxcomm import algorithms, compressors, memory, topology
 from jaxcomm import transforms as T
 from jaxcomm._validate import SEED_LIMIT
+from jaxcomm.algorithms import _eventgrad
+from jaxcomm.data._idx import read_csv_images, write_idx
+from jaxcomm.train._mesh import stack_workers
 
 KEY = jax.random.PRNGKey(0)
 X = jnp.arange(1.0, 9.0)
@@ -223,8 +226,8 @@ CASES = [
     ("from-matrix-not-stochastic", lambda: topology.from_matrix(np.ones((3, 3))), ValueError, r"weights"),
     ("spectral-gap-str", lambda: topology.spectral_gap("abc"), TypeError, r"weights must be a numeric"),
     ("spectral-gap-non-square", lambda: topology.spectral_gap(np.ones((2, 3))), ValueError, r"weights must be"),
-    ("topk-count-size", lambda: algorithms.topk_count(-1, 0.5), ValueError, r"size must be >= 0"),
-    ("topk-count-ratio", lambda: algorithms.topk_count(10, 0.0), ValueError, r"ratio must be in \(0, 1\]"),
+    ("topk-count-size", lambda: _eventgrad.topk_count(-1, 0.5), ValueError, r"size must be >= 0"),
+    ("topk-count-ratio", lambda: _eventgrad.topk_count(10, 0.0), ValueError, r"ratio must be in \(0, 1\]"),
     ("eventgrad-horizon", lambda: algorithms.eventgrad("ring", 0.1, num_workers=4, horizon=-1), ValueError, "horizon"),
     ("dpsgd-lr", lambda: algorithms.dpsgd("ring", -1.0, num_workers=4), ValueError, r"learning rate|optimizer"),
     (
@@ -248,7 +251,7 @@ CASES = [
     # training
     ("make-mesh-axis-name", lambda: jc.train.make_mesh(1, axis_name=3), TypeError, r"axis_name must be a non-empty"),
     ("make-mesh-0", lambda: jc.train.make_mesh(0), ValueError, r"num_workers must be >= 1; got 0"),
-    ("stack-workers-0", lambda: jc.train.stack_workers({"a": jnp.ones(2)}, 0), ValueError, r"num_workers must be"),
+    ("stack-workers-0", lambda: stack_workers({"a": jnp.ones(2)}, 0), ValueError, r"num_workers must be"),
     # cost model
     ("network-bandwidth-0", lambda: jc.cost_model.Network(0.0), ValueError, r"bandwidth_gbps"),
     (
@@ -358,8 +361,8 @@ def test_key_check_holds_under_jit():
 def _mnist_dir(root, name, labels=(0, 1, 2, 3, 4), images=5):
     d = root / name
     d.mkdir()
-    jd.write_idx(d / "train-images-idx3-ubyte.gz", np.arange(images * 16, dtype=np.uint8).reshape(images, 4, 4))
-    jd.write_idx(d / "train-labels-idx1-ubyte.gz", np.asarray(labels, np.uint8))
+    write_idx(d / "train-images-idx3-ubyte.gz", np.arange(images * 16, dtype=np.uint8).reshape(images, 4, 4))
+    write_idx(d / "train-labels-idx1-ubyte.gz", np.asarray(labels, np.uint8))
     return d
 
 
@@ -462,7 +465,7 @@ def test_csv_gzip_truncated_and_not_utf8(tmp_path):
     g = tmp_path / "latin1.csv"
     g.write_bytes(b"1,2,\xff,0\n")
     with pytest.raises(jd.DatasetError) as err:
-        jd.read_csv_images(g, image_shape=(3,))
+        read_csv_images(g, image_shape=(3,))
     _assert_one_line(err, g, r"not UTF-8 text \(byte 0xff at offset 4\)")
 
 

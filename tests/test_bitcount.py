@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.compressors import BitCount
+from jaxcomm._bitcount import BitCount
 from jaxcomm.transforms import compressed_mean
 
 pytestmark = pytest.mark.strict_promotion

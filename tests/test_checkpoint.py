@@ -16,7 +16,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxcomm.train import Checkpointer, CheckpointError, latest_step, restore_checkpoint, save_checkpoint
+from jaxcomm.train import CheckpointError
+from jaxcomm.train._checkpoint import Checkpointer, latest_step, restore_checkpoint, save_checkpoint
 
 
 class Inner(NamedTuple):

@@ -21,26 +21,18 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.comm import (
+from jaxcomm.comm import CAPABILITIES, Local, MeshAxis, MPIComm, current, is_communicator, require, resolve, use
+from jaxcomm.comm._protocol import (
     ALL_GATHER,
     ALL_TO_ALL,
     BROADCAST,
-    CAPABILITIES,
     HOST_MEMBERS,
     PERMUTE,
     REDUCE_SCATTER,
     SUM,
-    Local,
-    MeshAxis,
-    MPIComm,
     capabilities_of,
-    current,
-    is_communicator,
-    require,
     require_host,
-    resolve,
     serves,
-    use,
 )
 
 pytestmark = pytest.mark.strict_promotion

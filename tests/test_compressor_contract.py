@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import jaxcomm as jc
 from jaxcomm import testing
+from jaxcomm.compressors import _sparse as SP
 
 TOPK = jc.compressors.topk(ratio=0.3)
 
@@ -300,13 +301,13 @@ def _planted():
         return _ValuesOnlyBits(values=p.values, indices=p.indices, shape=p.shape, dtype=p.dtype), state
 
     def unpack(p):
-        return TOPK.decompress(jc.compressors.payloads.SparsePayload(p.values, p.indices, p.shape, p.dtype))
+        return TOPK.decompress(SP.SparsePayload(p.values, p.indices, p.shape, p.dtype))
 
     def keyed(x, key, state):  # "deterministic", but the selection breaks ties with the key
         noise = 1e-3 * jax.random.normal(key, jnp.shape(x))
         idx = TOPK.compress_fn(x + noise.astype(x.dtype), key, state)[0].indices
         flat = jnp.ravel(x)[idx.astype(jnp.int32)]
-        return jc.compressors.payloads.SparsePayload(flat, idx, tuple(np.shape(x)), x.dtype), state
+        return SP.SparsePayload(flat, idx, tuple(np.shape(x)), x.dtype), state
 
     return {
         "wire_bits": topk_like(compress_fn=values_only, decompress_fn=unpack),

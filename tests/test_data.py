@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxcomm.data as jd
+from jaxcomm.data import _idx, _split, _text
 from jaxcomm.data import fetch as jfetch
 
 pytestmark = pytest.mark.strict_promotion
@@ -48,8 +49,8 @@ def _write_mnist_like(directory, n_train=6, n_test=4, gz=False, dotted=False, se
         labels = rng.integers(0, 10, size=(n,), dtype=np.uint8)
         sep = "." if dotted else "-"
         suffix = ".gz" if gz else ""
-        jd.write_idx(directory / f"{prefix}-images{sep}idx3-ubyte{suffix}", images)
-        jd.write_idx(directory / f"{prefix}-labels{sep}idx1-ubyte{suffix}", labels)
+        _idx.write_idx(directory / f"{prefix}-images{sep}idx3-ubyte{suffix}", images)
+        _idx.write_idx(directory / f"{prefix}-labels{sep}idx1-ubyte{suffix}", labels)
         out[prefix] = (images, labels)
     return out
 
@@ -64,12 +65,12 @@ def test_read_idx_matches_hand_built_bytes(tmp_path):
     (tmp_path / "a.gz").write_bytes(gzip.compress(raw))
     expected = np.array([[1, 2, 3], [4, 5, 6]], np.uint8)
     for name in ("a", "a.gz"):
-        arr = jd.read_idx(tmp_path / name)
+        arr = _idx.read_idx(tmp_path / name)
         assert arr.dtype == np.uint8
         np.testing.assert_array_equal(arr, expected)
     # int32 is big-endian on disk: 258 = 0x00000102
     (tmp_path / "b").write_bytes(bytes([0, 0, 0x0C, 1, 0, 0, 0, 1, 0, 0, 1, 2]))
-    assert jd.read_idx(tmp_path / "b").tolist() == [258]
+    assert _idx.read_idx(tmp_path / "b").tolist() == [258]
 
 
 @settings(max_examples=10)
@@ -82,9 +83,9 @@ def test_idx_round_trip(tmp_path_factory, dtype, shape, gz):
     rng = np.random.default_rng(0)
     arr = (rng.standard_normal(shape) * 100).astype(dtype)
     path = tmp_path_factory.mktemp("idx") / ("x.gz" if gz else "x")
-    jd.write_idx(path, arr)
+    _idx.write_idx(path, arr)
     assert (path.read_bytes()[:2] == b"\x1f\x8b") == gz
-    back = jd.read_idx(path)
+    back = _idx.read_idx(path)
     assert back.dtype == arr.dtype and back.shape == arr.shape
     np.testing.assert_array_equal(back, arr)
 
@@ -95,15 +96,15 @@ def test_read_idx_rejects_malformed(tmp_path):
     (tmp_path / "code").write_bytes(bytes([0, 0, 0x42, 1, 0, 0, 0, 1, 7]))
     for name, match in (("bad_magic", "not an IDX"), ("short", "holds 1 bytes"), ("code", "type code")):
         with pytest.raises(ValueError, match=match):
-            jd.read_idx(tmp_path / name)
+            _idx.read_idx(tmp_path / name)
     with pytest.raises(TypeError, match="cannot be stored"):
-        jd.write_idx(tmp_path / "c", np.zeros(2, np.complex64))
+        _idx.write_idx(tmp_path / "c", np.zeros(2, np.complex64))
 
 
 def test_missing_path_says_how_to_fetch(tmp_path):
     missing = tmp_path / "no" / "such"
     for call in (
-        lambda: jd.read_idx(missing),
+        lambda: _idx.read_idx(missing),
         lambda: jd.load_mnist(missing),
         lambda: jd.load_fashion_mnist(missing),
         lambda: jd.load_mnist5k(missing),
@@ -129,12 +130,12 @@ def test_read_csv_images_label_positions_and_header(tmp_path):
     (tmp_path / "last.csv.gz").write_bytes(gzip.compress(last.encode()))
     (tmp_path / "first.csv").write_text(first)
     for name, col in (("last.csv.gz", -1), ("first.csv", 0)):
-        x, y = jd.read_csv_images(tmp_path / name, image_shape=(2, 3, 1), label_column=col)
+        x, y = _idx.read_csv_images(tmp_path / name, image_shape=(2, 3, 1), label_column=col)
         assert x.dtype == np.float32 and y.dtype == np.int32
         np.testing.assert_array_equal(x, pixels.astype(np.float32))
         np.testing.assert_array_equal(y, labels)
     with pytest.raises(ValueError, match="fields"):
-        jd.read_csv_images(tmp_path / "last.csv.gz", image_shape=(2, 2, 1))
+        _idx.read_csv_images(tmp_path / "last.csv.gz", image_shape=(2, 2, 1))
 
 
 # --------------------------------------------------------------------------- #
@@ -254,7 +255,7 @@ def test_worker_batches_shapes_and_epoch_coverage():
     it = jd.WorkerBatches(shards, batch_size=8, key=jax.random.key(1))
     assert it.per_worker_batch == 2 and it.steps_per_epoch == 6  # floor(12 / 2)
     epoch = [next(it) for _ in range(it.steps_per_epoch)]
-    assert it.position == jd.BatchPosition(1, 0)
+    assert it.position == _split.BatchPosition(1, 0)
     for b in epoch:
         assert b.images.shape == (4, 2, 3, 3, 1) and b.labels.shape == (4, 2)
     for w, shard in enumerate(shards):
@@ -274,7 +275,7 @@ def test_worker_batches_resume_is_bit_identical():
     for _ in range(9):
         next(first)
     saved = tuple(first.position)  # what a checkpoint stores
-    resumed = jd.WorkerBatches(shards, 4, key, start=jd.BatchPosition(*saved))
+    resumed = jd.WorkerBatches(shards, 4, key, start=_split.BatchPosition(*saved))
     for expected in run[9:]:
         got = next(resumed)
         np.testing.assert_array_equal(got.images, expected.images)
@@ -303,7 +304,7 @@ def test_worker_batches_bad_input():
     with pytest.raises(ValueError, match="batch_size"):
         jd.WorkerBatches(shards, 44, jax.random.key(0))  # 11 per worker > 10 per shard
     with pytest.raises(ValueError, match="steps_per_epoch"):
-        jd.WorkerBatches(shards, 8, jax.random.key(0), start=jd.BatchPosition(0, 5))
+        jd.WorkerBatches(shards, 8, jax.random.key(0), start=_split.BatchPosition(0, 5))
 
 
 # --------------------------------------------------------------------------- #
@@ -311,7 +312,7 @@ def test_worker_batches_bad_input():
 # --------------------------------------------------------------------------- #
 def test_strip_play_markdown():
     md = "# Hamlet\n\n## ACT I\n\n**HAMLET**  \nTo be, or not to be  \n_Exit_\n__\\[Aside]_  \n"
-    assert jd.strip_play_markdown(md) == "Hamlet\n\nACT I\n\nHAMLET:\nTo be, or not to be\nExit\n[Aside]\n"
+    assert _text.strip_play_markdown(md) == "Hamlet\n\nACT I\n\nHAMLET:\nTo be, or not to be\nExit\n[Aside]\n"
 
 
 def test_load_shakespeare_reads_sorted_files(tmp_path):

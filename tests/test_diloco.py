@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxcomm as jc
-from jaxcomm.transforms import fragment_leaves
+from jaxcomm.transforms._diloco import fragment_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -43,6 +43,50 @@ def public_modules() -> list[str]:
 
 PUBLIC_MODULES = public_modules()
 
+# The public surface: every (module, name) pair of the ``__all__`` of every public module, one whose
+# dotted path has no part after ``jaxcomm`` starting with "_". A name a package re-exports from a
+# public submodule counts twice. The studies' package (``jaxcomm.experiments``) is not counted.
+SURFACE_LIMIT = 200
+NOT_COUNTED = ("jaxcomm.experiments",)
+
+
+def surface_modules() -> list[str]:
+    """Every public module of jaxcomm, at any depth, outside :data:`NOT_COUNTED` (no import needed)."""
+    found, todo = [], [("jaxcomm", list(jaxcomm.__path__))]
+    while todo:
+        name, path = todo.pop()
+        found.append(name)
+        for info in pkgutil.iter_modules(path):
+            child = f"{name}.{info.name}"
+            if info.name.startswith("_") or child in NOT_COUNTED:
+                continue
+            if info.ispkg:
+                todo.append((child, [os.path.join(p, info.name) for p in path]))
+            else:
+                found.append(child)
+    return sorted(found)
+
+
+SURFACE_MODULES = surface_modules()
+
+
+def test_surface_walk_sees_nested_modules_and_skips_private_ones():
+    # The walk must reach public modules below the top level and leave private ones out.
+    assert {"jaxcomm", "jaxcomm.compressors.payloads", "jaxcomm.data.fetch", "jaxcomm.comm"} <= set(SURFACE_MODULES)
+    assert not [m for m in SURFACE_MODULES if any(p.startswith("_") for p in m.split(".")[1:])]
+    assert not [m for m in SURFACE_MODULES if m.startswith(NOT_COUNTED)]
+
+
+def test_public_surface_stays_readable():
+    """At most SURFACE_LIMIT (module, name) pairs in the public modules' ``__all__``."""
+    counts = {m: len(importlib.import_module(m).__all__) for m in SURFACE_MODULES}
+    total = sum(counts.values())
+    per_module = ", ".join(f"{m} {n}" for m, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    assert total <= SURFACE_LIMIT, (
+        f"the public surface has {total} names > {SURFACE_LIMIT} ({per_module}): make internals private "
+        "(drop them from __all__ and import them from the private module that defines them)"
+    )
+
 
 def test_public_modules_are_discovered():
     # The walk must see the package's core modules; an empty walk would make the checks vacuous.
@@ -88,7 +132,9 @@ def test_top_level_names_have_docstrings():
     assert undocumented(jaxcomm) == []
 
 
-@pytest.mark.parametrize("name", PUBLIC_MODULES)
+@pytest.mark.parametrize(
+    "name", sorted({*PUBLIC_MODULES, *(m.removeprefix("jaxcomm.") for m in SURFACE_MODULES if m != "jaxcomm")})
+)
 def test_public_module_exports_documented_names(name):
     module = importlib.import_module(f"jaxcomm.{name}")
     assert module.__doc__ and module.__doc__.strip(), f"jaxcomm.{name} has no module docstring"

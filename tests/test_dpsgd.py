@@ -9,14 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import topology as T
-from jaxcomm.algorithms import (
-    average_model,
-    consensus_distance,
-    dpsgd,
-    per_worker,
-    replicate,
-    simulate_decentralized,
-)
+from jaxcomm.algorithms import average_model, dpsgd, per_worker, replicate, simulate_decentralized
+from jaxcomm.algorithms._dpsgd import consensus_distance
 
 pytestmark = pytest.mark.strict_promotion
 

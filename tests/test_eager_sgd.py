@@ -16,7 +16,7 @@ import jaxcomm.imbalance as im
 from jaxcomm.comm import MeshAxis
 
 # The package re-exports the *function* eager_sgd under the module's name; take the module.
-es = importlib.import_module("jaxcomm.algorithms.eager_sgd")
+es = importlib.import_module("jaxcomm.algorithms._eager_sgd")
 
 AXIS = "w"
 

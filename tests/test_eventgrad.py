@@ -10,16 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import topology as T
-from jaxcomm.algorithms import (
-    communication_stats,
-    dpsgd,
-    eventgrad,
-    init_trigger,
-    per_worker,
-    replicate,
-    topk_count,
-    trigger,
-)
+from jaxcomm.algorithms import dpsgd, eventgrad, per_worker, replicate
+from jaxcomm.algorithms._eventgrad import communication_stats, init_trigger, topk_count, trigger
 
 pytestmark = pytest.mark.strict_promotion
 

@@ -16,7 +16,7 @@ import jaxcomm as jc
 from jaxcomm import testing
 from jaxcomm.comm import MeshAxis
 from jaxcomm.compressors._half import round_stochastic
-from jaxcomm.transforms import run_rounds
+from jaxcomm.transforms._collectives import run_rounds
 
 NP_WIRE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 U = {"float16": 2.0**-11, "bfloat16": 2.0**-8}

@@ -17,13 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.comm import MeshAxis
-from jaxcomm.transforms import (
-    dgc_warmup,
-    drop_ratio_warmup,
-    gradient_dropping,
-    num_kept,
-    periodic_average,
-)
+from jaxcomm.transforms import dgc_warmup, drop_ratio_warmup, gradient_dropping, periodic_average
+from jaxcomm.transforms._gradient_dropping import num_kept
 
 pytestmark = pytest.mark.strict_promotion
 

@@ -70,7 +70,7 @@ def test_mpicomm_protocol_under_mpirun(mpi_results):
 
 
 def test_mpirun_env_is_one_cpu_device_per_process():
-    from jaxcomm.comm import mpirun_env
+    from jaxcomm.comm._launch import mpirun_env
 
     base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "KEEP": "me"}
     env = mpirun_env(base=base)

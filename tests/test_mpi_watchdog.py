@@ -21,8 +21,9 @@ import pytest
 from mpirun import ROOT, mpirun_env, mpirun_path
 
 pytest.importorskip("mpi4py")
-from jaxcomm.comm import WATCHDOG_ABORT_CODE, MPIWatchdog, MPIWatchdogError
+from jaxcomm.comm import MPIWatchdog, MPIWatchdogError
 from jaxcomm.comm import _watchdog as wdm
+from jaxcomm.comm._watchdog import WATCHDOG_ABORT_CODE
 
 SCRIPT = Path(__file__).resolve().parent / "mpi_scripts" / "watchdog_faults.py"
 TIMEOUT_S = 2.0

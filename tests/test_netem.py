@@ -42,11 +42,12 @@ import pytest
 from mpirun import suite_xla_flags
 
 from jaxcomm import cli, netem
-from jaxcomm.comm import bucket_sizes
+from jaxcomm.comm._packing import bucket_sizes
+from jaxcomm.netem import _cluster, _counters, _launcher, _link
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "mpi_scripts" / "netem_bytes.py"
-RING = netem.RING_COLLECTIVES  # Open MPI's ring all-reduce and ring all-gather
+RING = _launcher.RING_COLLECTIVES  # Open MPI's ring all-reduce and ring all-gather
 
 
 # --------------------------------------------------------------------------- #
@@ -64,40 +65,40 @@ RING = netem.RING_COLLECTIVES  # Open MPI's ring all-reduce and ring all-gather
     ],
 )
 def test_parse_rate(text, bits_per_s):
-    assert netem.parse_rate(text) == bits_per_s
+    assert _link.parse_rate(text) == bits_per_s
 
 
 @pytest.mark.parametrize("text", ["200", "fast", "200mb", "-1mbit", "0bit", "", "2tbit", "1" + "0" * 40 + "bit"])
 def test_bad_rate_names_the_option(text):
     with pytest.raises(netem.NetemError, match="--bandwidth"):
-        netem.parse_rate(text)
+        _link.parse_rate(text)
 
 
 def test_parse_time_and_size():
-    assert netem.parse_time("0.1ms") == pytest.approx(1e-4)
-    assert netem.parse_time("50us") == pytest.approx(5e-5)
-    assert netem.parse_time("0") == 0.0
-    assert netem.parse_size("256kb") == 262144
-    assert netem.parse_size("1mb") == 1048576
-    assert netem.parse_size("70000") == 70000
+    assert _link.parse_time("0.1ms") == pytest.approx(1e-4)
+    assert _link.parse_time("50us") == pytest.approx(5e-5)
+    assert _link.parse_time("0") == 0.0
+    assert _link.parse_size("256kb") == 262144
+    assert _link.parse_size("1mb") == 1048576
+    assert _link.parse_size("70000") == 70000
     for bad in ("1", "fast", "20s"):
         with pytest.raises(netem.NetemError, match="--latency"):
-            netem.parse_time(bad)
+            _link.parse_time(bad)
     with pytest.raises(netem.NetemError, match="--burst"):
-        netem.parse_size("big")
-    assert netem.parse_size("1gb") == netem.MAX_BURST_BYTES
+        _link.parse_size("big")
+    assert _link.parse_size("1gb") == _link.MAX_BURST_BYTES
     for huge in ("1025mb", "9" * 400 + "kb"):  # over the limit, or a float overflow to inf
         with pytest.raises(netem.NetemError, match=r"--burst: at most 1gb"):
-            netem.parse_size(huge)
+            _link.parse_size(huge)
 
 
 def test_link_settings_checks_each_option():
-    s = netem.link_settings("200mbit", "0.1ms", "256kb", 1500)
+    s = _link.link_settings("200mbit", "0.1ms", "256kb", 1500)
     assert (s.bandwidth_bps, s.burst_bytes, s.mtu) == (2e8, 262144, 1500) and s.latency_s == pytest.approx(1e-4)
     with pytest.raises(netem.NetemError, match=r"--burst.*65550"):
-        netem.link_settings("1gbit", burst="32kb")  # tbf cannot pass a 64 KiB loopback packet
+        _link.link_settings("1gbit", burst="32kb")  # tbf cannot pass a 64 KiB loopback packet
     with pytest.raises(netem.NetemError, match="--mtu"):
-        netem.link_settings(mtu=100000)
+        _link.link_settings(mtu=100000)
     with pytest.raises(netem.NetemError, match="-n"):
         netem.launch(0, ["true"])
     # Settings built by hand are checked the same way.
@@ -116,21 +117,21 @@ def test_link_settings_checks_each_option():
         ({"burst_bytes": 2**31}, "--burst"),
     ]:
         with pytest.raises(netem.NetemError, match=option):
-            netem.LinkSettings(**kwargs)
-    assert netem.LinkSettings(bandwidth_bps=1e9, mtu=1500) == netem.link_settings("1gbit", "0", "256kb", 1500)
+            _link.LinkSettings(**kwargs)
+    assert _link.LinkSettings(bandwidth_bps=1e9, mtu=1500) == _link.link_settings("1gbit", "0", "256kb", 1500)
     with pytest.raises(netem.NetemError, match="--bandwidth"):
         netem.launch(2, ["true"], bandwidth="lots")
-    assert netem.LinkSettings(bandwidth_bps=netem.MAX_RATE_BPS).bandwidth_bps == netem.parse_rate("1tbit")
+    assert _link.LinkSettings(bandwidth_bps=_link.MAX_RATE_BPS).bandwidth_bps == _link.parse_rate("1tbit")
 
 
 def test_qdisc_commands():
     tbf = ["tbf", "rate", "200000000bit", "burst", "262144", "latency", "400ms"]
     lo_up = ["ip", "link", "set", "dev", "lo", "mtu", "65536", "up"]
-    assert netem.qdisc_commands(netem.link_settings("200mbit")) == [
+    assert _link.qdisc_commands(_link.link_settings("200mbit")) == [
         lo_up,
         ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", *tbf],
     ]
-    both = netem.qdisc_commands(netem.link_settings("200mbit", "0.1ms"))
+    both = _link.qdisc_commands(_link.link_settings("200mbit", "0.1ms"))
     assert both[1][:9] == [
         "tc",
         "qdisc",
@@ -154,7 +155,7 @@ def test_qdisc_commands():
         "10:",
         *tbf,
     ]
-    assert netem.qdisc_commands(netem.link_settings())[1][-3:] == [
+    assert _link.qdisc_commands(_link.link_settings())[1][-3:] == [
         "pfifo",
         "limit",
         "100000",
@@ -163,7 +164,7 @@ def test_qdisc_commands():
 
 def test_parse_qdisc_stats_json_and_text():
     js = '[{"kind":"tbf","handle":"8001:","root":true,"bytes":4592064,"packets":280,"drops":1}]'
-    assert netem.parse_qdisc_stats(js) == netem.LinkCounters(4592064, 280, 1, "tbf")
+    assert _counters.parse_qdisc_stats(js) == _counters.LinkCounters(4592064, 280, 1, "tbf")
     text = (
         "qdisc netem 1: root refcnt 2 limit 1000 delay 100us\n"
         " Sent 12605906 bytes 326 pkt (dropped 0, overlimits 0 requeues 0)\n"
@@ -171,30 +172,30 @@ def test_parse_qdisc_stats_json_and_text():
         "qdisc tbf 10: parent 1:1 rate 200Mbit burst 256Kb lat 400ms\n"
         " Sent 99 bytes 1 pkt (dropped 0, overlimits 0 requeues 0)\n"
     )
-    assert netem.parse_qdisc_stats(text) == netem.LinkCounters(12605906, 326, 0, "netem")
+    assert _counters.parse_qdisc_stats(text) == _counters.LinkCounters(12605906, 326, 0, "netem")
     with pytest.raises(ValueError, match="no root qdisc"):
-        netem.parse_qdisc_stats("[]")
+        _counters.parse_qdisc_stats("[]")
 
 
 def test_formulas():
-    assert netem.ring_allreduce_bytes(4, 1 << 20) == 6 << 20
-    assert netem.all_gather_bytes(4, 1 << 20) == 12 << 20
+    assert _counters.ring_allreduce_bytes(4, 1 << 20) == 6 << 20
+    assert _counters.all_gather_bytes(4, 1 << 20) == 12 << 20
 
 
 # --------------------------------------------------------------------------- #
 # Without privileges (simulated): a clear error, and nothing starts
 # --------------------------------------------------------------------------- #
 def test_missing_requirements_names_what_is_needed():
-    missing = netem.missing_requirements(capabilities=0, which=lambda tool: None)
+    missing = _launcher.missing_requirements(capabilities=0, which=lambda tool: None)
     text = "; ".join(missing)
     for need in ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "'ip'", "'tc'"):
         assert need in text
     everything = (1 << 12) | (1 << 21)
-    assert netem.missing_requirements(capabilities=everything, which=lambda tool: f"/usr/sbin/{tool}") == []
-    assert netem.missing_requirements(capabilities=everything, which=lambda t: None if t == "tc" else t) == [
+    assert _launcher.missing_requirements(capabilities=everything, which=lambda tool: f"/usr/sbin/{tool}") == []
+    assert _launcher.missing_requirements(capabilities=everything, which=lambda t: None if t == "tc" else t) == [
         "the 'tc' command of iproute2 on PATH (apt-get install iproute2)"
     ]
-    assert "Linux" in netem.missing_requirements(platform="darwin")[0]
+    assert "Linux" in _launcher.missing_requirements(platform="darwin")[0]
 
 
 @pytest.mark.parametrize(
@@ -225,7 +226,7 @@ def test_bad_launch_options_fail_before_the_job(tmp_path, kwargs, message):
 
 def test_unprivileged_launch_fails_before_starting(tmp_path):
     marker = tmp_path / "ran"
-    unprivileged = lambda: netem.missing_requirements(capabilities=0)
+    unprivileged = lambda: _launcher.missing_requirements(capabilities=0)
     with pytest.raises(netem.NetemUnavailable, match=r"CAP_NET_ADMIN.*Run as root"):
         netem.launch(
             2,
@@ -332,12 +333,12 @@ def test_collective_bytes_match_formula(namespaces, tmp_path, n, op, payload):
     # netem.measure measured again while a window held a TCP retransmission
     assert win["retransmitted"] == 0 and bar["retransmitted"] == 0
     if op == "sum":
-        formula = netem.ring_allreduce_bytes(n, payload)
+        formula = _counters.ring_allreduce_bytes(n, payload)
         bound = _protocol_bound(2 * n * (n - 1), payload // n)
     else:
-        formula = netem.all_gather_bytes(n, payload)
+        formula = _counters.all_gather_bytes(n, payload)
         bound = _protocol_bound(n * (n - 1), payload)
-    hdr = netem.HEADER_BYTES
+    hdr = _link.HEADER_BYTES
     payload_sent = (win["bytes"] - hdr * win["packets"]) - (bar["bytes"] - hdr * bar["packets"])
     assert formula <= payload_sent <= formula + bound, (payload_sent, formula, bound, w)
     # The job's total: the measured op and its warm-up call each sent at least the formula.
@@ -442,7 +443,7 @@ def test_compressed_mean_step_bytes_match_cost_model(namespaces, tmp_path, n, ro
     assert report["n"] == n and report["shape"] == [rows, 1024]
     assert set(report["cases"]) == {"none", "topk", "threshold", "fp16", "powersgd"}
     rate, burst = res.settings["bandwidth_bps"], res.settings["burst_bytes"]
-    hdr = netem.HEADER_BYTES
+    hdr = _link.HEADER_BYTES
     for case, c in report["cases"].items():
         want = step_expectations(case, n, rows, 1024)
         win, bar = c["window"], c["barriers"]
@@ -551,7 +552,7 @@ def test_jax_job_environment_and_a_failing_node_ends_the_others(namespaces, tmp_
     assert (res.returncode, res.timed_out, res.devices_per_process, res.qdisc) == (3, False, 3, "pfifo")
     for pid in (0, 1):
         host, *env = json.loads(Path(f"{out}{pid}").read_text())
-        assert host == f"192.0.2.{pid + 1}" == netem.node_address(pid)
+        assert host == f"192.0.2.{pid + 1}" == _cluster.node_address(pid)
         # the device count replaced, the parent's other XLA flags (the suite's compile options) kept
         flags = " ".join([*suite_xla_flags().split(), "--xla_force_host_platform_device_count=3"])
         assert env == [str(pid), "192.0.2.1:8476", "2", "cpu", "gloo", flags]

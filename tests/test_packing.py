@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.comm import MeshAxis, all_gather_counted, all_gather_packed, bucket_sizes, sum_packed
+from jaxcomm.comm import MeshAxis, all_gather_counted, all_gather_packed
+from jaxcomm.comm._packing import bucket_sizes, sum_packed
 from jaxcomm.compressors.payloads import Payload, payload_dataclass, static_field
 
 pytestmark = pytest.mark.strict_promotion

@@ -15,7 +15,8 @@ import pytest
 import jaxcomm as jc
 from jaxcomm.comm import MeshAxis
 from jaxcomm.compressors import _lowrank as L
-from jaxcomm.transforms import run_rounds
+from jaxcomm.compressors._base import DensePayload
+from jaxcomm.transforms._collectives import run_rounds
 
 pytestmark = pytest.mark.strict_promotion
 
@@ -155,7 +156,7 @@ def test_small_and_1d_arrays_are_sent_uncompressed():
         assert L.powersgd_plan(shape, 2, 2.0) is None
         np.testing.assert_allclose(np.asarray(allreduce(x)[0]), np.asarray(x.sum(0)), rtol=1e-6)
         p, _ = c.compress(x[0], KEY)
-        assert isinstance(p, jc.compressors.payloads.DensePayload)
+        assert isinstance(p, DensePayload)
         np.testing.assert_array_equal(np.asarray(c.decompress(p)), np.asarray(x[0]))
     assert L.powersgd_plan((), 2, 2.0) is None and L.powersgd_plan((4, 4), 2, 2.0) is None
     assert L.powersgd_plan((40, 30), 2, 2.0) == (40, 30, 2)

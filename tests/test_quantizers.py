@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import jaxcomm as jc
 from jaxcomm.compressors import _eightbit as E8
 from jaxcomm.compressors._kernels import bitpack, random_bits
+from jaxcomm.compressors._stochastic import QSGDPayload
 
 Z = 6.0
 QUANTIZERS = {
@@ -387,7 +388,7 @@ def test_qsgd_decode_equals_dequantize(levels):
         return jnp.where(jnp.isfinite(norm), y, jnp.nan)
 
     for norm in (0.0, 1e-38, 1e-30, 3.5, 3e38, np.inf, np.nan):
-        p = jc.compressors.payloads.QSGDPayload(
+        p = QSGDPayload(
             codes=bitpack.pack_codes(codes, width),
             norm=jnp.float32(norm),
             levels=levels,

@@ -21,7 +21,6 @@ from jaxcomm.compressors import _random_sparsification as RS
 from jaxcomm.compressors import _randomk as RK
 from jaxcomm.compressors import _sparse as SP
 from jaxcomm.compressors import _threshold as TH
-from jaxcomm.compressors import payloads
 from jaxcomm.compressors._kernels import compact as C
 from jaxcomm.compressors._kernels import random_bits
 from jaxcomm.compressors._kernels import select as S
@@ -529,7 +528,7 @@ def test_random_sparsification_unbiased_and_encoding(p, d, encoding):
     c = jc.compressors.random_sparsification(p=p)
     x = jax.random.normal(jax.random.PRNGKey(7), (d,))
     payload = compress_fn(c)(x, KEY)
-    assert isinstance(payload, payloads.MaskSparsePayload if encoding == "mask" else payloads.CountSparsePayload)
+    assert isinstance(payload, SP.MaskSparsePayload if encoding == "mask" else SP.CountSparsePayload)
     y = np.asarray(c.decompress(payload))
     kept = np.flatnonzero(y)
     p_exact = RS._keep_threshold(p)[1]

@@ -212,7 +212,7 @@ def test_step_with_reuse_is_bit_identical_and_conserves_mass():
 def test_reuse_under_vmap_and_checkpoint_roundtrip(tmp_path):
     """The same step under jax.vmap(axis_name=...) equals topk()'s; the carried state is saved and
     restored by the checkpointer bit-identically and a resumed run continues identically."""
-    from jaxcomm.train import restore_checkpoint, save_checkpoint
+    from jaxcomm.train._checkpoint import restore_checkpoint, save_checkpoint
 
     a, x0 = _data(1)
     steps_of = {}  # one compiled step per setting, shared by the runs below

@@ -19,6 +19,8 @@ from mpirun import ROOT, run_mpi, suite_xla_flags
 import jaxcomm as jc
 from jaxcomm import data, models
 from jaxcomm.train import CheckpointError, NonFiniteLossError, Trainer, make_mesh, split_model
+from jaxcomm.train._checkpoint import latest_step
+from jaxcomm.transforms._gradient_dropping import PeriodicAverageState
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import digits_job
@@ -109,7 +111,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     ]
     with pytest.raises(NonFiniteLossError, match="step 5"):
         _digits_run(tmp_path, steps=8, shards=shards, every=2)
-    assert jc.train.latest_step(tmp_path) == 4
+    assert latest_step(tmp_path) == 4
 
 
 def _least_squares(replicated_params=False, tx=None, steps=5, lr=0.1, workers=4, per=8, features=5):
@@ -256,7 +258,7 @@ def test_mpirun_trainer_resumes_from_per_rank_checkpoints(mpirun_runs):
     folder at the same step, and the run ends where the uninterrupted mesh run does."""
     tmp, reference = mpirun_runs
     assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == [f"rank_{r:05d}" for r in range(4)]
-    assert all(jc.train.latest_step(tmp / "ckpt" / f"rank_{r:05d}") == 8 for r in range(4))
+    assert all(latest_step(tmp / "ckpt" / f"rank_{r:05d}") == 8 for r in range(4))
     with np.load(tmp / "resumed.npz") as saved:
         assert len(saved["loss"]) == 4  # the restarted run trained steps 5..8 only
         for i, leaf in enumerate(reference[0]):
@@ -397,12 +399,12 @@ def test_messages_count_the_arrays_handed_to_collectives():
 def test_wire_bit_counters_are_kept_per_tensor_and_summed_exactly():
     # Two transforms' counters past int32's limit (one a user's plain int32 counts): a float32 sum
     # would round, an int32 one would wrap.
-    from jaxcomm.train import collect_counter
+    from jaxcomm.train._step import collect_counter
 
     big, huge = 2**31 - 1, 5 * 2**33 + 7
     state = (
-        jc.transforms.PeriodicAverageState(count=jnp.int32(1), wire_bits=jnp.array([big, 3]), messages=jnp.int32(1)),
-        {"inner": jc.transforms.PeriodicAverageState(jnp.int32(1), jc.BitCount.stack([huge]), jnp.int32(2))},
+        PeriodicAverageState(count=jnp.int32(1), wire_bits=jnp.array([big, 3]), messages=jnp.int32(1)),
+        {"inner": PeriodicAverageState(jnp.int32(1), jc.BitCount.stack([huge]), jnp.int32(2))},
     )
     counts = collect_counter(state)
     assert isinstance(counts, jc.BitCount) and np.asarray(counts).tolist() == [big, 3, huge]

@@ -214,9 +214,10 @@ def run(args) -> dict:
     import statistics
 
     from jaxcomm import netem
+    from jaxcomm.netem._link import link_settings
 
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    settings = netem.link_settings(args.bandwidth)
+    settings = link_settings(args.bandwidth)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     jobs: dict = {f"{n}x{k}": [] for n, k in shapes}
     for rep in range(args.reps):

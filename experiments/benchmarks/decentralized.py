@@ -39,9 +39,8 @@ import optax
 from mpi4py import MPI
 
 from jaxcomm import topology
-from jaxcomm.algorithms import dpsgd, eventgrad
+from jaxcomm.algorithms import OneSidedEventGrad, dpsgd, eventgrad
 from jaxcomm.comm import MPIComm
-from jaxcomm.comm._rma import OneSidedEventGrad
 
 
 def _data(rank: int, n: int, batch: int, iterations: int, seed: int):

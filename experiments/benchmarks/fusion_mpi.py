@@ -102,7 +102,7 @@ def run_worker(script: Path, procs: int, worker_argv: list[str]) -> int:
     A ``PYTHONPATH`` given by the caller comes first (to time another checkout's
     jaxcomm with this tree's scripts), then this repository.
     """
-    from jaxcomm.comm import mpirun_env, mpirun_path
+    from jaxcomm.comm._launch import mpirun_env, mpirun_path
 
     mpirun = mpirun_path()
     if mpirun is None:

@@ -197,7 +197,7 @@ def topk_floor(ratio: float = 0.01):
     """Top-k's pipeline without the selection: ``k = max(1, round(ratio d))`` fixed positions
     ``0, s, 2s, ...`` (``s = d // k``) per tensor, otherwise exactly :func:`jaxcomm.compressors.topk`.
 
-    Same :class:`~jaxcomm.compressors.payloads.SparsePayload` (``k`` values in the input dtype and
+    Same :class:`~jaxcomm.compressors._sparse.SparsePayload` (``k`` values in the input dtype and
     :func:`~jaxcomm.compressors.index_dtype` indices, so the same wire bits), same
     ``decompress_sum`` (one scatter-add of all ``n k`` entries) and ``compression_error``
     (``x - decompress(payload)`` in place) hooks. Not a compressor anyone should train
@@ -228,7 +228,7 @@ def qsgd_floor(levels: int = 64):
     """QSGD's payload, communication and decoder with the cheapest encoder that reads ``x``:
     code ``s + sign(x_i)`` (levels 0 and 1), norm 1 -- no norm pass, no random numbers.
 
-    Same :class:`~jaxcomm.compressors.payloads.QSGDPayload` (``ceil(log2(2s+1))``-bit codes and a
+    Same :class:`~jaxcomm.compressors._stochastic.QSGDPayload` (``ceil(log2(2s+1))``-bit codes and a
     float32 norm, so the same wire bits) and the same ``decompress`` as
     :func:`jaxcomm.compressors.qsgd`, which ``compressed_mean`` runs on all ``n`` gathered
     payloads. The benchmark's lower bound for QSGD under the all-gather strategy.

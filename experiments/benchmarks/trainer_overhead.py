@@ -33,7 +33,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.train import Trainer, to_workers
+from jaxcomm.train import Trainer
+from jaxcomm.train._trainer import to_workers
 
 
 def hand_written_step(model, tx, mesh):

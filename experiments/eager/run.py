@@ -65,7 +65,7 @@ def launch_mpi(num_procs: int, args: list, timeout: float) -> subprocess.Complet
     Raises ``RuntimeError`` (with the output's tail) if ``mpirun`` is missing or
     the job fails, and ``subprocess.TimeoutExpired`` after ``timeout`` seconds.
     """
-    from jaxcomm.comm import mpirun_env, mpirun_path
+    from jaxcomm.comm._launch import mpirun_env, mpirun_path
 
     mpirun = mpirun_path()
     if mpirun is None:
@@ -344,7 +344,7 @@ def severe_staleness(config: HyperplaneConfig, mode: str, rounds: int) -> dict:
     """
     import jax
 
-    from jaxcomm.algorithms.eager_sgd import EagerSGDConfig, staleness_profile
+    from jaxcomm.algorithms import EagerSGDConfig, staleness_profile
 
     key = jax.random.split(jax.random.key(int(config.seed)))[0]
     profile = staleness_profile(EagerSGDConfig(mode, _severe_skew(config), clock=config.severe_clock), rounds, key)
@@ -365,7 +365,7 @@ def _run_severe(config: HyperplaneConfig, out_dir: Path) -> dict:
     import optax
     from flax import nnx
 
-    from jaxcomm.algorithms.eager_sgd import simulate_training
+    from jaxcomm.algorithms import simulate_training
 
     from .._common import build_model, load_image_task
 

@@ -511,7 +511,8 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
     qdisc's settings, :meth:`~jaxcomm.netem.LinkSettings.describe`), ``link`` (the measured rate)
     and ``timings`` (each with ``qdisc``, the kind of qdisc that counted its window).
     """
-    from jaxcomm.netem import link_counters, reshape
+    from jaxcomm.netem import link_counters
+    from jaxcomm.netem._link import reshape
 
     n = world.Get_size()
     runs = result["runs"]

@@ -1,75 +1,37 @@
-"""Parameter-level algorithms: decentralized D-PSGD and EventGraD (and eager-SGD)."""
+"""Parameter-level algorithms: decentralized D-PSGD and EventGraD (and eager-SGD).
 
-from .dpsgd import (
+:func:`dpsgd` and :func:`eventgrad` build a :class:`DecentralizedAlgorithm` (EventGraD's is an
+:class:`EventGrad`) that :func:`simulate_decentralized` trains on ``P`` simulated workers, with
+:func:`replicate` and :func:`per_worker` to stack and lift per-worker trees and
+:func:`average_model` for the final model; :class:`OneSidedEventGrad` runs EventGraD over MPI
+with one-sided puts. :func:`eager_sgd` is eager-SGD's partial allreduce on a mesh axis as an
+optax transformation; :func:`simulate_training` trains with it and :func:`staleness_profile`
+measures the staleness an :class:`EagerSGDConfig` produces.
+"""
+
+from ._dpsgd import (
     DecentralizedAlgorithm,
-    DPSGDState,
     average_model,
-    combine,
-    consensus_distance,
     dpsgd,
-    mix,
-    neighbor_exchange,
     per_worker,
     replicate,
     simulate_decentralized,
 )
-from .eager_sgd import (
-    CLOCKS,
-    EagerSGDConfig,
-    EagerSGDState,
-    StalenessProfile,
-    eager_sgd,
-    flush,
-    init_eager_state,
-    partial_allreduce,
-    round_draws,
-    round_trigger,
-    simulate_training,
-    staleness_profile,
-    undelivered,
-)
-from .eventgrad import (
-    EventGrad,
-    EventGradState,
-    TriggerState,
-    communication_stats,
-    eventgrad,
-    init_trigger,
-    topk_count,
-    trigger,
-)
+from ._eager_sgd import EagerSGDConfig, eager_sgd, simulate_training, staleness_profile
+from ._eventgrad import EventGrad, OneSidedEventGrad, eventgrad
 
 __all__ = [
-    "CLOCKS",
-    "EagerSGDConfig",
-    "EagerSGDState",
-    "eager_sgd",
-    "flush",
-    "init_eager_state",
-    "partial_allreduce",
-    "round_draws",
-    "round_trigger",
-    "simulate_training",
-    "StalenessProfile",
-    "staleness_profile",
-    "undelivered",
     "DecentralizedAlgorithm",
-    "DPSGDState",
-    "EventGrad",
-    "EventGradState",
-    "TriggerState",
-    "average_model",
-    "combine",
-    "communication_stats",
-    "consensus_distance",
     "dpsgd",
-    "eventgrad",
-    "init_trigger",
-    "mix",
-    "neighbor_exchange",
-    "per_worker",
     "replicate",
+    "per_worker",
     "simulate_decentralized",
-    "topk_count",
-    "trigger",
+    "average_model",
+    "EventGrad",
+    "eventgrad",
+    "OneSidedEventGrad",
+    "EagerSGDConfig",
+    "eager_sgd",
+    "simulate_training",
+    "staleness_profile",
 ]

@@ -3,7 +3,7 @@
 One step of the simulated partial collective: who arrives when (:func:`round_draws`), which
 arrival triggers the round (:func:`round_trigger`), and what every worker contributes and
 keeps (:func:`partial_allreduce`, :func:`flush`, :func:`undelivered`).
-:mod:`jaxcomm.algorithms.eager_sgd` describes the delivery rules and the two clocks, and
+:mod:`jaxcomm.algorithms._eager_sgd` describes the delivery rules and the two clocks, and
 re-exports every public name here.
 """
 
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._validate import check_choice, check_int, check_seed
-from ..comm import PARTIAL_MODES
+from ..comm._partial_mpi import PARTIAL_MODES
 from ..imbalance import ImbalanceModel
 
 PyTree = Any
@@ -152,7 +152,7 @@ def round_trigger(arrive_ms: jax.Array, mode: str, initiator) -> jax.Array:
 
     Args:
       arrive_ms: ``float[P]``.
-      mode: one of :data:`jaxcomm.comm.PARTIAL_MODES`.
+      mode: one of :data:`jaxcomm.comm._partial_protocol.PARTIAL_MODES`.
       initiator: int32 scalar, the majority initiator (ignored otherwise).
     """
     if mode == "sync":

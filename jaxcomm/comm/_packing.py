@@ -315,7 +315,7 @@ def all_gather_counted(
 
     A payload class declares its count-prefixed fields in ``counted``, pairs
     ``(field, count_field)``: only the first ``c = sum(count_field)`` rows (axis 0) of ``field`` are
-    meaningful and the rest are zero (:class:`~jaxcomm.compressors.payloads.CountSparsePayload`:
+    meaningful and the rest are zero (:class:`~jaxcomm.compressors._sparse.CountSparsePayload`:
     ``(("values", "count"), ("indices", "count"))``). With ``F`` the bytes of the fixed leaves
     (every other packable leaf, whole), ``r_j`` the bytes of one row and ``cap_j`` the rows of
     counted field ``j``, one worker's valid length and the static capacity are

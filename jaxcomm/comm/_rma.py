@@ -54,14 +54,13 @@ block ``MPI_Finalize``.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import jax
 import numpy as np
 
 from ._partial_protocol import _abort_job, _close_or_abort
 
-__all__ = ["RMAExchange", "OneSidedEventGrad", "RMAExchangeTimeout"]
+__all__ = ["RMAExchange", "RMAExchangeTimeout"]
 
 
 class RMAExchangeTimeout(TimeoutError):
@@ -330,74 +329,3 @@ class RMAExchange:
     def _fault_exit(self, err: BaseException) -> None:
         if self.abort_on_fault and self.comm.Get_size() > 1:
             _abort_job(self.comm, self.rank, err)
-
-
-class OneSidedEventGrad:
-    """EventGraD over MPI with one-sided puts: ``prepare`` (jit) -> RMA -> ``finish`` (jit).
-
-    One process per worker; the state has no worker axis. The same
-    :class:`~jaxcomm.algorithms.EventGrad` configuration runs on a mesh through
-    :meth:`EventGrad.step`.
-
-    Args:
-      algorithm: the :class:`~jaxcomm.algorithms.EventGrad`.
-      params: this worker's initial parameters.
-      **exchange_options: ``comm``, ``lockstep``, ``timeout``, ``abort_on_fault``: passed on to
-        :class:`RMAExchange` (the windows this object exchanges through), with its defaults.
-
-    >>> # under mpirun -n 4:  eg = eventgrad(ring(4), 0.05)
-    >>> # ose = OneSidedEventGrad(eg, params); state = ose.init(params)
-    >>> # params, state = ose.step(params, grads, state); ...; ose.free()
-    """
-
-    def __init__(self, algorithm, params, **exchange_options):
-        self.algorithm = algorithm
-        self.exchange = RMAExchange(algorithm, params, **exchange_options)
-        # jit of the algorithm's own functions: compilations are shared by every instance.
-        self._prepare = jax.jit(algorithm.prepare)
-        self._finish = jax.jit(algorithm.finish, static_argnames="index")
-
-    @property
-    def rank(self) -> int:
-        """This worker's index (its MPI rank)."""
-        return self.exchange.rank
-
-    def init(self, params) -> Any:
-        """``algorithm.init(params)``."""
-        return self.algorithm.init(params)
-
-    def step(self, params, grads, state):
-        """One EventGraD iteration (Eq. 5) with one-sided puts of the fired tensors.
-
-        Args:
-          params: this worker's parameters ``x_{k,i}``; grads: the stochastic gradient at them.
-          state: its :class:`~jaxcomm.algorithms.EventGradState`.
-
-        Returns:
-          ``(x_{k+1,i}, new_state)``.
-        """
-        fire, payload, state = self._prepare(params, state)
-        fire = jax.device_get(fire)
-        payload = jax.device_get(payload)
-        replicas = self.exchange.exchange(fire, payload)
-        treedef = jax.tree.structure(params)
-        state = state._replace(replicas=jax.tree.unflatten(treedef, replicas))
-        return self._finish(params, grads, state, index=self.rank)
-
-    def stats(self, state) -> dict:
-        """:func:`~jaxcomm.algorithms.communication_stats` of this worker, plus measured puts and bytes."""
-        out = self.algorithm.stats(state, worker=self.rank)
-        out.update(
-            puts=self.exchange.puts, bytes_put=self.exchange.bytes_put, exchange_seconds=self.exchange.exchange_seconds
-        )
-        return out
-
-    def free(self) -> None:
-        """Free the RMA window (collective)."""
-        self.exchange.free()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        return self.exchange.__exit__(exc_type, exc, tb)

@@ -13,7 +13,7 @@ Payload types (what is sent) are in :mod:`jaxcomm.compressors.payloads`.
 
 from .._bitcount import BitCount
 from . import payloads
-from ._base import Compressor, CompressorState, make, names, register, wire_bits
+from ._base import Compressor, make, names, register, wire_bits
 from ._basic import bf16, fp16, none
 from ._clipping import clipping
 from ._contractive import contractive
@@ -36,7 +36,6 @@ __all__ = [
     "BitCount",
     # the contract and the registry
     "Compressor",
-    "CompressorState",
     "make",
     "names",
     "register",

@@ -263,7 +263,7 @@ class Compressor:
         message to be summed over the ``size`` workers and receives the sum
         (``total = yield message``); it returns a payload whose
         ``decompress`` is the *sum* over workers. The pipeline drives it
-        (:func:`jaxcomm.transforms.run_rounds`) and counts every yielded
+        (:func:`jaxcomm.transforms._collectives.run_rounds`) and counts every yielded
         message's bits.
       decompress_sum: optional ``(gathered, dtype) -> total``: given ``n``
         payloads stacked on a leading axis (what an all-gather returns), the

@@ -176,7 +176,7 @@ def powersgd(
     n m``, are sent uncompressed (:class:`DensePayload`), as in PyTorch.
 
     ``rounds`` is the distributed version with two sums over the workers, which
-    the pipeline runs (:func:`jaxcomm.transforms.run_rounds`): ``P = Σ_i M_i Q``,
+    the pipeline runs (:func:`jaxcomm.transforms._collectives.run_rounds`): ``P = Σ_i M_i Q``,
     orthogonalize, ``Q = Σ_i M_i^T P``; its payload decompresses to the
     rank-``r`` approximation of the *sum* over workers, and the state keeps
     ``Q / n`` (identical on every worker).

@@ -1,4 +1,4 @@
-"""Payload types: what each compressor sends, one namespace.
+"""Payload types: the base every payload derives from, and the tools to write a new one.
 
 A payload is a pytree whose array leaves are exactly the wire format and
 whose static fields (shape, dtype, counts known at trace time) are not sent;
@@ -17,9 +17,10 @@ with :func:`payload_dataclass` and :func:`static_field` on a subclass of
 
 :func:`array_bits` counts a payload's own arrays the way the format sends them
 (counted fields: their valid rows; ``inferred`` fields: nothing);
-``jaxcomm.testing.check_wire_bits`` requires ``wire_bits`` to equal it.
+the contract battery (:mod:`jaxcomm.testing`) requires ``wire_bits`` to equal it.
 
-Built-in payloads, by compressor: ``DensePayload`` (none, fp16, bf16),
+The built-in payloads are defined beside their compressors and reached through them (each
+factory's docstring names what it sends): ``DensePayload`` (none, fp16, bf16),
 ``ScaledSignPayload`` (scaled_sign), ``SignPayload`` (signsgd, signum),
 ``MeanAbsSignPayload`` (efsignsgd), ``OneBitPayload`` (onebit),
 ``EightBitPayload``, ``QSGDPayload``, ``NaturalPayload``, ``TernaryPayload``
@@ -32,44 +33,11 @@ Built-in payloads, by compressor: ``DensePayload`` (none, fp16, bf16),
 ``SignumState``, ``PowerSGDState``.
 """
 
-from ._base import DensePayload, Payload, array_bits, payload_dataclass, static_field
-from ._clipping import ClippedPayload
-from ._eightbit import EightBitPayload
-from ._hybrid import AdaptivePayload, QSparsePayload
-from ._inceptionn import InceptionnPayload
-from ._lowrank import PowerSGDPayload, PowerSGDState
-from ._randomk import RandomKPayload
-from ._scaled_sign import ScaledSignPayload
-from ._sign import MeanAbsSignPayload, OneBitPayload, SignPayload, SignumState
-from ._sketchml import SketchPayload
-from ._sparse import CountSparsePayload, MaskSparsePayload, SparsePayload
-from ._stochastic import GridPayload, NaturalPayload, QSGDPayload, TernaryPayload
+from ._base import Payload, array_bits, payload_dataclass, static_field
 
 __all__ = [
     "Payload",
-    "DensePayload",
     "payload_dataclass",
     "static_field",
     "array_bits",
-    "ScaledSignPayload",
-    "SignPayload",
-    "MeanAbsSignPayload",
-    "OneBitPayload",
-    "EightBitPayload",
-    "QSGDPayload",
-    "NaturalPayload",
-    "TernaryPayload",
-    "InceptionnPayload",
-    "SketchPayload",
-    "ClippedPayload",
-    "GridPayload",
-    "SparsePayload",
-    "RandomKPayload",
-    "CountSparsePayload",
-    "MaskSparsePayload",
-    "AdaptivePayload",
-    "QSparsePayload",
-    "PowerSGDPayload",
-    "SignumState",
-    "PowerSGDState",
 ]

@@ -15,7 +15,7 @@ with :class:`jaxcomm.models.ResNet20` is the project's CIFAR-class workload.
 ((4, 16, 8, 8, 1), BatchPosition(epoch=0, index=1))
 """
 
-from ._idx import DatasetError, open_maybe_gzip, read_csv_images, read_idx, write_idx
+from ._idx import DatasetError, read_csv_images, read_idx, write_idx
 from ._sources import (
     Dataset,
     data_dir,
@@ -25,28 +25,25 @@ from ._sources import (
     load_mnist5k,
     standardize,
 )
-from ._split import Batch, BatchPosition, WorkerBatches, split_by_label, split_iid
-from ._text import CharCorpus, load_shakespeare, strip_play_markdown
+from ._split import BatchPosition, WorkerBatches, split_by_label, split_iid
+from ._text import CharCorpus, load_shakespeare
 
 __all__ = [
-    "Batch",
-    "BatchPosition",
-    "CharCorpus",
     "Dataset",
     "DatasetError",
-    "WorkerBatches",
     "data_dir",
     "load_digits",
-    "load_fashion_mnist",
     "load_mnist",
+    "load_fashion_mnist",
     "load_mnist5k",
     "load_shakespeare",
-    "open_maybe_gzip",
-    "read_csv_images",
+    "CharCorpus",
     "read_idx",
-    "split_by_label",
-    "split_iid",
-    "standardize",
-    "strip_play_markdown",
     "write_idx",
+    "read_csv_images",
+    "standardize",
+    "split_iid",
+    "split_by_label",
+    "WorkerBatches",
+    "BatchPosition",
 ]

@@ -34,7 +34,10 @@ import numpy as np
 from ._idx import read_csv_images, read_idx
 from ._sources import data_dir
 
-__all__ = ["fetch", "verify", "DATASETS", "FetchError", "FetchReport", "main"]
+__all__ = [
+    "fetch",
+    "FetchError",
+]
 
 DATASETS = ("mnist", "fashion_mnist", "mnist5k", "shakespeare")
 

@@ -24,20 +24,17 @@ from flax import nnx
 
 from .._validate import lookup
 from ._cnn import EventGradCNN
-from ._common import ParamCount, count_params
-from ._lstm import CharLSTM, LSTMLayer
+from ._common import count_params
+from ._lstm import CharLSTM
 from ._mlp import MLP, LinearRegression
-from ._resnet import BasicBlock, ResNet20
+from ._resnet import ResNet20
 
 __all__ = [
-    "BasicBlock",
-    "CharLSTM",
-    "EventGradCNN",
-    "LSTMLayer",
-    "LinearRegression",
     "MLP",
-    "ParamCount",
+    "LinearRegression",
+    "EventGradCNN",
     "ResNet20",
+    "CharLSTM",
     "count_params",
     "make",
     "names",

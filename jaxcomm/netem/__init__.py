@@ -60,71 +60,25 @@ the ``tc`` and ``ip`` tools of iproute2 (:func:`missing_requirements`).
 
 from __future__ import annotations
 
-from ._cluster import cluster_env, initialize_distributed
-from ._cluster import node_address as node_address  # for the tests of the nodes' addresses
-from ._counters import (
-    LinkCounters,
-    Measured,
-    Window,
-    all_gather_bytes,
-    cluster_window,
-    link_bytes,
-    link_counters,
-    measure,
-    measure_window,
-    ring_allreduce_bytes,
-    tcp_retransmissions,
-)
-from ._counters import parse_qdisc_stats as parse_qdisc_stats  # for the tests of tc's two output formats
-from ._launcher import RING_COLLECTIVES, LaunchResult, launch, missing_requirements, unavailable
-from ._link import (
-    HEADER_BYTES,
-    LinkSettings,
-    NetemError,
-    NetemUnavailable,
-    link_settings,
-    parse_rate,
-    parse_size,
-    parse_time,
-    reshape,
-)
-
-# The limits of the options (tests check the messages at them) and the qdisc table's commands
-# (tests check them against the table above): reachable here, not part of the public surface.
-from ._link import MAX_BURST_BYTES as MAX_BURST_BYTES
-from ._link import MAX_RATE_BPS as MAX_RATE_BPS
-from ._link import qdisc_commands as qdisc_commands
+from ._cluster import initialize_distributed
+from ._counters import cluster_window, link_counters, measure, measure_window
+from ._launcher import RING_COLLECTIVES as RING_COLLECTIVES  # not public: the studies read netem.<name>
+from ._launcher import launch, unavailable
+from ._launcher import missing_requirements as missing_requirements  # not public: launch looks it up here
+from ._link import NetemError, NetemUnavailable
+from ._link import parse_rate as parse_rate  # not public: the studies read netem.<name>
 
 __all__ = [
     # launching a job on the emulated network
     "launch",
-    "LaunchResult",
-    "missing_requirements",
     "unavailable",
     "NetemError",
     "NetemUnavailable",
-    "RING_COLLECTIVES",
-    # the link
-    "LinkSettings",
-    "link_settings",
-    "parse_rate",
-    "parse_size",
-    "parse_time",
-    "reshape",
     # what the link carried
-    "HEADER_BYTES",
-    "LinkCounters",
     "link_counters",
-    "link_bytes",
-    "tcp_retransmissions",
-    "Window",
     "measure_window",
-    "cluster_window",
-    "Measured",
     "measure",
-    "ring_allreduce_bytes",
-    "all_gather_bytes",
     # a jax.distributed job's processes
-    "cluster_env",
+    "cluster_window",
     "initialize_distributed",
 ]

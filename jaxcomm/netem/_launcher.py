@@ -134,7 +134,7 @@ class LaunchResult:
 
 
 def mpirun_netem_env(base: dict | None = None, single_thread: bool = True) -> dict:
-    """:func:`jaxcomm.comm.mpirun_env` with Open MPI on TCP only, over ``lo``.
+    """:func:`jaxcomm.comm._launch.mpirun_env` with Open MPI on TCP only, over ``lo``.
 
     ``OMPI_MCA_btl=self,tcp`` (no shared memory, so bytes between ranks cross the
     link) and ``OMPI_MCA_btl_tcp_if_include=lo`` (Open MPI skips loopback by default).

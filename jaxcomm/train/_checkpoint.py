@@ -1,6 +1,6 @@
 """Checkpoint and resume with orbax-checkpoint, bit-identically.
 
-A checkpoint holds the whole :class:`~jaxcomm.train.TrainState` (parameters,
+A checkpoint holds the whole :class:`~jaxcomm.train._step.TrainState` (parameters,
 optimizer state with every error-feedback memory and server error, per-worker
 PRNG keys, step) as orbax's structured pytree, plus the data position, the run's
 metadata and a SHA-256 digest of every array. Typed PRNG keys (``jax.random.key``)

@@ -127,7 +127,7 @@ def classification_loss(model: PureModel) -> Callable:
     """Softmax cross-entropy loss ``(params, model_state, batch, key) -> (loss, (state, metrics))``.
 
     ``batch`` is ``{"x": float[B, ...], "y": int32[B]}`` or a
-    :class:`jaxcomm.data.Batch` ``(images, labels)``; metrics: ``accuracy``.
+    :class:`jaxcomm.data._split.Batch` ``(images, labels)``; metrics: ``accuracy``.
     """
 
     def loss_fn(params, model_state, batch, key):

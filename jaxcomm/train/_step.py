@@ -21,8 +21,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._bitcount import BitCount
-from ..comm import MeshAxis, all_gather_packed, sum_packed, use
-from ..transforms import warn_multisteps
+from ..comm import MeshAxis, all_gather_packed, use
+from ..comm._packing import sum_packed
+from ..transforms._accumulate import warn_multisteps
 from ..transforms._layout import map_per_worker
 
 __all__ = ["TrainState", "make_train_step", "collect_counter", "init_train_state"]

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._progress import progress_bar
-from ..comm import require_host
+from ..comm._protocol import require_host
 from ._checkpoint import Checkpointer, check_accept_changes, check_metadata
 from ._describe import describe
 from ._mesh import make_mesh
@@ -89,7 +89,7 @@ class Trainer:
       num_workers: mesh size (default: every device); ignored with ``comm``.
       comm: a communicator for one worker per process (e.g. ``MPIComm()``, or
         ``Local()`` for one process alone): it must have the protocol's
-        host-side members (:func:`~jaxcomm.comm.require_host`: ``rank``,
+        host-side members (:func:`~jaxcomm.comm._protocol.require_host`: ``rank``,
         ``agree_min`` for the checkpoint step every process resumes from, and
         ``watchdog`` or ``watchdog = None``), else ``TypeError``.
       seed: seeds the per-worker PRNG keys (dropout, stochastic compressors).
@@ -238,7 +238,7 @@ class Trainer:
             process has completed.
           metadata: a JSON-serialisable dict describing the run (refused up front
             otherwise), saved with every checkpoint and compared on resume.
-          accept_changes: names from :data:`~jaxcomm.train.ACCEPTABLE_CHANGES`
+          accept_changes: names from :data:`~jaxcomm.train._checkpoint.ACCEPTABLE_CHANGES`
             (``"position"``, ``"metadata"``, ``"transform"``) whose differences from
             the checkpoint are accepted on purpose when resuming, e.g.
             ``("transform",)`` to go on with another learning rate; each accepted

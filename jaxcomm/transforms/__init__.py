@@ -14,57 +14,31 @@ each leaf of a chain's state its ``PartitionSpec`` for a ``jax.shard_map`` step 
 are one replicated copy.
 """
 
-from ._accumulate import AccumulateState, accumulate, warn_multisteps, zero_counters
-from ._collectives import FUSE_MAX_BYTES, run_rounds
+from ._accumulate import accumulate
 from ._compressed_mean import compressed_mean
 from ._dgc import deep_gradient_compression, topk_warmup
-from ._diloco import DiLoCoState, diloco, fragment_leaves
-from ._doublesqueeze import DoubleSqueezeState, doublesqueeze
+from ._diloco import diloco
+from ._doublesqueeze import doublesqueeze
 from ._error_feedback import error_feedback
-from ._gradient_dropping import (
-    DropRatioSchedule,
-    PeriodicAverageState,
-    average_params,
-    dgc_warmup,
-    drop_ratio_warmup,
-    gradient_dropping,
-    num_kept,
-    periodic_average,
-)
-from ._hierarchical import HierarchicalState
-from ._layout import StateLayout, state_layout
+from ._gradient_dropping import average_params, dgc_warmup, drop_ratio_warmup, gradient_dropping, periodic_average
+from ._layout import state_layout
 from ._local_clip import local_clip
 from ._state import CompressionState
-from ._strategies import STRATEGIES
 
 __all__ = [
-    "AccumulateState",
-    "CompressionState",
-    "DiLoCoState",
-    "DoubleSqueezeState",
-    "DropRatioSchedule",
-    "FUSE_MAX_BYTES",
-    "HierarchicalState",
-    "PeriodicAverageState",
-    "STRATEGIES",
-    "StateLayout",
-    "accumulate",
-    "average_params",
     "compressed_mean",
-    "deep_gradient_compression",
-    "dgc_warmup",
-    "diloco",
-    "doublesqueeze",
-    "drop_ratio_warmup",
     "error_feedback",
-    "fragment_leaves",
+    "doublesqueeze",
     "gradient_dropping",
+    "deep_gradient_compression",
     "local_clip",
-    "num_kept",
-    "periodic_average",
-    "state_layout",
     "topk_warmup",
-    "warn_multisteps",
-    "zero_counters",
-    "run_rounds",
+    "dgc_warmup",
+    "drop_ratio_warmup",
+    "periodic_average",
+    "average_params",
+    "diloco",
+    "accumulate",
+    "state_layout",
+    "CompressionState",
 ]

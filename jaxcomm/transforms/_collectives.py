@@ -20,7 +20,8 @@ import numpy as np
 
 from .._bitcount import BitCount
 from .._validate import check_float_input
-from ..comm import Local, all_gather_counted, all_gather_packed, fits_counted_gather, has_counted_fields, sum_packed
+from ..comm import Local, all_gather_counted, all_gather_packed
+from ..comm._packing import fits_counted_gather, has_counted_fields, sum_packed
 from ..compressors import Compressor
 
 __all__ = [
@@ -65,7 +66,7 @@ def sent_bits(tree) -> BitCount:
 
 def fused_sum(comm, trees: Sequence, fuse: bool) -> tuple[list, int]:
     """``[comm.sum(t) for t in trees]``, the arrays of at most :data:`FUSE_MAX_BYTES` with one all-reduce
-    per dtype when ``fuse`` (:func:`~jaxcomm.comm.sum_packed`): ``(sums, collectives run)``."""
+    per dtype when ``fuse`` (:func:`~jaxcomm.comm._packing.sum_packed`): ``(sums, collectives run)``."""
     return sum_packed(comm, trees, FUSE_MAX_BYTES if fuse else 0)
 
 
@@ -146,7 +147,7 @@ def run_rounds_together(comm, jobs: Sequence, fuse: bool = True) -> tuple[list, 
 
     ``jobs``: ``(compressor, x, key, state)`` per tensor. Round ``r`` of every tensor
     that has one runs at once: with ``fuse``, the messages' leaves of at most
-    :data:`FUSE_MAX_BYTES` share one all-reduce per dtype (:func:`~jaxcomm.comm.sum_packed`;
+    :data:`FUSE_MAX_BYTES` share one all-reduce per dtype (:func:`~jaxcomm.comm._packing.sum_packed`;
     PowerSGD: one for all the ``P`` matrices, one for all the ``Q``), the others are
     summed alone. Each tensor's sums, so its result, are those of its own run.
     """

@@ -74,7 +74,7 @@ def compressed_mean(
         compressors draw with the *shared* key). A compressor with ``rounds``
         (PowerSGD) runs them, every tensor's round ``r`` at once. With ``fuse``
         (default), the fields and round messages of at most :data:`FUSE_MAX_BYTES`
-        share one all-reduce per dtype (:func:`~jaxcomm.comm.sum_packed`): PowerSGD
+        share one all-reduce per dtype (:func:`~jaxcomm.comm._packing.sum_packed`): PowerSGD
         sends two messages per step instead of two per matrix.
       * ``"allgather"``: every worker's payload is gathered and decompressed.
         With ``fuse`` (default), payloads of at most :data:`FUSE_MAX_BYTES`
@@ -150,7 +150,7 @@ def compressed_mean(
     rounding back). ``fast`` is the fast axis' format: ``none()`` (float32, the default), or
     ``fp16()``, ``bf16()``, ``half(none())`` to send the rows and the gathered shards in 16 bits
     (rows summed in float32 at the shard's owner and rounded once; these roundings are not fed
-    back). The state is a :class:`~jaxcomm.transforms.HierarchicalState`: ``state.slow`` (the
+    back). The state is a :class:`~jaxcomm.transforms._hierarchical.HierarchicalState`: ``state.slow`` (the
     shards' :class:`~jaxcomm.transforms.CompressionState`, ``wire_bits`` on the slow axis) and
     ``state.fast`` (``wire_bits`` on the fast axis). ``init`` needs the fast axis' size: call it
     under ``with jax.set_mesh(mesh):`` (or inside the ``shard_map``).
@@ -200,7 +200,7 @@ def compressed_mean(
     Returns:
       ``GradientTransformationExtraArgs`` with per-worker state
       :class:`~jaxcomm.transforms.CompressionState` (with ``axis_name=(slow, fast)``:
-      :class:`~jaxcomm.transforms.HierarchicalState`).
+      :class:`~jaxcomm.transforms._hierarchical.HierarchicalState`).
     Raises:
       ValueError: at ``init``, a memory that needs a contraction (``Memory.needs_contraction``)
         around an unbiased compressor whose variance factor is ``ω ≥ 1`` at a tensor's size (it

@@ -63,7 +63,7 @@ class DiLoCoState(NamedTuple):
       outer_states: tuple, the outer optimizer's state of each fragment (identical on every worker).
       exchange_states: tuple, the :class:`~jaxcomm.transforms.CompressionState` of each
         fragment's compressed mean (memories per worker; a
-        :class:`~jaxcomm.transforms.HierarchicalState` with ``axis_name=(slow, fast)``). Its
+        :class:`~jaxcomm.transforms._hierarchical.HierarchicalState` with ``axis_name=(slow, fast)``). Its
         ``wire_bits`` and ``messages`` are this step's (zero on steps without an exchange), so
         the trainer's counters read them.
       pending: a tree like the parameters: the mean pseudo-gradient ``Δ̄`` of the fragment
@@ -173,7 +173,7 @@ def diloco(
         hierarchical mean of :func:`~jaxcomm.compressed_mean`: a dense reduce-scatter over
         ``fast``, the compressor and memory on each ``1/L`` shard over ``slow`` only, an
         all-gather over ``fast`` (each of ``exchange_states`` is then a
-        :class:`~jaxcomm.transforms.HierarchicalState`; ``init`` runs inside the
+        :class:`~jaxcomm.transforms._hierarchical.HierarchicalState`; ``init`` runs inside the
         ``shard_map`` or under ``jax.set_mesh``). Not with ``overlap``.
       strategy, fuse: of :func:`~jaxcomm.compressed_mean`.
       overlap: over MPI (the communicator an :class:`~jaxcomm.comm.MPIComm`), run each fragment's

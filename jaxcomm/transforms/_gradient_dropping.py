@@ -54,7 +54,8 @@ from .._validate import check_choice, check_finite_scalar, check_int
 from .._vma import cast_varying, typed_cond, varying_axes
 from ..comm import resolve
 from ..compressors import Compressor, index_dtype, topk
-from ..compressors.payloads import DensePayload, SparsePayload
+from ..compressors._base import DensePayload
+from ..compressors._sparse import SparsePayload
 from ._checks import check_skip_nonfinite
 from ._local_clip import clip_leaves
 from ._pipeline import compress_step, if_finite

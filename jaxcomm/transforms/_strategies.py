@@ -8,7 +8,7 @@ collectives it runs); each takes the exchange's inputs (:class:`Job`) and return
   with ``fuse``) and decompressed once, ``Q⁻¹(Σ_i p_i)``; a compressor with ``rounds``
   (PowerSGD) instead yields its messages, which :func:`rounds` sums in turn.
 * :func:`allgather`: every payload is gathered and decompressed; with ``fuse``, the payloads of
-  at most :data:`~jaxcomm.transforms.FUSE_MAX_BYTES` share one collective.
+  at most :data:`~jaxcomm.transforms._collectives.FUSE_MAX_BYTES` share one collective.
 * :func:`broadcast`: each worker's payload is broadcast in turn.
 * :func:`reduce_scatter`: each worker owns one of ``n`` chunks of every tensor; the chunks travel
   compressed to their owners (``n − 1`` permutation rounds), each owner decompresses and averages
@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import memory as memory_lib
 from .._bitcount import BitCount
-from ..comm import ALL_GATHER, BROADCAST, PERMUTE, SUM
+from ..comm._protocol import ALL_GATHER, BROADCAST, PERMUTE, SUM
 from ..compressors import Compressor, wire_bits
 from ._collectives import (
     LOCAL,
@@ -494,7 +494,7 @@ def exchange(
       strategy: one of :data:`STRATEGIES`.
       fuse: gather small payloads with one collective (``"allgather"``); sum the small
         summable fields, and each round's small messages of multi-round compressors,
-        with one all-reduce per dtype (``"allreduce"``; :func:`~jaxcomm.comm.sum_packed`).
+        with one all-reduce per dtype (``"allreduce"``; :func:`~jaxcomm.comm._packing.sum_packed`).
       memory: the worker memory; when it keeps the compression error
         (``from_error``), ``errors`` come from each compressor's ``error``.
       owner: the owners' step (``"reduce_scatter"`` only).

@@ -19,7 +19,8 @@ import numpy as np
 from mpi4py import MPI
 
 import jaxcomm as jc
-from jaxcomm.comm import CAPABILITIES, REDUCE_SCATTER, MPIComm, all_gather_counted, is_communicator, require
+from jaxcomm.comm import CAPABILITIES, MPIComm, all_gather_counted, is_communicator, require
+from jaxcomm.comm._protocol import REDUCE_SCATTER
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the NumPy byte counts
 from counted_bytes import expected_sent

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxcomm.transforms import fragment_leaves
+from jaxcomm.transforms._diloco import fragment_leaves
 
 N = 3
 SHAPES = {"a": (4, 3), "b": (5,), "c": (2, 2), "d": (6,)}  # leaves in this (sorted-key) order

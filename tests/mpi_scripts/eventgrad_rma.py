@@ -19,9 +19,8 @@ import numpy as np
 from mpi4py import MPI
 
 from jaxcomm import topology as T
-from jaxcomm.algorithms import dpsgd, eventgrad, replicate
+from jaxcomm.algorithms import OneSidedEventGrad, dpsgd, eventgrad, replicate
 from jaxcomm.comm import MPIComm
-from jaxcomm.comm._rma import OneSidedEventGrad
 
 STEPS = 12
 

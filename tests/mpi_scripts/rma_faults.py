@@ -23,8 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eventgrad_rma import grad, init_params, problem
 
 from jaxcomm import topology as T
-from jaxcomm.algorithms import eventgrad
-from jaxcomm.comm._rma import OneSidedEventGrad
+from jaxcomm.algorithms import OneSidedEventGrad, eventgrad
 
 STEPS = 8
 FAULT_STEP = 3

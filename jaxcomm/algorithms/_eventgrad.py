@@ -34,7 +34,7 @@ Backends. :meth:`EventGrad.step` exchanges on a
 :class:`~jaxcomm.comm.Communicator`: a fixed-shape ``permute`` of (payload,
 fire flag) per neighbour permutation, gated by the flag at the receiver, so it
 is jit-able on a mesh axis and over mpi4jax; the message counts are what an
-event-driven run sends. :mod:`jaxcomm.comm._rma` runs the same
+event-driven run sends. :class:`OneSidedEventGrad` runs the same
 :meth:`EventGrad.prepare` / :meth:`EventGrad.finish` halves around real
 one-sided MPI puts issued only when an event fires.
 
@@ -57,8 +57,9 @@ import optax
 
 from .._validate import check_choice, check_finite_scalar, check_int, check_ratio
 from ..comm import resolve
+from ..comm._rma import RMAExchange
 from ..topology import Topology, as_topology
-from .dpsgd import _as_optimizer, combine
+from ._dpsgd import _as_optimizer, combine
 
 __all__ = [
     "TriggerState",
@@ -70,6 +71,7 @@ __all__ = [
     "topk_count",
     "communication_stats",
     "THRESHOLD_RULES",
+    "OneSidedEventGrad",
 ]
 
 PyTree = Any
@@ -272,7 +274,7 @@ def eventgrad(
 
     Raises:
       ValueError / TypeError: a bad hyper-parameter (named); at trace time, a topology that
-      does not match the number of workers.
+        does not match the number of workers.
     """
     topo = as_topology(topology, num_workers)
     tx = _as_optimizer(optimizer)
@@ -454,3 +456,75 @@ def communication_stats(
         "messages_per_worker": msgs.tolist(),
         "bytes_per_worker": byte.tolist(),
     }
+
+
+class OneSidedEventGrad:
+    """EventGraD over MPI with one-sided puts: ``prepare`` (jit) -> RMA -> ``finish`` (jit).
+
+    One process per worker; the state has no worker axis. The same
+    :class:`EventGrad` configuration runs on a mesh through
+    :meth:`EventGrad.step`.
+
+    Args:
+      algorithm: the :class:`EventGrad`.
+      params: this worker's initial parameters.
+      **exchange_options: ``comm``, ``lockstep``, ``timeout``, ``abort_on_fault``: passed on to
+        ``RMAExchange`` (the MPI windows this object exchanges through; ``jaxcomm.comm._rma``), with
+        its defaults.
+
+    >>> # under mpirun -n 4:  eg = eventgrad(ring(4), 0.05)
+    >>> # ose = OneSidedEventGrad(eg, params); state = ose.init(params)
+    >>> # params, state = ose.step(params, grads, state); ...; ose.free()
+    """
+
+    def __init__(self, algorithm, params, **exchange_options):
+        self.algorithm = algorithm
+        self.exchange = RMAExchange(algorithm, params, **exchange_options)
+        # jit of the algorithm's own functions: compilations are shared by every instance.
+        self._prepare = jax.jit(algorithm.prepare)
+        self._finish = jax.jit(algorithm.finish, static_argnames="index")
+
+    @property
+    def rank(self) -> int:
+        """This worker's index (its MPI rank)."""
+        return self.exchange.rank
+
+    def init(self, params) -> Any:
+        """``algorithm.init(params)``."""
+        return self.algorithm.init(params)
+
+    def step(self, params, grads, state):
+        """One EventGraD iteration (Eq. 5) with one-sided puts of the fired tensors.
+
+        Args:
+          params: this worker's parameters ``x_{k,i}``; grads: the stochastic gradient at them.
+          state: its :class:`EventGradState`.
+
+        Returns:
+          ``(x_{k+1,i}, new_state)``.
+        """
+        fire, payload, state = self._prepare(params, state)
+        fire = jax.device_get(fire)
+        payload = jax.device_get(payload)
+        replicas = self.exchange.exchange(fire, payload)
+        treedef = jax.tree.structure(params)
+        state = state._replace(replicas=jax.tree.unflatten(treedef, replicas))
+        return self._finish(params, grads, state, index=self.rank)
+
+    def stats(self, state) -> dict:
+        """:func:`communication_stats` of this worker, plus measured puts and bytes."""
+        out = self.algorithm.stats(state, worker=self.rank)
+        out.update(
+            puts=self.exchange.puts, bytes_put=self.exchange.bytes_put, exchange_seconds=self.exchange.exchange_seconds
+        )
+        return out
+
+    def free(self) -> None:
+        """Free the RMA window (collective)."""
+        self.exchange.free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return self.exchange.__exit__(exc_type, exc, tb)

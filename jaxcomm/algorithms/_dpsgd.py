@@ -298,7 +298,7 @@ def simulate_decentralized(
       (``float32[T, P]``, each worker's loss before its step), ``metrics`` (the loss
       function's, ``[T, P]`` each), ``records`` (``record``'s, leading axis ``T``, or
       ``None``), ``history``, ``wall_s`` and ``first_call_s`` (see
-      :class:`jaxcomm.train.SimulationResult`).
+      :class:`jaxcomm.train._simulate.SimulationResult`).
     """
     from ..train import simulate
 
