@@ -292,6 +292,9 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     **dict.fromkeys(("topk_ratio", "topk"), _FRACTION),
     "drop_ratio": (0.0, 1.0, True, False),  # the dropped fraction: 1 would send nothing
     "seed": (0, 2**32, True, False),  # PRNGKey keeps 32 bits: a larger seed would alias a smaller one
+    "seeds": (0, 2**32, True, False),
+    "snapshots_per_epoch": _COUNT,
+    "delay_ms": _SIZE,
 }
 
 

@@ -1,0 +1,411 @@
+"""``jaxcomm run eager-time-to-quality``: eager-SGD's time to the equal-loss target over MPI on an emulated link.
+
+The hyperplane study of Sec. 7.2.1 (Fig. 10b) trained by real MPI processes
+(:mod:`~jaxcomm.experiments.eager.worker`, the same training loop as ``eager-hyperplane``) inside
+a private network namespace whose loopback is shaped by tc (:func:`jaxcomm.netem.launch`): every
+byte between the processes crosses that link and the kernel counts it. One job per seed trains
+every mode in turn (synch-SGD, solo and majority allreduce) on the same data and the same table of
+injected delays; rank 0 reads the link's counters around each mode's training
+(:func:`jaxcomm.netem.measure_window`).
+
+Quality target of a seed: synch-SGD's final validation MSE ``L_sync`` times ``1 + equal_loss_rtol``
+(the paper's "equivalent loss value"). Time to target of a run: the wall-clock time (s, rank 0,
+from the start barrier) of its first validation snapshot with MSE ``<= L_sync (1 + rtol)``.
+
+Records (one per mode and seed), a summary per mode (mean and sample standard deviation over the
+seeds, ``ddof = 1``), and the verdicts of the paper's claims (:func:`verdicts`, rule in
+:func:`verdict`) go to ``results.json``; ``loss_vs_time.png`` has one line per mode and seed. The
+machine's load average at the start and end is recorded (the timings depend on it).
+
+Needs no JAX in this module: the imbalance table comes from :mod:`jaxcomm.imbalance`, imported when
+the study runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from .run import _PACKAGE_PARENT, _WORKER, PAPER, _time_to_loss, hyperplane_record
+from .worker import hyperplane_data
+
+__all__ = [
+    "MODES",
+    "CLAIM_TOLERANCE",
+    "allreduce_message_bytes",
+    "check_config",
+    "mean_std",
+    "records_of_seed",
+    "summarize",
+    "verdict",
+    "verdicts",
+    "run",
+]
+
+MODES = ("sync", "solo", "majority")
+"""The modes of :class:`jaxcomm.comm.PartialAllreduce` the study compares (``sync``: synch-SGD)."""
+
+CLAIM_TOLERANCE = 0.25
+"""A measured mean within this fraction of the paper's number counts as the paper's magnitude."""
+
+# Fig. 10a at 200 ms: solo 1.64 steps/s = 1.50x synch-SGD, so synch-SGD ran 1.64 / 1.50 steps/s.
+_PAPER_SYNC_STEPS_S_200 = PAPER["hyperplane_throughput_200"]["solo"] / PAPER["hyperplane_speedup_solo"]["200"]
+
+
+def allreduce_message_bytes(num_procs: int, features: int) -> int:
+    """Bytes of the messages one round of the partial allreduce sends (its recursive doubling),
+    for a model of ``features + 1`` float32 parameters on ``P = num_procs`` processes.
+
+    A message is ``8 + 4 (features + 1) + P`` bytes (the round as int64, the data, a ``P``-byte
+    contributor mask). With ``P2 = 2^floor(log2 P)`` and ``R = P - P2``: ``P2 log2 P2`` messages of
+    the doubling stages plus ``2 R`` of the fold-in and the result sent back. The link carries at
+    least this per step, plus packet headers, acknowledgements and the activation messages.
+    """
+    p2 = 1 << (int(num_procs).bit_length() - 1)
+    messages = p2 * (p2.bit_length() - 1) + 2 * (int(num_procs) - p2)
+    return messages * (8 + 4 * (int(features) + 1) + int(num_procs))
+
+
+def check_config(config: dict) -> dict:
+    """``config`` after the study's own checks (the registry checked types and ranges).
+
+    Raises:
+      ValueError: naming the key: ``modes`` outside :data:`MODES`, repeated, or without ``"sync"``
+        (it sets the target); ``seeds`` repeated; ``num_procs`` < 2 or not dividing ``batch_total``
+        and ``train_points``; ``snapshots_per_epoch`` not dividing the steps per epoch;
+        ``bandwidth`` not a rate tc accepts.
+    """
+    from ... import netem
+
+    modes, seeds = list(config["modes"]), list(config["seeds"])
+    if not set(modes) <= set(MODES) or len(set(modes)) != len(modes) or "sync" not in modes:
+        raise ValueError(f"modes: distinct names from {MODES}, 'sync' included (it sets the target); got {modes}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds: give distinct seeds; got {seeds}")
+    p = int(config["num_procs"])
+    if p < 2 or int(config["batch_total"]) % p or int(config["train_points"]) % p:
+        raise ValueError(
+            f"num_procs: at least 2, dividing batch_total ({config['batch_total']}) and train_points "
+            f"({config['train_points']}); got {p}"
+        )
+    steps_per_epoch = int(config["train_points"]) // int(config["batch_total"])
+    if steps_per_epoch < 1 or steps_per_epoch % int(config["snapshots_per_epoch"]):
+        raise ValueError(
+            f"snapshots_per_epoch: must divide the {steps_per_epoch} steps per epoch "
+            f"(train_points / batch_total); got {config['snapshots_per_epoch']}"
+        )
+    try:
+        netem.link_settings(config["bandwidth"], "0")
+    except netem.NetemError as e:
+        raise ValueError(f"bandwidth: {e}") from None
+    return config
+
+
+def mean_std(values) -> tuple[float | None, float | None]:
+    """``(mean, sample standard deviation with ddof = 1)`` of the numbers in ``values`` that are not
+    ``None``; ``(None, None)`` if there are none, and a ``None`` deviation for a single one."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return None, None
+    return float(np.mean(xs)), (float(np.std(xs, ddof=1)) if len(xs) > 1 else None)
+
+
+def records_of_seed(config: dict, seed: int, ranks_by_mode: dict, job_bytes: int) -> list[dict]:
+    """One record per mode of a seed's job: :func:`~jaxcomm.experiments.eager.run.hyperplane_record`
+    plus the target, time and steps to it, the speed-ups over synch-SGD, and the link's bytes.
+
+    ``ranks_by_mode[mode]`` is the list of the processes' saved arrays; ``job_bytes`` what the
+    whole job (start-up and every mode) sent on the link.
+    """
+    x_val, y_val = hyperplane_data(
+        int(seed), int(config["val_points"]), int(config["features"]), float(config["noise_std"]), stream=1
+    )
+    runs = {mode: hyperplane_record(ranks, x_val, y_val) for mode, ranks in ranks_by_mode.items()}
+    target = runs["sync"]["val_mse"][-1] * (1.0 + float(config["equal_loss_rtol"]))
+    payload = allreduce_message_bytes(int(config["num_procs"]), int(config["features"]))
+    records = []
+    for mode, r in runs.items():
+        times, losses = np.array(r["snapshot_times_s"]), np.array(r["val_mse"])
+        hit = np.nonzero(losses <= target)[0]
+        link = ranks_by_mode[mode][0]
+        records.append(
+            {
+                "mode": mode,
+                "seed": int(seed),
+                "target_val_mse": target,
+                "time_to_target_s": _time_to_loss(times, losses, target),
+                "steps_to_target": int(r["snapshot_steps"][hit[0]]) if hit.size else None,
+                "final_val_mse": r["val_mse"][-1],
+                "link_bytes": int(link["link_bytes"]),
+                "link_packets": int(link["link_packets"]),
+                "link_drops": int(link["link_drops"]),
+                "link_retransmitted": int(link["link_retransmitted"]),
+                "link_bytes_per_step": float(link["link_bytes"]) / r["steps"],
+                "allreduce_message_bytes_per_step": payload,
+                "job_bytes": int(job_bytes),
+                **r,
+            }
+        )
+    sync = records[list(runs).index("sync")]
+    for rec in records:
+        t = rec["time_to_target_s"]
+        rec["speedup_time_to_target"] = sync["time_to_target_s"] / t if t else None
+        rec["speedup_throughput"] = rec["throughput_steps_s"] / sync["throughput_steps_s"]
+    return records
+
+
+_SUMMARY_KEYS = (
+    "time_to_target_s",
+    "steps_to_target",
+    "speedup_time_to_target",
+    "throughput_steps_s",
+    "speedup_throughput",
+    "final_val_mse",
+    "nap_mean",
+    "link_bytes_per_step",
+)
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per mode: the seeds, how many reached the target, and the mean and sample standard
+    deviation (``_std``) over the seeds of each key of the records (over the seeds that reached the
+    target, for the time, steps and speed-up to it)."""
+    rows = []
+    for mode in [m for m in MODES if any(r["mode"] == m for r in records)]:
+        mine = [r for r in records if r["mode"] == mode]
+        row: dict = {
+            "mode": mode,
+            "seeds": len(mine),
+            "reached": sum(r["time_to_target_s"] is not None for r in mine),
+        }
+        for key in _SUMMARY_KEYS:
+            row[key], row[f"{key}_std"] = mean_std(r[key] for r in mine)
+        rows.append(row)
+    return rows
+
+
+def verdict(values, above_one: bool, paper: float | None = None) -> str:
+    """``"holds"``, ``"partly"`` or ``"does not"`` for a claim that a ratio is above 1 (``above_one``)
+    or below 1, measured once per seed (``values``; ``None``: the seed never reached the target,
+    which is against the claim).
+
+    ``"holds"``: every seed on the claimed side of 1, and, where the paper gives a number for this
+    task (``paper``), the mean within :data:`CLAIM_TOLERANCE` of it. ``"partly"``: the mean on the
+    claimed side but not every seed, or every seed but another magnitude. ``"does not"``: the mean
+    on the other side, or no seed reached the target.
+    """
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return "does not"
+    side = (lambda v: v > 1.0) if above_one else (lambda v: v < 1.0)
+    mean = float(np.mean(xs))
+    if not side(mean):
+        return "does not"
+    if len(xs) < len(list(values)) or not all(side(v) for v in xs):
+        return "partly"
+    if paper is not None and abs(mean - paper) > CLAIM_TOLERANCE * paper:
+        return "partly"
+    return "holds"
+
+
+def _ratio(records: list[dict], mode: str, key: str, over: str | None = None) -> list:
+    """Per seed: ``records[mode][key]``, divided by ``records[over][key]`` of the same seed if given."""
+    by = {(r["mode"], r["seed"]): r for r in records}
+    seeds = sorted({r["seed"] for r in records if r["mode"] == mode})
+    if over is None:
+        return [by[(mode, s)][key] for s in seeds]
+    return [by[(mode, s)][key] / by[(over, s)][key] for s in seeds]
+
+
+def verdicts(records: list[dict], config: dict) -> list[dict]:
+    """The paper's claims on the hyperplane task at the injected delay, each with its per-seed
+    values, mean and spread, the verdict (:func:`verdict`) and, for a throughput claim, the
+    ratio this emulation would give with no communication cost at all (``ideal``): with compute
+    ``b`` per step and one of ``P`` processes delayed by ``D``, a synchronous step takes ``b + D``,
+    a solo step ``b``, and a majority step ``b + D / P`` on average (its initiator, drawn at
+    random, is the delayed process one round in ``P``).
+    """
+    modes = {r["mode"] for r in records}
+    b, d, p = float(config["base_compute_ms"]), float(config["delay_ms"]), int(config["num_procs"])
+    rtol = float(config["equal_loss_rtol"])
+    same_delay = math.isclose(d, 200.0)  # the paper's numbers below are at 200 ms
+    claims = []
+
+    def claim(text, paper, paper_value, values, above_one, ideal=None, extra=None):
+        mean, std = mean_std(values)
+        claims.append(
+            {
+                "claim": text,
+                "paper": paper,
+                "values": values,
+                "mean": mean,
+                "std": std,
+                "seeds": len(values),
+                "verdict": verdict(values, above_one, paper_value if same_delay else None),
+                "ideal": ideal,
+                **(extra or {}),
+            }
+        )
+
+    paper_solo = PAPER["hyperplane_speedup_solo"]["200"]
+    paper_majority = PAPER["hyperplane_throughput_200"]["majority"]
+    if "solo" in modes:
+        claim(
+            "solo: higher throughput than synch-SGD (steps/s)",
+            f"{paper_solo:.2f}x at 200 ms, 8 processes (Fig. 10a)",
+            paper_solo,
+            _ratio(records, "solo", "speedup_throughput"),
+            True,
+            ideal=(b + d) / b,
+        )
+        loss = _ratio(records, "solo", "final_val_mse", over="sync")
+        speed = _ratio(records, "solo", "speedup_time_to_target")
+        claim(
+            "solo: synch-SGD's loss in less wall-clock time (time-to-target speed-up)",
+            f"equivalent loss (about {PAPER['hyperplane_final_mse']}), training time significantly reduced (Fig. 10b)",
+            None,
+            [s if r <= 1.0 + rtol else None for s, r in zip(speed, loss, strict=True)],
+            True,
+            extra={"final_loss_ratio": loss},
+        )
+    if "majority" in modes:
+        claim(
+            "majority: higher throughput than synch-SGD (steps/s)",
+            f"{paper_majority / _PAPER_SYNC_STEPS_S_200:.2f}x at 200 ms ({paper_majority} against "
+            f"{_PAPER_SYNC_STEPS_S_200:.2f} steps/s, Fig. 10a)",
+            paper_majority / _PAPER_SYNC_STEPS_S_200,
+            _ratio(records, "majority", "speedup_throughput"),
+            True,
+            ideal=(b + d) / (b + d / p),
+        )
+        claim(
+            "majority: synch-SGD's loss in less wall-clock time (time-to-target speed-up)",
+            "not measured on this task (1.27-1.29x at equal accuracy on LSTM and ResNet-32, Sec. 7.2.3-7.2.4)",
+            None,
+            _ratio(records, "majority", "speedup_time_to_target"),
+            True,
+        )
+    if {"solo", "majority"} <= modes:
+        ratio = PAPER["hyperplane_throughput_200"]["majority"] / PAPER["hyperplane_throughput_200"]["solo"]
+        claim(
+            "majority: lower throughput than solo (steps/s ratio)",
+            f"{ratio:.2f} at 200 ms (1.37 against 1.64 steps/s, Sec. 7.2.1)",
+            ratio,
+            _ratio(records, "majority", "throughput_steps_s", over="solo"),
+            False,
+            ideal=b / (b + d / p),
+        )
+    return claims
+
+
+def _plot(records: list[dict], config: dict, out_dir: Path) -> None:
+    """``loss_vs_time.png``: validation MSE against wall-clock time, one line per mode and seed,
+    each seed's target dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"sync": "tab:blue", "solo": "tab:orange", "majority": "tab:green"}
+    styles = ["-", "--", ":", "-."]
+    seeds = sorted({r["seed"] for r in records})
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    for r in records:
+        ls = styles[seeds.index(r["seed"]) % len(styles)]
+        ax.plot(r["snapshot_times_s"], r["val_mse"], ls=ls, color=colors[r["mode"]], lw=1.2,
+                label=f"{r['mode']}, seed {r['seed']}")  # fmt: skip
+    for s in seeds:
+        target = next(r["target_val_mse"] for r in records if r["seed"] == s)
+        ax.axhline(target, color="k", lw=0.6, ls=styles[seeds.index(s) % len(styles)], alpha=0.5)
+    ax.set_yscale("log")
+    ax.set_xlabel("wall-clock time (s, rank 0)")
+    ax.set_ylabel("validation MSE")
+    ax.set_title(
+        f"hyperplane, {config['num_procs']} MPI processes on a {config['bandwidth']} link,\n"
+        f"one process delayed {config['delay_ms']:g} ms per step",
+        fontsize=10,
+    )
+    ax.legend(fontsize=7, ncol=len(seeds))
+    fig.tight_layout()
+    fig.savefig(out_dir / "loss_vs_time.png", dpi=110)
+    plt.close(fig)
+
+
+def _run_seed(config: dict, seed: int, env: dict) -> list[dict]:
+    """One job on the emulated link: every mode of ``seed`` in turn; its records."""
+    from ... import imbalance, netem
+
+    p = int(config["num_procs"])
+    steps = int(config["train_points"]) // int(config["batch_total"]) * int(config["epochs"])
+    table = imbalance.schedule(imbalance.RandomDelay(p, 1, float(config["delay_ms"])), int(seed), steps)
+    with tempfile.TemporaryDirectory(prefix="eager-quality-") as tmp_name:
+        tmp = Path(tmp_name)
+        np.save(tmp / "schedule.npy", table)
+        (tmp / "config.json").write_text(json.dumps({**config, "seed": int(seed), "count_link": True}))
+        print(f"eager-time-to-quality: seed {seed}, modes {list(config['modes'])}", flush=True)
+        with warnings.catch_warnings():
+            # JAX (imported for the delay table) warns at every fork; the launcher's child only
+            # enters its new network namespace and execs, it runs no JAX.
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            res = netem.launch(
+                p,
+                [sys.executable, "-m", _WORKER, "hyperplane-modes", str(tmp)],
+                bandwidth=config["bandwidth"],
+                env=env,
+                timeout=float(config["launch_timeout_s"]),
+                cwd=_PACKAGE_PARENT,
+                capture_output=True,
+            )
+        if res.returncode != 0:
+            why = "timed out" if res.timed_out else f"exit code {res.returncode}"
+            raise RuntimeError(
+                f"the job of seed {seed} failed ({why})\nstdout:\n{(res.stdout or '')[-3000:]}\n"
+                f"stderr:\n{(res.stderr or '')[-3000:]}"
+            )
+        ranks = {m: [dict(np.load(tmp / f"hyper_{m}_rank{r}.npz")) for r in range(p)] for m in config["modes"]}
+    return records_of_seed(config, seed, ranks, res.bytes)
+
+
+def run(config: dict, out_dir: Path) -> dict:
+    """Run the study: one job per seed on the emulated link; write ``loss_vs_time.png``; return
+    ``records``, ``summary`` (:func:`summarize`), ``verdicts`` (:func:`verdicts`), the paper's
+    numbers, the link, and the load average (1, 5, 15 min) at the start and the end.
+
+    Raises:
+      ValueError: an invalid configuration (before anything runs).
+      jaxcomm.netem.NetemUnavailable: no private network namespace can be made here.
+      RuntimeError: a job failed (its output's tail is in the message).
+    """
+    from ... import netem
+    from .._registry import write_results
+
+    config = check_config(config)
+    why = netem.unavailable()
+    if why:
+        raise netem.NetemUnavailable(f"eager-time-to-quality runs MPI jobs on an emulated network: {why}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(q for q in (str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")) if q)
+    load_start = os.getloadavg()
+    records = [rec for seed in config["seeds"] for rec in _run_seed(config, int(seed), env)]
+    results = {
+        "config": config,
+        "paper": {k: v for k, v in PAPER.items() if k.startswith("hyperplane")},
+        "link": netem.link_settings(config["bandwidth"], "0").describe(),
+        "load_average_start": list(load_start),
+        "load_average_end": list(os.getloadavg()),
+        "records": records,
+        "summary": summarize(records),
+        "verdicts": verdicts(records, config),
+    }
+    _plot(records, config, out_dir)
+    write_results(out_dir, results)
+    return results
