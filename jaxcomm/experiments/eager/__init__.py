@@ -40,7 +40,7 @@ HYPERPLANE = register_experiment(
 TIME_TO_QUALITY = register_experiment(
     Experiment(
         name="eager-time-to-quality",
-        description="eager-SGD Sec. 7.2.1: time to equal loss, sync vs solo/majority over MPI on an emulated link, seeds",
+        description="eager-SGD Sec. 7.2.1: time to equal loss, sync vs solo/majority, MPI on an emulated link, seeds",
         config_type=TimeToQualityConfig,
         runner="jaxcomm.experiments.eager.quality:run",
     )
