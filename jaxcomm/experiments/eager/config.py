@@ -171,6 +171,9 @@ class TimeToQualityConfig:
         ``1 + equal_loss_rtol`` (the paper's "equivalent loss value").
       snapshots_per_epoch: validation points per epoch (a divisor of the steps per epoch).
       bandwidth: the emulated link's rate (tc syntax, e.g. ``"1gbit"``; a shared link).
+      simulate_rounds: also replay the same imbalance in the mesh simulation with a collective that
+        costs nothing (the ideal of each throughput claim; a few seconds of compilation per mode
+        and seed).
       timeout_s, poll_s: a partial collective's timeout and polling interval (s).
       launch_timeout_s: limit of each seed's job (s).
     """
@@ -190,6 +193,7 @@ class TimeToQualityConfig:
     equal_loss_rtol: float = 0.05
     snapshots_per_epoch: int = 4
     bandwidth: str = "1gbit"
+    simulate_rounds: bool = True
     timeout_s: float = 120.0
     poll_s: float = 0.001
     launch_timeout_s: float = 1200.0
@@ -201,7 +205,7 @@ class TimeToQualityConfig:
 
     @classmethod
     def smoke(cls) -> TimeToQualityConfig:
-        """256 features, 2 epochs of 8 steps, a 30 ms delay on 5 ms steps, 2 seeds."""
+        """256 features, 2 epochs of 8 steps, a 30 ms delay on 5 ms steps, 2 seeds, no simulated rounds."""
         return dataclasses.replace(
             cls.default(),
             features=256,
@@ -214,6 +218,7 @@ class TimeToQualityConfig:
             delay_ms=30.0,
             seeds=(0, 1),
             snapshots_per_epoch=2,
+            simulate_rounds=False,
             timeout_s=30.0,
             launch_timeout_s=120.0,
         )

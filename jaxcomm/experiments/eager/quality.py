@@ -423,7 +423,7 @@ def run(config: dict, out_dir: Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(q for q in (str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")) if q)
     load_start = os.getloadavg()
     records = [rec for seed in config["seeds"] for rec in _run_seed(config, int(seed), env)]
-    round_ms = simulated_round_ms(config)
+    round_ms = simulated_round_ms(config) if config["simulate_rounds"] else None
     results = {
         "config": config,
         "paper": {k: v for k, v in PAPER.items() if k.startswith("hyperplane")},
