@@ -127,6 +127,13 @@ def test_summary_and_verdicts_of_known_records():
     assert all(c["ideal"] is None for c in quality.verdicts(records, config))  # no simulated rounds given
 
 
+def test_simulated_rounds_of_synch_sgd_wait_for_the_delayed_process():
+    """With one process delayed every step, every synchronous round of the free collective ends
+    when that process arrives: base + delay (5 + 30 ms in the smoke configuration)."""
+    cfg = EXP.config(smoke=True, overrides={"modes": ["sync"], "seeds": [3]})
+    assert quality.simulated_round_ms(cfg) == {"sync": [pytest.approx(35.0)]}
+
+
 @pytest.mark.parametrize(
     ("key", "value", "match"),
     [

@@ -238,14 +238,14 @@ def _run_hyperplane_mpi(config: dict) -> dict:
         # Sec. 7.2.1: one random process of P delayed every step; same table on every rank.
         model = imbalance.RandomDelay(p, 1, float(delay))
         table = imbalance.schedule(model, int(config["seed"]), steps)
+        with tempfile.TemporaryDirectory(prefix="eager-hyper-") as tmp_name:  # one job trains every mode in turn
+            tmp = Path(tmp_name)
+            np.save(tmp / "schedule.npy", table)
+            (tmp / "config.json").write_text(json.dumps(config))
+            launch_mpi(p, ["hyperplane-modes", tmp], timeout=float(config["launch_timeout_s"]))
+            ranks = {m: [dict(np.load(tmp / f"hyper_{m}_rank{r}.npz")) for r in range(p)] for m in config["modes"]}
         for mode in config["modes"]:
-            with tempfile.TemporaryDirectory(prefix="eager-hyper-") as tmp_name:
-                tmp = Path(tmp_name)
-                np.save(tmp / "schedule.npy", table)
-                (tmp / "config.json").write_text(json.dumps({**config, "mode": mode}))
-                launch_mpi(p, ["hyperplane", tmp], timeout=float(config["launch_timeout_s"]))
-                ranks = [dict(np.load(tmp / f"hyper_rank{r}.npz")) for r in range(p)]
-            record = hyperplane_record(ranks, x_val, y_val)
+            record = hyperplane_record(ranks[mode], x_val, y_val)
             record["epoch_times_s"] = record.pop("snapshot_times_s")  # one snapshot per epoch here
             runs[f"{mode}-{delay:g}"] = {"mode": mode, "delay_ms": float(delay), **record}
     summary = []

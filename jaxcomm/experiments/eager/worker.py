@@ -1,10 +1,11 @@
 """MPI worker of the eager-SGD experiments, one process per rank under ``mpirun``.
 
-``python -m jaxcomm.experiments.eager.worker {microbench|hyperplane|hyperplane-modes} DIR`` (started
-by :func:`jaxcomm.experiments.eager.run.launch_mpi`) reads ``DIR/config.json``
+``python -m jaxcomm.experiments.eager.worker {microbench|hyperplane-modes} DIR`` (started
+by :func:`jaxcomm.experiments.eager.run.launch_mpi`, or on an emulated link by
+:mod:`jaxcomm.experiments.eager.quality`) reads ``DIR/config.json``
 and the load-imbalance table ``DIR/schedule.npy`` (``[steps, P]`` ms, computed
 once by the launcher: the same random stream on all ranks) and writes
-``DIR/micro_rank{r}.npz``, ``DIR/hyper_rank{r}.npz`` or ``DIR/hyper_{mode}_rank{r}.npz``. It needs NumPy, mpi4py
+``DIR/micro_rank{r}.npz`` or ``DIR/hyper_{mode}_rank{r}.npz``. It needs NumPy, mpi4py
 and :class:`jaxcomm.comm.PartialAllreduce`; ``import jaxcomm`` itself imports
 no submodule, so the experiments, Flax and Orbax stay out of the workers.
 """
@@ -80,7 +81,7 @@ def hyperplane_data(seed: int, rows: int, features: int, noise: float, stream: i
     return x, y.astype(np.float32)
 
 
-def _hyperplane(cfg: dict, out: Path, name: str = "hyper") -> None:
+def _hyperplane(cfg: dict, out: Path, name: str) -> None:
     """Sec. 7.2.1: one-layer linear model, local batch B/P, sleep-emulated compute + injected delay.
 
     Writes ``out/{name}_rank{r}.npz``: the model after every ``steps_per_epoch /
@@ -173,19 +174,19 @@ def _hyperplane(cfg: dict, out: Path, name: str = "hyper") -> None:
 
 def _hyperplane_modes(cfg: dict, out: Path) -> None:
     """:func:`_hyperplane` once per mode of ``cfg["modes"]`` in turn, on the same data and delay
-    table (one job per seed): ``out/hyper_{mode}_rank{r}.npz``."""
+    table (one job per delay table, not one per mode): ``out/hyper_{mode}_rank{r}.npz``."""
     for mode in cfg["modes"]:
         _hyperplane({**cfg, "mode": mode}, out, name=f"hyper_{mode}")
 
 
-_KINDS = {"microbench": _microbench, "hyperplane": _hyperplane, "hyperplane-modes": _hyperplane_modes}
+_KINDS = {"microbench": _microbench, "hyperplane-modes": _hyperplane_modes}
 
 
 def main(argv: list[str]) -> None:
     """``argv = [KIND, DIR]``: run the ``KIND`` worker on ``DIR/config.json`` and ``DIR/schedule.npy``."""
     if len(argv) != 2 or argv[0] not in _KINDS:
         raise SystemExit(
-            "usage: python -m jaxcomm.experiments.eager.worker {microbench|hyperplane|hyperplane-modes} DIR "
+            "usage: python -m jaxcomm.experiments.eager.worker {microbench|hyperplane-modes} DIR "
             f"(launched under mpirun by jaxcomm run eager-*); got {argv}"
         )
     kind, out = argv[0], Path(argv[1])
