@@ -30,6 +30,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -57,7 +58,9 @@ CLAIM_TOLERANCE = 0.25
 """A measured mean within this fraction of the paper's number counts as the paper's magnitude."""
 
 # Fig. 10a at 200 ms: solo 1.64 steps/s = 1.50x synch-SGD, so synch-SGD ran 1.64 / 1.50 steps/s.
-_PAPER_SYNC_STEPS_S_200 = PAPER["hyperplane_throughput_200"]["solo"] / PAPER["hyperplane_speedup_solo"]["200"]
+_PAPER_SOLO_SPEEDUP_200 = float(cast(dict, PAPER["hyperplane_speedup_solo"])["200"])
+_PAPER_STEPS_S_200 = cast(dict, PAPER["hyperplane_throughput_200"])  # steps/s of solo and majority
+_PAPER_SYNC_STEPS_S_200 = _PAPER_STEPS_S_200["solo"] / _PAPER_SOLO_SPEEDUP_200
 
 
 def allreduce_message_bytes(num_procs: int, features: int) -> int:
@@ -225,6 +228,23 @@ def _ratio(records: list[dict], mode: str, key: str, over: str | None = None) ->
     return [by[(mode, s)][key] / by[(over, s)][key] for s in seeds]
 
 
+def _claim(text, paper, paper_value, values, above_one, ideal, extra) -> dict:
+    """One claim's row: its per-seed ``values``, their mean and sample deviation, the number of
+    seeds and the :func:`verdict` against ``paper_value`` (``None``: the sides of 1 alone)."""
+    mean, std = mean_std(values)
+    return {
+        "claim": text,
+        "paper": paper,
+        "values": values,
+        "mean": mean,
+        "std": std,
+        "seeds": len(values),
+        "verdict": verdict(values, above_one, paper_value),
+        "ideal": ideal,
+        **(extra or {}),
+    }
+
+
 def verdicts(records: list[dict], config: dict, round_ms: dict | None = None) -> list[dict]:
     """The paper's claims on the hyperplane task at the injected delay, each with its per-seed
     values, mean and spread, and the verdict (:func:`verdict`).
@@ -236,7 +256,7 @@ def verdicts(records: list[dict], config: dict, round_ms: dict | None = None) ->
     modes = {r["mode"] for r in records}
     rtol = float(config["equal_loss_rtol"])
     same_delay = math.isclose(float(config["delay_ms"]), 200.0)  # the paper's numbers below are at 200 ms
-    claims = []
+    claims: list[dict] = []
 
     def ideal_ratio(mode, over):
         if round_ms is None or mode not in round_ms or over not in round_ms:
@@ -244,23 +264,9 @@ def verdicts(records: list[dict], config: dict, round_ms: dict | None = None) ->
         return float(np.mean(np.array(round_ms[over], float) / np.array(round_ms[mode], float)))
 
     def claim(text, paper, paper_value, values, above_one, ideal=None, extra=None):
-        mean, std = mean_std(values)
-        claims.append(
-            {
-                "claim": text,
-                "paper": paper,
-                "values": values,
-                "mean": mean,
-                "std": std,
-                "seeds": len(values),
-                "verdict": verdict(values, above_one, paper_value if same_delay else None),
-                "ideal": ideal,
-                **(extra or {}),
-            }
-        )
+        claims.append(_claim(text, paper, paper_value if same_delay else None, values, above_one, ideal, extra))
 
-    paper_solo = PAPER["hyperplane_speedup_solo"]["200"]
-    paper_majority = PAPER["hyperplane_throughput_200"]["majority"]
+    paper_solo, paper_majority = _PAPER_SOLO_SPEEDUP_200, _PAPER_STEPS_S_200["majority"]
     if "solo" in modes:
         claim(
             "solo: higher throughput than synch-SGD (steps/s)",
@@ -298,7 +304,7 @@ def verdicts(records: list[dict], config: dict, round_ms: dict | None = None) ->
             True,
         )
     if {"solo", "majority"} <= modes:
-        ratio = PAPER["hyperplane_throughput_200"]["majority"] / PAPER["hyperplane_throughput_200"]["solo"]
+        ratio = _PAPER_STEPS_S_200["majority"] / _PAPER_STEPS_S_200["solo"]
         claim(
             "majority: lower throughput than solo (steps/s ratio)",
             f"{ratio:.2f} at 200 ms (1.37 against 1.64 steps/s, Sec. 7.2.1)",

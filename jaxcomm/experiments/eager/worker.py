@@ -91,6 +91,9 @@ def _hyperplane(cfg: dict, out: Path, name: str) -> None:
     link, :func:`jaxcomm.netem.launch`) rank 0 also saves the link's counters over the training
     (:func:`jaxcomm.netem.measure_window`: ``link_bytes``, ``link_packets``, ``link_drops``,
     ``link_retransmitted``).
+
+    Long because the training loop is a closure over this process's data, model and collective,
+    run whole inside the link's measurement window.
     """
     from mpi4py import MPI
 
