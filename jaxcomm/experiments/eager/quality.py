@@ -406,10 +406,11 @@ def _run_seed(config: dict, seed: int, env: dict) -> list[dict]:
 
 
 def run(config: dict, out_dir: Path) -> dict:
-    """Run the study: one job per seed on the emulated link; write ``loss_vs_time.png``; return
-    ``records``, ``summary`` (:func:`summarize`), ``simulated_round_ms`` (:func:`simulated_round_ms`),
-    ``verdicts`` (:func:`verdicts`), the paper's
-    numbers, the link, and the load average (1, 5, 15 min) at the start and the end.
+    """Run the study: one job per seed on the emulated link; write ``loss_vs_time.png`` and
+    ``results.json``; return ``records``, ``summary`` (:func:`summarize`), ``simulated_round_ms``
+    (:func:`simulated_round_ms`, ``None`` without ``simulate_rounds``), ``verdicts``
+    (:func:`verdicts`), the paper's numbers, the link, and the load average (1, 5, 15 min) at the
+    start and the end.
 
     Raises:
       ValueError: an invalid configuration (before anything runs).
