@@ -21,6 +21,7 @@ _SIZE = (0, _INF, True, True)  # a count or a time that may be zero (0: all, or 
 _POSITIVE = (0.0, _INF, False, True)  # a rate, a time or a tolerance
 _MOMENTUM = (0.0, 1.0, True, False)
 _FRACTION = (0.0, 1.0, False, True)  # a kept fraction
+_SEED = (0, 2**32, True, False)  # PRNGKey keeps 32 bits: a larger seed would alias a smaller one
 
 RANGES: dict[str, tuple[float, float, bool, bool]] = {
     **dict.fromkeys(
@@ -36,13 +37,15 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     **dict.fromkeys(("severe_train_examples", "severe_test_examples", "warmup", "warmup_steps"), _SIZE),
     **dict.fromkeys(("forced_iterations", "trace_tensors", "severe_warmup_epochs", "noise_std", "horizon"), _SIZE),
     **dict.fromkeys(("skew_unit_ms", "base_compute_ms", "delays_ms", "severe_min_ms", "severe_max_ms"), _SIZE),
+    "delay_ms": _SIZE,
     **dict.fromkeys(("learning_rate", "lr", "resnet_lr", "severe_lr", "epochs"), _POSITIVE),
     **dict.fromkeys(("timeout_s", "poll_s", "launch_timeout_s", "equal_loss_rtol"), _POSITIVE),
     **dict.fromkeys(("momentum", "resnet_momentum", "severe_momentum"), _MOMENTUM),
     **dict.fromkeys(("topk_ratio", "topk"), _FRACTION),
     "drop_ratio": (0.0, 1.0, True, False),  # the dropped fraction: 1 would send nothing
-    "seed": (0, 2**32, True, False),  # PRNGKey keeps 32 bits: a larger seed would alias a smaller one
-    "PaperClaimsConfig.seeds": (0, 2**32, True, False),
+    "seed": _SEED,
+    **dict.fromkeys(("PaperClaimsConfig.seeds", "TimeToQualityConfig.seeds"), _SEED),
+    "snapshots_per_epoch": _COUNT,
 }
 """Ranges of the studies' numeric fields, by field name, or ``"ConfigClass.field"`` where one study
 gives a name another meaning: ``(low, high, low inclusive, high inclusive)``. A tuple field's range

@@ -4,16 +4,19 @@
   active processes of ``MPI_Allreduce`` vs solo and majority allreduce.
 * ``jaxcomm run eager-hyperplane`` (Sec. 7.2.1, Fig. 10; Sec. 7.2.3, Fig. 12):
   hyperplane regression over MPI, then the severe skew in the mesh simulation.
+* ``jaxcomm run eager-time-to-quality`` (Sec. 7.2.1, Fig. 10b): the hyperplane regression's time
+  to the equal-loss target over MPI on an emulated link, several seeds, with verdicts.
 
 Registration only (no JAX import): the launcher is :mod:`experiments.eager.run`,
-the per-rank MPI worker :mod:`experiments.eager.worker`.
+the per-rank MPI worker :mod:`experiments.eager.worker`, the time-to-quality study
+:mod:`experiments.eager.quality`.
 """
 
 from jaxcomm.studies import Experiment, register_experiment
 
-from .config import HyperplaneConfig, MicrobenchConfig
+from .config import HyperplaneConfig, MicrobenchConfig, TimeToQualityConfig
 
-__all__ = ["MICROBENCH", "HYPERPLANE", "MicrobenchConfig", "HyperplaneConfig"]
+__all__ = ["MICROBENCH", "HYPERPLANE", "TIME_TO_QUALITY", "MicrobenchConfig", "HyperplaneConfig", "TimeToQualityConfig"]
 
 MICROBENCH = register_experiment(
     Experiment(
@@ -34,3 +37,13 @@ HYPERPLANE = register_experiment(
     )
 )
 """The registered ``eager-hyperplane`` experiment."""
+
+TIME_TO_QUALITY = register_experiment(
+    Experiment(
+        name="eager-time-to-quality",
+        description="eager-SGD Sec. 7.2.1: time to equal loss, sync vs solo/majority, MPI on an emulated link, seeds",
+        config_type=TimeToQualityConfig,
+        runner=f"{__name__}.quality:run",
+    )
+)
+"""The registered ``eager-time-to-quality`` experiment."""

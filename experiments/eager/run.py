@@ -36,7 +36,14 @@ from jaxcomm.studies import config_to_dict, worker_pythonpath
 from .config import HyperplaneConfig, MicrobenchConfig
 from .worker import hyperplane_data
 
-__all__ = ["launch_mpi", "run_microbench", "run_hyperplane", "severe_learning_rate", "severe_staleness"]
+__all__ = [
+    "launch_mpi",
+    "run_microbench",
+    "run_hyperplane",
+    "hyperplane_record",
+    "severe_learning_rate",
+    "severe_staleness",
+]
 
 # The folder holding the studies' package: the workers' working directory; their PYTHONPATH
 # (``worker_pythonpath``) imports the same study and the same jaxcomm as the launcher.
@@ -229,37 +236,21 @@ def _run_hyperplane_mpi(config: HyperplaneConfig) -> dict:
     x_val, y_val = hyperplane_data(
         int(config.seed), int(config.val_points), int(config.features), float(config.noise_std), stream=1
     )
-    d = int(config.features)
     runs = {}
     for delay in config.delays_ms:
         # Sec. 7.2.1: one random process of P delayed every step; same table on every rank.
         model = imbalance.RandomDelay(p, 1, float(delay))
         table = imbalance.schedule(model, int(config.seed), steps)
+        with tempfile.TemporaryDirectory(prefix="eager-hyper-") as tmp_name:  # one job trains every mode in turn
+            tmp = Path(tmp_name)
+            np.save(tmp / "schedule.npy", table)
+            (tmp / "config.json").write_text(json.dumps(config_to_dict(config)))
+            launch_mpi(p, ["hyperplane-modes", tmp], timeout=float(config.launch_timeout_s))
+            ranks = {m: [dict(np.load(tmp / f"hyper_{m}_rank{r}.npz")) for r in range(p)] for m in config.modes}
         for mode in config.modes:
-            with tempfile.TemporaryDirectory(prefix="eager-hyper-") as tmp_name:
-                tmp = Path(tmp_name)
-                np.save(tmp / "schedule.npy", table)
-                (tmp / "config.json").write_text(json.dumps({**config_to_dict(config), "mode": mode}))
-                launch_mpi(p, ["hyperplane", tmp], timeout=float(config.launch_timeout_s))
-                ranks = [dict(np.load(tmp / f"hyper_rank{r}.npz")) for r in range(p)]
-            snaps = ranks[0]["snaps"]
-            mse = [float(np.mean((x_val @ s[:d] + s[d] - y_val) ** 2)) for s in snaps]
-            totals = [float(r["total"]) for r in ranks]
-            nap = ranks[0]["nap"]
-            runs[f"{mode}-{delay:g}"] = {
-                "mode": mode,
-                "delay_ms": float(delay),
-                "steps": steps,
-                "epoch_times_s": ranks[0]["times"].tolist(),
-                "val_mse": mse,
-                "rank0_time_s": totals[0],
-                "slowest_rank_time_s": max(totals),
-                "throughput_steps_s": steps / totals[0],
-                "nap_mean": float(nap.mean()),
-                "fresh_fraction": float(np.mean([r["included"].mean() for r in ranks])),
-                "models_identical": bool(all(np.array_equal(r["final"], ranks[0]["final"]) for r in ranks)),
-                "undelivered_norm": float(np.linalg.norm(sum(r["leftover"] for r in ranks))),
-            }
+            record = hyperplane_record(ranks[mode], x_val, y_val)
+            record["epoch_times_s"] = record.pop("snapshot_times_s")  # one snapshot per epoch here
+            runs[f"{mode}-{delay:g}"] = {"mode": mode, "delay_ms": float(delay), **record}
     summary = []
     for delay in config.delays_ms:
         sync = runs.get(f"sync-{delay:g}")
@@ -287,6 +278,34 @@ def _run_hyperplane_mpi(config: HyperplaneConfig) -> dict:
                 row["speedup_equal_loss"] = r["speedup_equal_loss"]
             summary.append(row)
     return {"runs": runs, "summary": summary, "steps_per_epoch": steps_per_epoch}
+
+
+def hyperplane_record(ranks: list[dict], x_val: np.ndarray, y_val: np.ndarray) -> dict:
+    """One hyperplane run from its processes' saved arrays (``ranks[r]``: the worker's
+    ``hyper_{mode}_rank{r}.npz``): the validation MSE ``mean((x_val . w + b - y_val)^2)`` of rank 0's
+    model at each snapshot (``x_val``: ``[N, d]``, ``y_val``: ``[N]``), the snapshots' steps and
+    wall-clock times (s, from the start barrier), steps, throughput (steps/s of rank 0), mean NAP, the fraction
+    of fresh gradients, whether every process ended with the same model, and the norm of the
+    gradients still undelivered at the end.
+    """
+    d = x_val.shape[1]
+    mse = [float(np.mean((x_val @ s[:d] + s[d] - y_val) ** 2)) for s in ranks[0]["snaps"]]
+    totals = [float(r["total"]) for r in ranks]
+    nap = ranks[0]["nap"]
+    steps = len(nap)
+    return {
+        "steps": steps,
+        "snapshot_times_s": ranks[0]["times"].tolist(),
+        "snapshot_steps": ranks[0]["snap_steps"].tolist(),
+        "val_mse": mse,
+        "rank0_time_s": totals[0],
+        "slowest_rank_time_s": max(totals),
+        "throughput_steps_s": steps / totals[0],
+        "nap_mean": float(nap.mean()),
+        "fresh_fraction": float(np.mean([r["included"].mean() for r in ranks])),
+        "models_identical": bool(all(np.array_equal(r["final"], ranks[0]["final"]) for r in ranks)),
+        "undelivered_norm": float(np.linalg.norm(sum(r["leftover"] for r in ranks))),
+    }
 
 
 def _pool_images(ds, f: int):

@@ -1,10 +1,11 @@
 """MPI worker of the eager-SGD experiments, one process per rank under ``mpirun``.
 
-``python -m experiments.eager.worker {microbench|hyperplane} DIR`` (started
-by :func:`experiments.eager.run.launch_mpi`) reads ``DIR/config.json``
+``python -m experiments.eager.worker {microbench|hyperplane-modes} DIR`` (started
+by :func:`experiments.eager.run.launch_mpi`, or on an emulated link by
+:mod:`experiments.eager.quality`) reads ``DIR/config.json``
 and the load-imbalance table ``DIR/schedule.npy`` (``[steps, P]`` ms, computed
 once by the launcher: the same random stream on all ranks) and writes
-``DIR/micro_rank{r}.npz`` or ``DIR/hyper_rank{r}.npz``. It needs NumPy, mpi4py
+``DIR/micro_rank{r}.npz`` or ``DIR/hyper_{mode}_rank{r}.npz``. It needs NumPy, mpi4py
 and :class:`jaxcomm.comm.PartialAllreduce`; ``import jaxcomm`` itself imports
 no submodule, so the experiments, Flax and Orbax stay out of the workers.
 """
@@ -80,8 +81,20 @@ def hyperplane_data(seed: int, rows: int, features: int, noise: float, stream: i
     return x, y.astype(np.float32)
 
 
-def _hyperplane(cfg: dict, out: Path) -> None:
-    """Sec. 7.2.1: one-layer linear model, local batch B/P, sleep-emulated compute + injected delay."""
+def _hyperplane(cfg: dict, out: Path, name: str) -> None:
+    """Sec. 7.2.1: one-layer linear model, local batch B/P, sleep-emulated compute + injected delay.
+
+    Writes ``out/{name}_rank{r}.npz``: the model after every ``steps_per_epoch /
+    snapshots_per_epoch`` steps (``snaps``, ``snap_steps``, ``times`` in s from the start
+    barrier), per step NAP and whether this process's gradient was fresh, the total time, the
+    undelivered gradient and the final model. With ``count_link`` (the job runs on an emulated
+    link, :func:`jaxcomm.netem.launch`) rank 0 also saves the link's counters over the training
+    (:func:`jaxcomm.netem.measure_window`: ``link_bytes``, ``link_packets``, ``link_drops``,
+    ``link_retransmitted``).
+
+    Long because the training loop is a closure over this process's data, model and collective,
+    run whole inside the link's measurement window.
+    """
     from mpi4py import MPI
 
     from jaxcomm.comm import PartialAllreduce
@@ -94,6 +107,7 @@ def _hyperplane(cfg: dict, out: Path) -> None:
     shard_rows = int(cfg["train_points"]) // size
     x, y = hyperplane_data(int(cfg["seed"]), shard_rows, d, float(cfg["noise_std"]), stream=2 + rank)
     steps_per_epoch = shard_rows // b
+    snap_every = steps_per_epoch // int(cfg.get("snapshots_per_epoch", 1))
     epochs = int(cfg["epochs"])
     lr, base = float(cfg["lr"]), float(cfg["base_compute_ms"]) / 1000.0
     w = np.zeros(d + 1, np.float32)  # weights and bias (the paper's 8,193 parameters)
@@ -106,53 +120,76 @@ def _hyperplane(cfg: dict, out: Path) -> None:
         timeout=float(cfg["timeout_s"]),
         poll_s=float(cfg["poll_s"]),
     )
-    snaps, times, nap, included = [], [], [], []
-    comm.Barrier()
-    t_start = time.perf_counter()
-    step = 0
-    for epoch in range(epochs):
-        order = np.random.default_rng([int(cfg["seed"]), 3, rank, epoch]).permutation(shard_rows)
-        for s in range(steps_per_epoch):
-            t0 = time.perf_counter()
-            idx = order[s * b : (s + 1) * b]
-            xb, yb = x[idx], y[idx]
-            err = xb @ w[:d] + w[d] - yb  # d(1/2 mean err^2)/dw
-            grad[:d] = xb.T @ err / b
-            grad[d] = err.mean()
-            target = base + float(delays[step])  # emulated accelerator time plus the injected delay
-            left = target - (time.perf_counter() - t0)
-            if left > 0:
-                time.sleep(left)
-            res = pa(grad)
-            w -= lr * res.data / size  # Algorithm 2: G = partial_allreduce(G_local) / P
-            nap.append(res.nap)
-            included.append(res.included)
-            step += 1
-        times.append(time.perf_counter() - t_start)
-        snaps.append(w.copy())
-    t_total = time.perf_counter() - t_start
-    pa.close()
-    leftover = pa.leftover()
+    snaps, snap_steps, times, nap, included = [], [], [], [], []
+    total = [0.0]
+
+    def train() -> None:
+        t_start = time.perf_counter()
+        step = 0
+        for epoch in range(epochs):
+            order = np.random.default_rng([int(cfg["seed"]), 3, rank, epoch]).permutation(shard_rows)
+            for s in range(steps_per_epoch):
+                t0 = time.perf_counter()
+                idx = order[s * b : (s + 1) * b]
+                xb, yb = x[idx], y[idx]
+                err = xb @ w[:d] + w[d] - yb  # d(1/2 mean err^2)/dw
+                grad[:d] = xb.T @ err / b
+                grad[d] = err.mean()
+                target = base + float(delays[step])  # emulated accelerator time plus the injected delay
+                left = target - (time.perf_counter() - t0)
+                if left > 0:
+                    time.sleep(left)
+                res = pa(grad)
+                w[:] -= lr * res.data / size  # Algorithm 2: G = partial_allreduce(G_local) / P
+                nap.append(res.nap)
+                included.append(res.included)
+                step += 1
+                if (s + 1) % snap_every == 0:
+                    times.append(time.perf_counter() - t_start)
+                    snaps.append(w.copy())
+                    snap_steps.append(step)
+        total[0] = time.perf_counter() - t_start
+        pa.close()
+
+    link = {}
+    if cfg.get("count_link"):
+        from jaxcomm.netem import measure_window
+
+        window = measure_window(train, comm)
+        if window is not None:
+            link = {f"link_{k}": getattr(window, k) for k in ("bytes", "packets", "drops", "retransmitted")}
+    else:
+        comm.Barrier()
+        train()
     np.savez(
-        out / f"hyper_rank{rank}.npz",
+        out / f"{name}_rank{rank}.npz",
         snaps=np.array(snaps),
+        snap_steps=np.array(snap_steps),
         times=np.array(times),
         nap=np.array(nap),
         included=np.array(included),
-        total=t_total,
-        leftover=leftover,
+        total=total[0],
+        leftover=pa.leftover(),
         final=w,
+        **link,
     )
 
 
-_KINDS = {"microbench": _microbench, "hyperplane": _hyperplane}
+def _hyperplane_modes(cfg: dict, out: Path) -> None:
+    """:func:`_hyperplane` once per mode of ``cfg["modes"]`` in turn, on the same data and delay
+    table (one job per delay table, not one per mode): ``out/hyper_{mode}_rank{r}.npz``."""
+    for mode in cfg["modes"]:
+        _hyperplane({**cfg, "mode": mode}, out, name=f"hyper_{mode}")
+
+
+_KINDS = {"microbench": _microbench, "hyperplane-modes": _hyperplane_modes}
 
 
 def main(argv: list[str]) -> None:
     """``argv = [KIND, DIR]``: run the ``KIND`` worker on ``DIR/config.json`` and ``DIR/schedule.npy``."""
     if len(argv) != 2 or argv[0] not in _KINDS:
         raise SystemExit(
-            "usage: python -m experiments.eager.worker {microbench|hyperplane} DIR "
+            "usage: python -m experiments.eager.worker {microbench|hyperplane-modes} DIR "
             f"(launched under mpirun by jaxcomm run eager-*); got {argv}"
         )
     kind, out = argv[0], Path(argv[1])
