@@ -45,29 +45,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "ENV_VAR",
-    "MAX_DEVICES",
-    "MAX_SET_CHARS",
-    "SMOKE_MARK",
-    "VARIANTS",
-    "Experiment",
-    "NoStudiesError",
-    "apply_overrides",
-    "check_range",
-    "config_from_dict",
-    "config_help",
-    "config_to_dict",
-    "experiment_names",
-    "figures_marked",
-    "get_experiment",
-    "provenance",
-    "register_experiment",
-    "studies_folder",
-    "worker_pythonpath",
-    "write_results",
-]
+__all__ = ["Experiment", "register_experiment", "get_experiment", "write_results"]
+"""The names a study's author uses; the others (overrides, the JSON form of a config, provenance,
+where studies are found) serve ``jaxcomm run`` and the studies' shared helpers, and are imported
+from this module by name."""
 
 ENV_VAR = "JAXCOMM_EXPERIMENTS"
 """The environment variable naming a folder of studies (it wins over ``./experiments``)."""

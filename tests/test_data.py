@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import jaxcomm.data as jd
 from jaxcomm.data import _idx, _split, _text
 from jaxcomm.data import fetch as jfetch
+from jaxcomm.data._sources import data_dir
 
 pytestmark = pytest.mark.strict_promotion
 
@@ -25,9 +26,9 @@ SKIP_REASON = "dataset not fetched; run python -m jaxcomm.data.fetch"
 
 
 def _require(name: str):
-    if not (jd.data_dir() / name).exists():
+    if not (data_dir() / name).exists():
         pytest.skip(SKIP_REASON)
-    return jd.data_dir() / name
+    return data_dir() / name
 
 
 def _labelled(n: int, num_classes: int = 10, hw: int = 2) -> jd.Dataset:
@@ -161,11 +162,11 @@ def test_load_mnist_and_fashion_from_synthetic_idx(tmp_path, gz, dotted):
 
 def test_default_location_follows_env(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXCOMM_DATA", str(tmp_path))
-    assert jd.data_dir() == tmp_path
+    assert data_dir() == tmp_path
     written = _write_mnist_like(tmp_path / "mnist")
     np.testing.assert_array_equal(jd.load_mnist(split="test").labels, written["t10k"][1])
     monkeypatch.delenv("JAXCOMM_DATA")
-    assert str(jd.data_dir()).endswith(".cache/jaxcomm")
+    assert str(data_dir()).endswith(".cache/jaxcomm")
 
 
 def test_load_mnist5k_synthetic(tmp_path):

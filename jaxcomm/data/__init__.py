@@ -18,20 +18,18 @@ with :class:`jaxcomm.models.ResNet20` is the project's CIFAR-class workload.
 from ._idx import DatasetError, read_csv_images, read_idx, write_idx
 from ._sources import (
     Dataset,
-    data_dir,
     load_digits,
     load_fashion_mnist,
     load_mnist,
     load_mnist5k,
     standardize,
 )
-from ._split import BatchPosition, WorkerBatches, split_by_label, split_iid
+from ._split import WorkerBatches, split_by_label, split_iid
 from ._text import CharCorpus, load_shakespeare
 
 __all__ = [
     "Dataset",
     "DatasetError",
-    "data_dir",
     "load_digits",
     "load_mnist",
     "load_fashion_mnist",
@@ -45,5 +43,4 @@ __all__ = [
     "split_iid",
     "split_by_label",
     "WorkerBatches",
-    "BatchPosition",
 ]

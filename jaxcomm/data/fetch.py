@@ -255,7 +255,7 @@ def fetch(
 
     Args:
       names: subset of :data:`DATASETS` (default: all).
-      root: data root (default :func:`jaxcomm.data.data_dir`).
+      root: data root (default ``jaxcomm.data._sources.data_dir()``: ``$JAXCOMM_DATA`` or ``~/.cache/jaxcomm``).
       force: refetch even when the dataset verifies.
       log: progress sink (one line per dataset).
     Returns:
