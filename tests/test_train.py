@@ -253,6 +253,21 @@ def test_mpirun_trainer_matches_mesh(mpirun_runs):
 
 
 @pytest.mark.mpi
+def test_mpirun_trainer_without_gathered_metrics_trains_the_same(mpirun_runs):
+    """``gather_metrics=False`` under mpirun -n 4: the same parameters as the gathered run, and each
+    rank's own losses and bits are the gathered ones' parts (their mean, their exact sum)."""
+    tmp, _ = mpirun_runs
+    with np.load(tmp / "mpi.npz") as gathered:
+        ranks = [np.load(tmp / f"mpi_local{r}.npz") for r in range(4)]
+        for i in range(len([k for k in gathered.files if k.startswith("arr_")])):
+            for got in ranks:
+                np.testing.assert_array_equal(got[f"arr_{i}"], gathered[f"arr_{i}"])
+        np.testing.assert_allclose(np.mean([g["loss"] for g in ranks], axis=0), gathered["loss"], rtol=1e-6)
+        np.testing.assert_array_equal(np.sum([g["bits"] for g in ranks], axis=0), gathered["bits"])
+        assert len({float(g["loss"][0]) for g in ranks}) > 1  # each rank's own loss, not a shared one
+
+
+@pytest.mark.mpi
 def test_mpirun_trainer_resumes_from_per_rank_checkpoints(mpirun_runs):
     """Interrupted after 4 steps and restarted under mpirun -n 4: every rank resumes from its own
     folder at the same step, and the run ends where the uninterrupted mesh run does."""

@@ -246,7 +246,13 @@ def _mpi_trainer(method: str, seed: int, lr: float, cfg: dict, train, world, ran
     n = world.Get_size()
     compiled = _COMPILED.get((method, lr, cfg["model"]))
     tx, info = compiled[:2] if compiled else build_method(method, lr, float(cfg["momentum"]), cfg)
-    trainer = Trainer(build_model(cfg["model"], train, seed), tx, comm=MPIComm(), seed=seed)
+    trainer = Trainer(
+        build_model(cfg["model"], train, seed),
+        tx,
+        comm=MPIComm(),
+        seed=seed,
+        gather_metrics=bool(cfg.get("gather_metrics", True)),
+    )
     key = jax.random.PRNGKey(seed)
     shards = data.split_iid(train, n, key)
     global_batch = n * int(cfg["batch_size"])  # WorkerBatches takes the global batch
@@ -315,8 +321,9 @@ def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, worl
         total_bytes += sent
         step = hist[-1]["step"]
         step_times += [row["step_time"] for row in hist]
-        bits += [row["wire_bits_total"] for row in hist]  # all workers
-        messages += [row["messages"] for row in hist]
+        chunk_bits, chunk_messages = _workers_counts(hist, trainer, world)
+        bits += chunk_bits  # all workers
+        messages += chunk_messages
         elapsed += sum(row["step_time"] for row in hist)
         local = trainer.evaluate(state, test_shard.images, test_shard.labels)
         accuracy = float(world.allreduce(local["accuracy"])) / n
@@ -360,6 +367,18 @@ def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, worl
     }
 
 
+def _workers_counts(hist: list[dict], trainer, world) -> tuple[list[int], list[int]]:
+    """Per step of ``hist``, the bits and messages of all workers: as the trainer gathered them, or,
+    where each process kept its own (``gather_metrics=False``), their exact sums over the processes
+    (one collective for the whole history)."""
+    bits = [int(row["wire_bits_total"]) for row in hist]
+    messages = [int(row["messages"]) for row in hist]
+    if trainer.gather_metrics:
+        return bits, messages
+    summed = world.allreduce(np.array([bits, messages], np.int64).reshape(2, -1))  # element-wise sum
+    return [int(b) for b in summed[0]], [int(m) for m in summed[1]]
+
+
 def _described(method: str, seed: int, lr: float, info) -> dict:
     """The fields that say which run a record is: method, seed, learning rate, what is sent and how."""
     return {
@@ -401,14 +420,15 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
     window_s = time.perf_counter() - t0
     window = link_counters() - before if before is not None else None
     times = [row["step_time"] for row in hist]
+    window_bits, window_messages = _workers_counts(hist, trainer, world)
     out = {
         **_described(method, seed, lr, info),
         "warmup_steps": warmup,
         "warmup_step_times": [row["step_time"] for row in hist_warm],
         "step_times": times,
         "step_s": float(np.mean(times)),
-        "wire_bits_per_step": float(np.mean([row["wire_bits_total"] for row in hist])) / n,
-        "messages_per_step": float(np.mean([row["messages"] for row in hist])),
+        "wire_bits_per_step": float(np.mean(window_bits)) / n,
+        "messages_per_step": float(np.mean(window_messages)),
         "link_bytes_per_step": (window.bytes if window else 0) / steady,
         "window_drops": window.drops if window else 0,
         "qdisc": window.kind if window else None,

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._bitcount import BitCount
+from .._validate import check_bool
 from ..comm import MeshAxis, all_gather_packed, use
 from ..comm._packing import sum_packed
 from ..transforms._accumulate import warn_multisteps
@@ -113,6 +114,7 @@ def make_train_step(
     comm=None,
     donate: bool = True,
     state_specs=None,
+    gather_metrics: bool = True,
 ):
     """Build the jitted step ``(state, batch) -> (state, metrics)``.
 
@@ -140,15 +142,25 @@ def make_train_step(
         comes back summed over the axis; the communicating transforms refuse such
         a gradient (``ValueError``, "is not device-varying"), plain optax
         optimizers apply it (``sum``, not mean, of the workers' gradients).
+      gather_metrics: with ``comm``, report every worker's metrics at every step: two
+        small collectives (an all-gather of the bit counts, an all-reduce of the rest)
+        that also make every process wait for the slowest at every step. ``False``:
+        each process reports its own worker's metrics, and a step whose optimizer
+        sends nothing (local SGD's and DiLoCo's inner steps) runs no collective at
+        all. On a mesh the metrics come back per worker without a collective either
+        way.
 
     Returns:
       The jitted step. Metrics come back per worker (leading axis on a mesh):
       ``loss``, ``wire_bits`` (per-tensor :class:`~jaxcomm.BitCount` counts, :func:`collect_counter`;
-      with ``comm``, every worker's, gathered), ``messages`` and the loss
-      function's own.
+      with ``comm``, every worker's, gathered: ``[workers, tensors]``; with
+      ``gather_metrics=False``, this worker's: ``[1, tensors]``), ``messages`` (with
+      ``comm``, the workers' total; with ``gather_metrics=False``, this worker's) and
+      the loss function's own (with ``comm``, the workers' mean; else this worker's).
     """
     if (mesh is None) == (comm is None):
         raise ValueError("pass exactly one of mesh=... (shard_map over devices) or comm=... (one worker per process)")
+    gather_metrics = check_bool(gather_metrics, "gather_metrics")
     step = _worker_step(loss_fn, tx)
     donate_argnums = (0,) if donate else ()
     if comm is not None:
@@ -156,6 +168,9 @@ def make_train_step(
         def body(state, batch):
             with use(comm):
                 new, metrics = step(state, batch)
+                if not gather_metrics:  # this worker's own: no collective beyond the optimizer's
+                    metrics["wire_bits"] = BitCount.stack([metrics["wire_bits"]])
+                    return new, metrics
                 # One small allreduce so every process reports the workers' mean
                 # (and the total of ``messages``), as the mesh backend's host side does.
                 # Two collectives whatever the metrics: one packed all-gather, one all-reduce.

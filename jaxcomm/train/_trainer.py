@@ -101,6 +101,13 @@ class Trainer:
         refused by jaxcomm's communicating transforms (``ValueError``: "is not
         device-varying"), whose compression it would bypass. Every worker must
         then apply the same update; the step's type check (``check_vma``) enforces it.
+      gather_metrics: with ``comm``, gather every worker's metrics at every step
+        (default; two small collectives that make every process wait for the
+        slowest at every step). ``False``: each process's history holds its own
+        worker's loss, ``wire_bits_total`` and ``messages``, and steps whose
+        optimizer sends nothing (local SGD's, DiLoCo's inner steps) run without a
+        collective (:func:`make_train_step`). Ignored on a mesh, whose metrics cost
+        no collective.
     """
 
     model: nnx.Module
@@ -110,6 +117,7 @@ class Trainer:
     comm: Any = None
     seed: int = 0
     replicated_params: bool = False
+    gather_metrics: bool = True
 
     def __post_init__(self):
         from .._validate import check_seed
@@ -141,7 +149,7 @@ class Trainer:
                 )
             require_host(self.comm, for_what="Trainer(comm=...)")
             self.num_workers = int(self.comm.size)
-            self.step_fn = make_train_step(self.loss_fn, self.tx, comm=self.comm)
+            self.step_fn = make_train_step(self.loss_fn, self.tx, comm=self.comm, gather_metrics=self.gather_metrics)
         self._eval_fn = classification_eval(self.pure)
 
     # ------------------------------------------------------------------ state
@@ -274,7 +282,9 @@ class Trainer:
           ``wire_bits_total / num_workers`` when every worker sends alike, as
           fixed-size payloads do, while count-prefixed payloads may differ),
           ``messages`` (``int``: arrays handed to collectives in this step,
-          summed over all workers), ``step_time`` (s) and eval results.
+          summed over all workers), ``step_time`` (s) and eval results. With
+          ``comm`` and ``gather_metrics=False``, ``loss``, the metrics,
+          ``wire_bits_total`` and ``messages`` are this process's worker's only.
         Raises:
           NonFiniteLossError: NaN/Inf loss; the last good checkpoint stays on disk.
         """

@@ -2,10 +2,12 @@
 
 usage: mpirun -n P python train_mpi.py OUT [CKPT RESUMED]     (rank 0 writes the .npz files)
 
-The uninterrupted 8-step run writes OUT. With CKPT and RESUMED, the same launch then runs the job
-again, interrupted after 4 of its 8 steps and resumed from its checkpoints (one folder per rank
-under CKPT), as a restarted job would be, and writes the resumed run's result to RESUMED. One
-launch for both runs: each ``mpirun`` pays process start, the jax import and compilation.
+The uninterrupted 8-step run writes OUT; the same run with the trainer's ``gather_metrics=False``
+writes every rank's own losses and bits to ``OUT`` with ``.npz`` replaced by ``_local{rank}.npz``.
+With CKPT and RESUMED, the same launch then runs the job again, interrupted after 4 of its 8 steps
+and resumed from its checkpoints (one folder per rank under CKPT), as a restarted job would be, and
+writes the resumed run's result to RESUMED. One launch for all runs: each ``mpirun`` pays process
+start, the jax import and compilation.
 """
 
 import os
@@ -24,6 +26,8 @@ comm = MPIComm()
 result = digits_job.run(comm.size, comm=comm)
 if comm.rank == 0:
     digits_job.save(sys.argv[1], *result)
+local = digits_job.run(comm.size, comm=comm, gather_metrics=False)
+digits_job.save(sys.argv[1].removesuffix(".npz") + f"_local{comm.rank}.npz", *local)
 if len(sys.argv) == 4:
     digits_job.run(comm.size, comm=comm, checkpoint_dir=sys.argv[2], stop=4)  # "killed" after step 4
     result = digits_job.run(comm.size, comm=comm, checkpoint_dir=sys.argv[2])  # the restarted job
