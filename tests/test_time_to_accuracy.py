@@ -147,7 +147,12 @@ def test_decomposed_records_and_summary_against_closed_forms():
     for row in rows.values():
         assert row["compute_bound_limit_s"] == pytest.approx(110 * 0.05)
     assert fp16["limit_fraction"] == pytest.approx(5.5 / 40.0)
-    assert fp16["utilization"] == pytest.approx(80 * 0.06 / 40.0)
+    # utilization counts the compute-only step the timing job measured beside its window (0.05) ...
+    assert fp16["utilization"] == pytest.approx(80 * 0.05 / 40.0)
+    # ... and the training run's (0.06) where the timing entry has none
+    bare = {**TIMING, "timings": [{k: v for k, v in t.items() if k != "compute_s"} for t in TIMING["timings"]]}
+    fp16_bare = next(r for r in records_decomposed(TRAINING, bare) if r["method"] == "fp16")
+    assert fp16_bare["utilization"] == pytest.approx(80 * 0.06 / 40.0)
     assert fp16["MB_to_target"] == pytest.approx(0.08) and fp16["steps_to_target"] == pytest.approx(80)
     assert topk["reached"] == "1/2" and math.isnan(topk["time_to_target_s"]) and math.isnan(topk["speedup_vs_fp32"])
     # communication predicted for the link's rate and the measured latency

@@ -86,7 +86,8 @@ def _bytes_at(run: dict, step: int) -> int | None:
     return None
 
 
-def _record(link, run, route, time_s) -> dict:
+def _record(link, run, route, time_s, compute_s: float | None = None) -> dict:
+    """``compute_s``: the compute-only step (s) to count; default the run's own (``run["compute_s"]``)."""
     reached = run["reached"] is not None
     steps: int | None = None
     compute_only: float | None = None
@@ -94,7 +95,7 @@ def _record(link, run, route, time_s) -> dict:
     utilization: float | None = None
     if reached:
         steps = int(run["reached"]["step"])
-        compute_only = steps * float(run["compute_s"])
+        compute_only = steps * float(run["compute_s"] if compute_s is None else compute_s)
         bytes_to = _bytes_at(run, steps)
         time_s = float(time_s)
         utilization = compute_only / time_s if time_s > 0 else None
@@ -136,13 +137,16 @@ def decomposed_time(steps: int, timing: dict) -> float:
 def records_decomposed(training: dict, timing_job: dict) -> list[dict]:
     """One record per run of the unshaped ``training`` job, timed on the link of ``timing_job``:
     time to target = :func:`decomposed_time` of the steps to target with the method's timing
-    entry there; bytes to target and the compute-only step are the training job's (the bytes a
-    step sends do not depend on the link)."""
+    entry there; bytes to target are the training job's (the bytes a step sends do not depend on
+    the link). The compute-only step is the timing entry's ``compute_s`` where it has one (measured
+    in the timing job just before the method's window, under the same load as its steps), else
+    the training run's."""
     timings = {t["method"]: t for t in timing_job["timings"]}
     out = []
     for r in training["runs"]:
-        t = decomposed_time(r["reached"]["step"], timings[r["method"]]) if r["reached"] else None
-        out.append(_record(timing_job["bandwidth"], r, "decomposed", t))
+        timing = timings[r["method"]]
+        t = decomposed_time(r["reached"]["step"], timing) if r["reached"] else None
+        out.append(_record(timing_job["bandwidth"], r, "decomposed", t, timing.get("compute_s")))
     return out
 
 

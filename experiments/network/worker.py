@@ -569,7 +569,9 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
         result["timing_jobs"].append(tj)
         for method in needed:
             lr = float(rates.get(method, _learning_rate(cfg, method)))
-            tj["timings"].append(_time(method, seed, lr, job_cfg, train, world, rank))
+            # the compute-only step again, just before the window: under the load its steps meet
+            compute_s = _compute_s(method, seed, lr, job_cfg, train, world, {})
+            tj["timings"].append({**_time(method, seed, lr, job_cfg, train, world, rank), "compute_s": compute_s})
             if rank == 0:
                 _write(result, out, t0, complete=False)
     if rank == 0:
