@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxcomm.models as jm
+from jaxcomm.models._resnet import BasicBlock
 
 pytestmark = pytest.mark.strict_promotion
 
@@ -156,7 +157,7 @@ def test_eventgrad_dropout_semantics(cnn):
 # ResNet-20 blocks
 # --------------------------------------------------------------------------- #
 def test_basic_block_option_a_shortcut():
-    block = jm.BasicBlock(16, 32, 2, "group", 8, rngs=nnx.Rngs(0))  # first block of stage 2
+    block = BasicBlock(16, 32, 2, "group", 8, rngs=nnx.Rngs(0))  # first block of stage 2
     # With the residual branch zeroed (zero conv -> GroupNorm output = its zero bias), the block is
     # relu(shortcut(x)) = relu(zero-pad 8 channels | x[:, ::2, ::2] | 8 channels).
     block.conv1.kernel[...] = jnp.zeros_like(block.conv1.kernel[...])
@@ -169,7 +170,7 @@ def test_basic_block_option_a_shortcut():
 
 
 def test_batchnorm_block_tracks_statistics_only_in_training():
-    block = jm.BasicBlock(4, 4, 1, "batch", 1, rngs=nnx.Rngs(0))
+    block = BasicBlock(4, 4, 1, "batch", 1, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (4, 6, 6, 4)) + 3.0
     before = np.asarray(block.norm1.mean[...])
     run = nnx.jit(lambda b, det: b(x, det), static_argnums=1)

@@ -59,7 +59,7 @@ class AsyncMean:
     Raises:
       RuntimeError: MPI was not initialised with ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by
         default), which a communication thread beside the step's collectives needs.
-      ValueError: ``poll_s`` not a finite number > 0.
+      TypeError, ValueError: ``poll_s`` not a real number, or not finite and > 0.
     """
 
     def __init__(self, comm, poll_s: float = 5e-4):
