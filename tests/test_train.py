@@ -18,6 +18,7 @@ from mpirun import ROOT, run_mpi, suite_xla_flags
 
 import jaxcomm as jc
 from jaxcomm import data, models
+from jaxcomm.comm import Local
 from jaxcomm.train import CheckpointError, NonFiniteLossError, Trainer, make_mesh, split_model
 from jaxcomm.train._checkpoint import latest_step
 from jaxcomm.transforms._gradient_dropping import PeriodicAverageState
@@ -167,6 +168,13 @@ def test_replicated_parameters_trip_the_guard_inside_the_step():
     # A plain optax optimizer applies the summed gradient: lr / P gives the mean again, and the
     # replicated state passes the type check (every worker applied the same update).
     _assert_matches_numpy(*_least_squares(replicated_params=True, tx=optax.sgd(0.1 / 4)))
+
+
+def test_gather_metrics_must_be_a_bool_on_either_backend():
+    model = models.MLP(in_features=64, hidden=(8,), num_classes=10, rngs=nnx.Rngs(0))
+    for comm in (None, Local()):
+        with pytest.raises(TypeError, match="gather_metrics"):
+            Trainer(model, optax.sgd(0.1), comm=comm, num_workers=None if comm else 1, gather_metrics="no")
 
 
 def test_too_many_devices_is_a_clear_error():

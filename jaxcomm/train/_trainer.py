@@ -120,9 +120,10 @@ class Trainer:
     gather_metrics: bool = True
 
     def __post_init__(self):
-        from .._validate import check_seed
+        from .._validate import check_bool, check_seed
 
         self.seed = int(check_seed(self.seed))
+        self.gather_metrics = check_bool(self.gather_metrics, "gather_metrics")  # on a mesh too, where unused
         if not (callable(getattr(self.tx, "init", None)) and callable(getattr(self.tx, "update", None))):
             raise TypeError(
                 f"tx must be an optax GradientTransformation (e.g. optax.sgd(0.1)); got {type(self.tx).__name__}"
