@@ -33,6 +33,10 @@ method and seed,
   of all workers together, the trainer's ``messages`` metric, mean over whole periods), and
   the method's ``compressor``, ``strategy``, ``sync_every`` and ``learning_rate``.
 
+With ``gather_metrics`` false the trainer keeps each process's own metrics, and the bits and
+messages above are their exact sums over the processes, taken once per evaluation window (and
+once per timed window) by :func:`_workers_counts`.
+
 With ``lr_sweep``, ``sweep`` first holds one such run per method and learning rate (first
 seed); ``learning_rates`` then holds each method's rate chosen from it
 (:func:`choose_learning_rates`), which every seed's run trains with (the first seed's run is the
