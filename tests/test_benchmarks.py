@@ -620,3 +620,30 @@ def test_device_check_smoke(tmp_path):
     rows = [dict(name="fp16", kwargs={}, of_hbm=0.6), dict(name="qsgd", kwargs={}, of_hbm=0.4)]
     parts = {"bandwidth": {"rows": rows}}
     assert check.evaluate(parts)["elementwise bandwidth >= 50 % of HBM"] == dict(met=False, below=["qsgd"])
+
+
+def test_mpi_inner_step_summary_closed_form():
+    """Inner steps are every step but each period's last; times in s, summaries in ms."""
+    bench = _load("mpi_inner_step")
+    times = [0.001, 0.003, 0.010, 0.002, 0.004, 0.020]  # two periods of 3: the last of each is the sync
+    got = bench.summary(times, 3)
+    assert got["inner_median_ms"] == pytest.approx(2.5) and got["inner_mean_ms"] == pytest.approx(2.5)
+    assert got["last_step_mean_ms"] == pytest.approx(15.0) and got["mean_ms"] == pytest.approx(40 / 6)
+
+
+@pytest.mark.mpi
+def test_mpi_inner_step_benchmark_tiny(tmp_path):
+    """mpi_inner_step.py under mpirun -n 2, one round of two 2-step periods of each trainer: rank
+    0's JSON holds every rank's summaries of both communicators."""
+    from mpirun import run_mpi
+
+    out = tmp_path / "inner.json"
+    run_mpi(2, BENCH / "mpi_inner_step.py", "--every", "2", "--repeats", "1", "--out", str(out), timeout=300)
+    saved = json.loads(out.read_text())
+    assert saved["procs"] == 2 and saved["every"] == 2 and len(saved["ranks"]) == 2
+    for rank in saved["ranks"]:
+        for name in ("local", "mpi"):
+            s = rank[name]
+            assert all(s[k] > 0 for k in ("inner_median_ms", "inner_mean_ms", "last_step_mean_ms"))
+            # 4 timed steps of a 2-step period: the mean is the inner and last steps' mean, half each
+            assert s["mean_ms"] == pytest.approx((s["inner_mean_ms"] + s["last_step_mean_ms"]) / 2)
