@@ -17,6 +17,13 @@ benchmarks, scripts run on their own.
 7
 """
 
+from pathlib import Path
+
+PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+"""The folder holding this package: the working directory of the studies' MPI workers, which
+import the same studies (and, through ``jaxcomm.studies.worker_pythonpath``, the same jaxcomm)
+as the process that launches them."""
+
 STUDIES = (
     "quickstart",
     "network",

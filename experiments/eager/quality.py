@@ -36,8 +36,9 @@ import numpy as np
 
 from jaxcomm.studies import config_to_dict, worker_pythonpath
 
+from .. import PACKAGE_PARENT
 from .config import MODES, TimeToQualityConfig
-from .run import _PACKAGE_PARENT, _WORKER, PAPER, _time_to_loss, hyperplane_record
+from .run import _WORKER, PAPER, _time_to_loss, hyperplane_record
 from .worker import hyperplane_data
 
 __all__ = [
@@ -356,7 +357,7 @@ def _run_seed(config: TimeToQualityConfig, seed: int, env: dict) -> list[dict]:
                 bandwidth=config.bandwidth,
                 env=env,
                 timeout=float(config.launch_timeout_s),
-                cwd=_PACKAGE_PARENT,
+                cwd=PACKAGE_PARENT,
                 capture_output=True,
             )
         if res.returncode != 0:

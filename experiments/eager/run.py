@@ -33,6 +33,7 @@ import numpy as np
 from jaxcomm._validate import as_count
 from jaxcomm.studies import config_to_dict, worker_pythonpath
 
+from .. import PACKAGE_PARENT
 from .config import HyperplaneConfig, MicrobenchConfig
 from .worker import hyperplane_data
 
@@ -45,9 +46,6 @@ __all__ = [
     "severe_staleness",
 ]
 
-# The folder holding the studies' package: the workers' working directory; their PYTHONPATH
-# (``worker_pythonpath``) imports the same study and the same jaxcomm as the launcher.
-_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 _WORKER = f"{__package__}.worker"
 
 # Paper figures (Li et al. 2020).
@@ -80,7 +78,7 @@ def launch_mpi(num_procs: int, args: list, timeout: float) -> subprocess.Complet
     cmd = [mpirun, "-n", str(int(num_procs)), "--oversubscribe", sys.executable, "-m", _WORKER, *map(str, args)]
     env = mpirun_env(single_thread=True)
     env["PYTHONPATH"] = worker_pythonpath(__package__, env)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=_PACKAGE_PARENT)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=PACKAGE_PARENT)
     if proc.returncode != 0:
         raise RuntimeError(
             f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"

@@ -48,6 +48,7 @@ from jaxcomm.studies import (  # the study's results carry it (jaxcomm run adds 
     worker_pythonpath,
 )
 
+from .. import PACKAGE_PARENT
 from ._records import (
     RECORD_KEYS,
     _label,
@@ -77,9 +78,6 @@ __all__ = [
     "sweep_records",
 ]
 
-# The folder holding the studies' package: the workers' working directory; their PYTHONPATH
-# (``worker_pythonpath``) imports the same study and the same jaxcomm as the launcher.
-_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 _WORKER = f"{__package__}.worker"
 
 
@@ -241,7 +239,7 @@ def _launch(config: TimeToAccuracyConfig, bandwidth: str, job_dir: Path, env: di
         bandwidth=bandwidth,
         env=env,
         timeout=float(config.timeout_s),
-        cwd=_PACKAGE_PARENT,
+        cwd=PACKAGE_PARENT,
         report=job_dir / "launch.json",
     )
     if res.returncode != 0 or not (job_dir / "results.json").exists():
