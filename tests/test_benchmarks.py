@@ -614,6 +614,13 @@ def test_device_check_smoke(tmp_path):
     assert [r["method"] for r in grace["results"]] == ["fp16"] and grace["machine"]["device"] == "cpu"
     assert res["parts"]["step"]["results"]["trees"]["tiny"]["results"]["signsgd"]["ratio"] > 0
     assert "python:" in res["setup_log"]
+    text = check.markdown_tables(res)
+    assert "| fp16 | " in text and "| memory pass 2x+1 | " in text and "| tiny step |" in text
+    # The committed GPU run: the page shows exactly the tables --markdown prints from its JSON.
+    saved = json.loads((BENCH / "results" / "device_check_h200.json").read_text())
+    tables = check.markdown_tables(saved).split("\n\n")[1:]
+    page = (root / "docs" / "benchmarks.md").read_text()
+    assert len(tables) == 4 and all(t in page for t in tables)
     # The bandwidth target, judged on the card's nominal HBM bandwidth.
     assert check.hbm_gbps("NVIDIA H100 80GB HBM3") == 3350 and check.hbm_gbps("NVIDIA H100 PCIe") == 2000
     assert check.hbm_gbps("NVIDIA H200") == 4800 and check.hbm_gbps("cpu") is None

@@ -35,6 +35,7 @@ status, and the targets met or missed; each part's log beside it.
 
 usage: python experiments/benchmarks/device_check.py --out DIR [--smoke] [--budget 450]
        [--compile-limit 30] [--queue 20] [--parts compile,grace,bandwidth,step]
+       python experiments/benchmarks/device_check.py --markdown device_check.json   (its tables)
 """
 
 from __future__ import annotations
@@ -274,6 +275,93 @@ def evaluate(parts: dict) -> dict:
     return targets
 
 
+def _table(head: list[str], rows: list[list]) -> str:
+    rule = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"
+    lines = ["| " + " | ".join(head) + " |", rule]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def markdown_tables(result: dict) -> str:
+    """The tables of a ``device_check.json`` (as the docs show them): compile, bandwidth, GRACE, step.
+
+    GRACE rows give both speed-ups of ``grace_compare.py``: ``raw`` = GRACE's ms / jaxcomm's ms, and
+    ``ratios`` = (GRACE / torch's memory pass) / (jaxcomm / jax's memory pass); a part that did not run
+    gives no table.
+    """
+    parts, out = result.get("parts", {}), []
+    env = result.get("env") or {}
+    out.append(f"device: {env.get('device_kind')}, jax {env.get('jax')} ({env.get('backend')})")
+    rows = parts.get("compile", {}).get("rows", [])
+    if rows:
+        out.append(
+            _table(
+                ["compressor", "lower (s)", "compile (s)"],
+                [
+                    [r["name"], f"{r['lower_s']:.2f}", f"{r['compile_s']:.2f}"]
+                    if "error" not in r
+                    else [r["name"], "", r["error"]]
+                    for r in rows
+                ],
+            )
+        )
+    rows = [r for r in parts.get("bandwidth", {}).get("rows", []) if "gbps" in r]
+    if rows:
+        out.append(
+            _table(
+                ["compressor", "µs per call", "8d bytes / time (GB/s)", "of the jax pass", "of HBM"],
+                [
+                    [
+                        r["name"],
+                        f"{r['s_per_call'] * 1e6:.0f}",
+                        f"{r['gbps']:.0f}",
+                        f"{r['of_memory_pass']:.2f}" if "of_memory_pass" in r else "1",
+                        f"{r['of_hbm']:.2f}" if r.get("of_hbm") is not None else "",
+                    ]
+                    for r in rows
+                ],
+            )
+        )
+    grace = parts.get("grace", {}).get("results", {}).get("results", [])
+    if grace:
+        out.append(
+            _table(
+                ["method", "MiB", "GRACE ms", "jaxcomm ms", "raw", "ratios", "torch / jax pass ms"],
+                [
+                    [
+                        r["method"],
+                        f"{r['mebibytes']:.0f}",
+                        f"{r['grace_ms']:.3f}",
+                        f"{r['jax_ms']:.3f}",
+                        f"{r['speedup_raw']:.2f}",
+                        f"{r['speedup']:.2f}",
+                        f"{r['torch_ref_ms']:.3f} / {r['jax_ref_ms']:.3f}",
+                    ]
+                    for r in grace
+                    if "grace_ms" in r
+                ],
+            )
+        )
+    trees = parts.get("step", {}).get("results", {}).get("trees", {})
+    for tree, t in trees.items():
+        out.append(
+            _table(
+                [f"{tree} step", "compressed / plain (median)", "paired", "step ms", "plain ms", "compression"],
+                [
+                    [
+                        name,
+                        f"{r['ratio']:.2f}",
+                        f"{r['paired_ratio']:.2f}",
+                        f"{r['step_ms']:.2f}",
+                        f"{r['baseline_step_ms']:.2f}",
+                        f"{r['compression']:.1f}x",
+                    ]
+                    for name, r in t["results"].items()
+                ],
+            )
+        )
+    return "\n\n".join(out)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT"), help="output folder (default: $OUT)")
@@ -282,11 +370,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile-limit", type=float, default=30.0, help="seconds one compressor may compile")
     ap.add_argument("--queue", type=int, default=20, help="calls queued before one wait (bandwidth part)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
+    ap.add_argument("--markdown", metavar="JSON", help="print the tables of a device_check.json and exit")
     ap.add_argument("--worker", choices=("compile", "bandwidth"), help=argparse.SUPPRESS)
     ap.add_argument("--names", default="", help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, default=SIZE, help=argparse.SUPPRESS)
     ap.add_argument("--jsonl", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown_tables(json.loads(Path(args.markdown).read_text())))
+        return {}
     if args.worker:
         names = [n for n in args.names.split(",") if n]
         with open(args.jsonl, "w") as fh:
