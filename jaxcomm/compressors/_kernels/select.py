@@ -18,12 +18,17 @@ program (sequential scans, nested conditionals) that compiles slowly there.
 :func:`~.compact.compact_words` therefore choose their body with
 ``jax.lax.platform_dependent`` (:func:`~jaxcomm._vma.typed_platform_dependent`):
 lowered for ``cpu`` they run the tuned path above; lowered for ``cuda``,
-``rocm`` or ``tpu`` they run the primitives XLA compiles well there -- the
-exact ``lax.top_k`` (stable: ties to the lowest index) for selection
-(:func:`top_by_primitive`) and ``jnp.nonzero`` (a prefix sum and a scatter) for
-compaction (:func:`~.compact.compact_by_primitive`). Both paths return the same indices
-in the same order for every input (``tests/test_sparsifiers.py`` runs the
-accelerator bodies on the CPU against the tuned path and NumPy). The choice
+``rocm`` or ``tpu`` they run the primitives XLA compiles well there --
+``jnp.nonzero`` (a prefix sum and a scatter) for compaction
+(:func:`~.compact.compact_by_primitive`), and for selection the exact
+``lax.top_k`` (stable: ties to the lowest index; :func:`top_by_primitive`) over
+all keys below ``ACCELERATOR_SAMPLED_MIN`` keys, from there on over the
+candidates above a sampled threshold only, compacted by ``jnp.nonzero``, with
+``lax.top_k`` over all keys as the ``lax.cond`` fallback
+(:func:`top_by_threshold`: memory passes over the keys instead of a sort of
+them, which is what ``lax.top_k`` of a large ``k`` is on a GPU). All paths return
+the same indices in the same order for every input (``tests/test_sparsifiers.py``
+runs the accelerator bodies on the CPU against the tuned path and NumPy). The choice
 follows the platform the computation is *lowered* for, not
 ``jax.default_backend()``: ``jax.jit(f).trace(x).lower(lowering_platforms=
 ("cuda",))`` on a CPU host lowers the accelerator body.
@@ -191,7 +196,9 @@ def _identity(v):
 
 ACCELERATOR_SAMPLED_MIN = 1 << 20
 """From this many keys up, the accelerator selection is :func:`top_by_threshold` (O(d) memory passes);
-below it, :func:`top_by_primitive` (one ``lax.top_k``: a sort of ``d`` keys, cheap at that size)."""
+below it, :func:`top_by_primitive` (one ``lax.top_k``: a sort of ``d`` keys, cheap at that size). A
+chosen value, not yet a measured crossover: ``experiments/benchmarks/gpu_select.py`` times both bodies
+at sizes around it (``--crossover-sizes``)."""
 
 
 def _readers(values):
@@ -314,8 +321,10 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
     which turns them into selects). Small arrays use a stable sort. Every
     branch returns the same indices in the same order. That is the body
     lowered for CPU; lowered for ``cuda``, ``rocm`` or ``tpu`` the selection
-    is :func:`top_by_primitive` (``PATH_PRIMITIVE``), the same indices in the
-    same order.
+    is :func:`top_by_primitive` (``PATH_PRIMITIVE``) below
+    ``ACCELERATOR_SAMPLED_MIN`` keys and :func:`top_by_threshold` (the same
+    sample, ``lax.top_k`` among the candidates: ``PATH_SAMPLED``, else over all
+    keys: ``PATH_PRIMITIVE``) from there on, the same indices in the same order.
     """
     idx, path, _ = _top_indices(values, kmax, key, k, keys_of, margin, None)
     return idx, path
@@ -374,7 +383,8 @@ def top_indices_reusing(values, kmax: int, key, state, *, keys_of=_identity, mar
     ``[k / 16, C_r]``.
 
     Lowered for ``cuda``, ``rocm`` or ``tpu`` nothing is reused: the selection is
-    :func:`top_by_primitive` (``PATH_PRIMITIVE``) and the state is returned unchanged.
+    :func:`top_indices`' accelerator body (its path is returned) and the state is
+    returned unchanged.
 
     Args:
       values, kmax, key, keys_of, margin: as :func:`top_indices`.
@@ -441,7 +451,7 @@ def _next_guess(lo, t, count, k: int, aim) -> Array:
 
 def _top_accelerator(values, kmax: int, key, k, keys_of, margin: float):
     """:func:`top_indices` lowered for ``cuda``, ``rocm`` or ``tpu``: :func:`top_by_threshold` from
-    ``ACCELERATOR_SAMPLED_MIN`` keys up, else :func:`top_by_primitive`; ``(indices, PATH_PRIMITIVE)``."""
+    ``ACCELERATOR_SAMPLED_MIN`` keys up, else :func:`top_by_primitive`; ``(indices, path)``."""
     d, all_values, _ = _readers(values)
     if d >= ACCELERATOR_SAMPLED_MIN:
         return top_by_threshold(values, kmax, key, k, keys_of=keys_of, margin=margin)
