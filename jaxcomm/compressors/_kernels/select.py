@@ -232,7 +232,7 @@ def _sampled_threshold(gather, d: int, s: int, jmax: int, key, k, kk, keys_of, m
     # XLA's TopkDecomposer inside shard_map.
     vals = lax.top_k((sample >> 8).astype(jnp.float32), jmax)[0]
     if k is None:
-        j = jmax
+        j: int | Array = jmax
     else:
         q = kk.astype(jnp.float32) / d
         jt = jnp.ceil(s * q + _upper_excess(s * q, s * q * (1.0 - q), margin)).astype(jnp.int32) + 1
@@ -266,7 +266,7 @@ def top_by_threshold(values, kmax: int, key, k=None, *, keys_of=_identity, margi
     """
     d, all_values, gather = _readers(values)
     kk = jnp.int32(kmax) if k is None else jnp.asarray(k, jnp.int32)
-    plan = _sample_plan(d, kmax, margin) if SMALL < d and 0 < kmax < d else None
+    plan = _sample_plan(d, kmax, margin) if d > SMALL and 0 < kmax < d else None
     if plan is None:
         return top_by_primitive(keys_of(all_values()), kk, kmax), jnp.int32(PATH_PRIMITIVE)
     s, jmax, cap = plan
