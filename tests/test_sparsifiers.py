@@ -103,14 +103,25 @@ def test_top_indices_every_path_is_exact():
         (sparse, {}, S.PATH_TIES),
         (normal, {"margin": -40.0}, S.PATH_FULL),
     ]  # a margin far below 0: the bracket misses, exact fallback
-    for x, kw, path in cases:
+    # The accelerator's large-d body on the same inputs: top-k among the sampled candidates, else (ties at
+    # the threshold overflow its capacity; the bracket misses) lax.top_k over all keys.
+    accelerator_path = (S.PATH_SAMPLED, S.PATH_PRIMITIVE, S.PATH_PRIMITIVE)
+    for (x, kw, path), acc_path in zip(cases, accelerator_path, strict=True):
         idx, took = _select(jnp.asarray(x), _KMAX, **kw)
         assert int(took) == path
         # every path: the exact set, in increasing index order (so the payload does not depend on the path)
         np.testing.assert_array_equal(np.asarray(idx), np.sort(np_topk(x, _KMAX)))
+        idx, took = _select_threshold(jnp.asarray(x), _KMAX, KEY, **kw)
+        assert int(took) == acc_path
+        np.testing.assert_array_equal(np.asarray(idx), np.sort(np_topk(x, _KMAX)))
 
 
 _select_accelerator = jax.jit(lambda x, kt: S.top_by_primitive(S.magnitude_keys(x), kt, _KMAX))
+# The accelerator body from ACCELERATOR_SAMPLED_MIN keys up, called directly (at d = 8192 it samples).
+_select_threshold = jax.jit(
+    lambda x, kt, key, margin=5.0: S.top_by_threshold(x, _KMAX, key, k=kt, keys_of=S.magnitude_keys, margin=margin),
+    static_argnames=("margin",),
+)
 
 
 @settings(max_examples=10)
@@ -121,7 +132,8 @@ _select_accelerator = jax.jit(lambda x, kt: S.top_by_primitive(S.magnitude_keys(
     kt=st.integers(0, _KMAX),
 )
 def test_accelerator_top_k_equals_the_cpu_path(seed, levels, nans, kt):
-    """The body lowered for cuda/rocm/tpu (lax.top_k), run on the CPU: the CPU path's indices in its order
+    """The bodies lowered for cuda/rocm/tpu (lax.top_k; from ACCELERATOR_SAMPLED_MIN keys up the sampled
+    threshold with lax.top_k among the candidates), run on the CPU: the CPU path's indices in its order
     (the exact set, ties to the lowest index, increasing order), NaN counted above +Inf."""
     rs = np.random.RandomState(seed)
     x = rs.randn(_D).astype(np.float32)
@@ -132,6 +144,7 @@ def test_accelerator_top_k_equals_the_cpu_path(seed, levels, nans, kt):
     np.testing.assert_array_equal(got, np.asarray(_select(jnp.asarray(x), kt)[0]))
     np.testing.assert_array_equal(got[:kt], np.sort(np_topk(x, kt)))
     assert (got[kt:] == 0).all()
+    np.testing.assert_array_equal(np.asarray(_select_threshold(jnp.asarray(x), kt, jax.random.PRNGKey(seed))[0]), got)
 
 
 def test_unpacked_words_are_the_packed_mask():
@@ -172,6 +185,7 @@ def test_accelerator_bodies_send_the_cpu_payload(case, monkeypatch):
 
     for kernels in (S, C):  # selection and compaction
         monkeypatch.setattr(kernels, "typed_platform_dependent", accelerator_only)
+    monkeypatch.setattr(S, "ACCELERATOR_SAMPLED_MIN", d)  # the large-d selection body (top_by_threshold)
     got = jax.jit(lambda x, k: c.compress(x, k, state)[0])(x, KEY)
     assert chose, f"{case} never reached a platform-dependent kernel"
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

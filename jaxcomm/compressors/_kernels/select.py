@@ -18,12 +18,17 @@ program (sequential scans, nested conditionals) that compiles slowly there.
 :func:`~.compact.compact_words` therefore choose their body with
 ``jax.lax.platform_dependent`` (:func:`~jaxcomm._vma.typed_platform_dependent`):
 lowered for ``cpu`` they run the tuned path above; lowered for ``cuda``,
-``rocm`` or ``tpu`` they run the primitives XLA compiles well there -- the
-exact ``lax.top_k`` (stable: ties to the lowest index) for selection
-(:func:`top_by_primitive`) and ``jnp.nonzero`` (a prefix sum and a scatter) for
-compaction (:func:`~.compact.compact_by_primitive`). Both paths return the same indices
-in the same order for every input (``tests/test_sparsifiers.py`` runs the
-accelerator bodies on the CPU against the tuned path and NumPy). The choice
+``rocm`` or ``tpu`` they run the primitives XLA compiles well there --
+``jnp.nonzero`` (a prefix sum and a scatter) for compaction
+(:func:`~.compact.compact_by_primitive`), and for selection the exact
+``lax.top_k`` (stable: ties to the lowest index; :func:`top_by_primitive`) over
+all keys below ``ACCELERATOR_SAMPLED_MIN`` keys, from there on over the
+candidates above a sampled threshold only, compacted by ``jnp.nonzero``, with
+``lax.top_k`` over all keys as the ``lax.cond`` fallback
+(:func:`top_by_threshold`: memory passes over the keys instead of a sort of
+them, which is what ``lax.top_k`` of a large ``k`` is on a GPU). All paths return
+the same indices in the same order for every input (``tests/test_sparsifiers.py``
+runs the accelerator bodies on the CPU against the tuned path and NumPy). The choice
 follows the platform the computation is *lowered* for, not
 ``jax.default_backend()``: ``jax.jit(f).trace(x).lower(lowering_platforms=
 ("cuda",))`` on a CPU host lowers the accelerator body.
@@ -39,7 +44,7 @@ from jax import lax
 
 from ..._vma import typed_platform_dependent, vary_like
 from .bitpack import pack_bits, popcount
-from .compact import SMALL, _compact_cpu, _compact_words_cpu, _nth_set
+from .compact import SMALL, _compact_cpu, _compact_words_cpu, _nth_set, compact_by_primitive
 from .random_bits import uniform_indices
 
 Array = jax.Array
@@ -70,7 +75,8 @@ _MARGIN = 5.0
 
 PATH_SAMPLED, PATH_TIES, PATH_FULL, PATH_REUSED, PATH_PRIMITIVE = 0, 1, 2, 3, 4
 """Which branch :func:`top_indices` (or :func:`top_indices_reusing`) took (returned for tests and diagnostics);
-``PATH_PRIMITIVE``: the accelerator body, :func:`top_by_primitive`."""
+``PATH_PRIMITIVE``: the accelerator's ``lax.top_k`` over all keys (:func:`top_by_primitive`); lowered for an
+accelerator, ``PATH_SAMPLED`` is :func:`top_by_threshold`'s top-k among the sampled candidates."""
 
 
 def _radix_kth(keys, k) -> Array:
@@ -158,8 +164,9 @@ def _sorted_top(keys, kk, kmax: int) -> Array:
     return jnp.where(jnp.arange(kmax, dtype=jnp.int32) < kk, out, 0)
 
 
-def top_by_primitive(keys, k, kmax: int) -> Array:
-    """:func:`top_indices`' accelerator body: the exact top-``k`` of int32 ``keys`` by ``lax.top_k``.
+def top_by_primitive(keys, k, kmax: int, positions=None) -> Array:
+    """:func:`top_indices`' accelerator body below ``ACCELERATOR_SAMPLED_MIN`` keys: the exact top-``k`` of
+    int32 ``keys`` by ``lax.top_k``.
 
     ``lax.top_k`` returns the ``kmax`` largest keys' positions, ties to the lowest
     index (it is stable), so its first ``k`` are the set the CPU path selects; they
@@ -167,10 +174,15 @@ def top_by_primitive(keys, k, kmax: int) -> Array:
     ``SMALL`` entries. ``keys``: ``(d,)`` int32; ``k``: traced int32 ``<= kmax``
     (``<= #(keys >= 0)``). Returns int32 ``(kmax,)``, slots ``>= k`` holding 0. On
     GPU and TPU a large ``k`` is one sort of the keys and their positions.
+    ``positions``: int32 ``(d,)``, increasing, the index each key stands for (the
+    candidates of :func:`top_by_threshold`); the winners are mapped through it
+    before the sort (default: the identity).
     """
     d = keys.shape[0]
     m = min(kmax, d)
     idx = lax.top_k(keys, m)[1]
+    if positions is not None:
+        idx = positions[idx]
     if m < kmax:
         idx = jnp.pad(idx, (0, kmax - m))
     first = jnp.arange(kmax, dtype=jnp.int32) < k
@@ -180,6 +192,97 @@ def top_by_primitive(keys, k, kmax: int) -> Array:
 
 def _identity(v):
     return v
+
+
+ACCELERATOR_SAMPLED_MIN = 1 << 20
+"""From this many keys up, the accelerator selection is :func:`top_by_threshold` (O(d) memory passes);
+below it, :func:`top_by_primitive` (one ``lax.top_k``: a sort of ``d`` keys, cheap at that size). A
+chosen value, not yet a measured crossover: ``experiments/benchmarks/gpu_select.py`` times both bodies
+at sizes around it (``--crossover-sizes``)."""
+
+
+def _readers(values):
+    """``(d, all_values, gather)`` for :func:`top_indices`' ``values``: a ``(d,)`` array, or a Python int
+    ``d`` standing for the counters ``0..d-1`` (uint32), rebuilt where read and never a stored operand."""
+    if isinstance(values, int):
+        d = values
+
+        def all_counters():
+            return jnp.arange(d, dtype=jnp.uint32)
+
+        def counters_at(i):
+            return i.astype(jnp.uint32)
+
+        return d, all_counters, counters_at
+    return values.shape[0], (lambda: values), (lambda i: values[i])
+
+
+def _sampled_threshold(gather, d: int, s: int, jmax: int, key, k, kk, keys_of, margin: float) -> Array:
+    """The sampled threshold ``lo >= 0`` of :func:`_sample_plan`: the ``j``-th largest of ``s`` keys drawn
+    uniformly (with replacement) by :func:`~.random_bits.uniform_indices`, low 8 bits cleared; int32 scalar.
+
+    ``j = jmax`` for a static ``k``; for a traced ``kk`` the plan's rank for ``q = kk / d``, at most ``jmax``.
+    """
+    sample = keys_of(gather(uniform_indices(key, s, d)))
+    # Order-preserving map of the sampled keys to exactly representable floats
+    # (drop 8 low bits), so that lax.top_k's float path (a partial sort on CPU)
+    # applies. The j-th largest is taken as a masked min over *all* jmax values:
+    # slicing one element out of top_k makes XLA rewrite it into a full sort of
+    # the sample (~30x slower), and an optimization_barrier around top_k crashes
+    # XLA's TopkDecomposer inside shard_map.
+    vals = lax.top_k((sample >> 8).astype(jnp.float32), jmax)[0]
+    if k is None:
+        j: int | Array = jmax
+    else:
+        q = kk.astype(jnp.float32) / d
+        jt = jnp.ceil(s * q + _upper_excess(s * q, s * q * (1.0 - q), margin)).astype(jnp.int32) + 1
+        j = jnp.clip(jt, 1, jmax)
+    jth = jnp.min(jnp.where(jnp.arange(jmax) < j, vals, jnp.inf))
+    return jnp.maximum(jth.astype(jnp.int32) << 8, 0)
+
+
+def top_by_threshold(values, kmax: int, key, k=None, *, keys_of=_identity, margin: float = _MARGIN):
+    """:func:`top_indices`' accelerator body for large ``d``: a sampled threshold, then ``lax.top_k`` over
+    the compacted candidates only; the indices of :func:`top_by_primitive` for every input.
+
+    With ``(s, jmax, C)`` from :func:`_sample_plan`: the threshold ``lo`` is the ``j``-th largest
+    of ``s`` sampled keys (:func:`_sampled_threshold`), one pass counts ``c = #(keys >= lo)``, and
+    if ``k <= c <= C`` (``lax.cond``) the candidates' positions are compacted in index order
+    (:func:`~.compact.compact_by_primitive`, ``jnp.nonzero(size=C)``), their keys gathered (empty
+    slots ``-1``), and the exact stable ``lax.top_k`` of the ``C`` candidate keys mapped back to
+    positions and sorted. Every key of the top-``k`` set (keys above the ``k``-th largest ``t``,
+    then the lowest-indexed ties at ``t``) is ``>= t >= lo``, hence a candidate, and the
+    candidates are in index order, so top_k's stability picks the same ties as over all keys.
+    Otherwise (a sample miss, probability ``<= 2 exp(-margin^2 / 2)`` each way, or ties at
+    ``lo`` pushing ``c`` above ``C``) the branch is :func:`top_by_primitive` on all keys. Cost
+    of the common branch: the keys read about three times (count, prefix sum, scatter) and a
+    top-k of ``C ~ k + O(sqrt(k d / s))`` keys, instead of a sort of ``d`` keys.
+
+    Args and returns as :func:`top_indices` (``values`` a ``(d,)`` array or the int ``d``; ``k``
+    traced ``<= kmax``, default ``kmax``); the path is ``PATH_SAMPLED`` for the candidates'
+    branch, ``PATH_PRIMITIVE`` for ``lax.top_k`` over all keys. Without a
+    sampling plan (``d <= SMALL``, ``kmax >= d``, or a capacity near ``d``) it is
+    :func:`top_by_primitive` alone.
+    """
+    d, all_values, gather = _readers(values)
+    kk = jnp.int32(kmax) if k is None else jnp.asarray(k, jnp.int32)
+    plan = _sample_plan(d, kmax, margin) if d > SMALL and 0 < kmax < d else None
+    if plan is None:
+        return top_by_primitive(keys_of(all_values()), kk, kmax), jnp.int32(PATH_PRIMITIVE)
+    s, jmax, cap = plan
+    lo = _sampled_threshold(gather, d, s, jmax, key, k, kk, keys_of, margin)
+    count = jnp.sum(keys_of(all_values()) >= lo, dtype=jnp.int32)
+    zero = jnp.zeros_like(count)  # device-varying like the branches inside shard_map (lax.cond types agree)
+
+    def candidates():
+        pos = compact_by_primitive(keys_of(all_values()) >= lo, cap)[0]
+        ck = jnp.where(jnp.arange(cap, dtype=jnp.int32) < count, keys_of(gather(pos)), -1)
+        return top_by_primitive(ck, kk, kmax, positions=pos) + zero, jnp.int32(PATH_SAMPLED) + zero
+
+    def everything():
+        return top_by_primitive(keys_of(all_values()), kk, kmax) + zero, jnp.int32(PATH_PRIMITIVE) + zero
+
+    return lax.cond((count >= kk) & (count <= cap), candidates, everything)
 
 
 def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: float = _MARGIN):
@@ -218,8 +321,10 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
     which turns them into selects). Small arrays use a stable sort. Every
     branch returns the same indices in the same order. That is the body
     lowered for CPU; lowered for ``cuda``, ``rocm`` or ``tpu`` the selection
-    is :func:`top_by_primitive` (``PATH_PRIMITIVE``), the same indices in the
-    same order.
+    is :func:`top_by_primitive` (``PATH_PRIMITIVE``) below
+    ``ACCELERATOR_SAMPLED_MIN`` keys and :func:`top_by_threshold` (the same
+    sample, ``lax.top_k`` among the candidates: ``PATH_SAMPLED``, else over all
+    keys: ``PATH_PRIMITIVE``) from there on, the same indices in the same order.
     """
     idx, path, _ = _top_indices(values, kmax, key, k, keys_of, margin, None)
     return idx, path
@@ -278,7 +383,8 @@ def top_indices_reusing(values, kmax: int, key, state, *, keys_of=_identity, mar
     ``[k / 16, C_r]``.
 
     Lowered for ``cuda``, ``rocm`` or ``tpu`` nothing is reused: the selection is
-    :func:`top_by_primitive` (``PATH_PRIMITIVE``) and the state is returned unchanged.
+    :func:`top_indices`' accelerator body (its path is returned) and the state is
+    returned unchanged.
 
     Args:
       values, kmax, key, keys_of, margin: as :func:`top_indices`.
@@ -295,8 +401,7 @@ def top_indices_reusing(values, kmax: int, key, state, *, keys_of=_identity, mar
         return idx, path, state
 
     def accelerator():
-        idx = top_by_primitive(keys_of(values), jnp.int32(kmax), kmax)
-        return idx, jnp.int32(PATH_PRIMITIVE), state
+        return *_top_accelerator(values, kmax, key, None, keys_of, margin), state
 
     return typed_platform_dependent(
         cpu=lambda: _top_reusing_cpu(values, kmax, key, state, keys_of, margin, cap_r),
@@ -344,27 +449,21 @@ def _next_guess(lo, t, count, k: int, aim) -> Array:
     return jnp.where((count > k) & (lo >= 0), jnp.clip(g, 0, _NAN_KEY), jnp.int32(NO_GUESS))
 
 
+def _top_accelerator(values, kmax: int, key, k, keys_of, margin: float):
+    """:func:`top_indices` lowered for ``cuda``, ``rocm`` or ``tpu``: :func:`top_by_threshold` from
+    ``ACCELERATOR_SAMPLED_MIN`` keys up, else :func:`top_by_primitive`; ``(indices, path)``."""
+    d, all_values, _ = _readers(values)
+    if d >= ACCELERATOR_SAMPLED_MIN:
+        return top_by_threshold(values, kmax, key, k, keys_of=keys_of, margin=margin)
+    kk = jnp.int32(kmax) if k is None else jnp.asarray(k, jnp.int32)
+    return top_by_primitive(keys_of(all_values()), kk, kmax), jnp.int32(PATH_PRIMITIVE)
+
+
 def _top_indices(values, kmax: int, key, k, keys_of, margin: float, target, by_platform: bool = True):
     """:func:`top_indices`, plus the next guess of :func:`top_indices_reusing` when ``target`` is given
     (:data:`NO_GUESS` otherwise); ``by_platform=False``: the CPU body whatever the platform (for a
     caller that already chose it)."""
-    if isinstance(values, int):  # the counters 0..d-1: rebuilt where read, never a stored operand
-        d = values
-
-        def all_values():
-            return jnp.arange(d, dtype=jnp.uint32)
-
-        def gather(i):
-            return i.astype(jnp.uint32)
-    else:
-        d = values.shape[0]
-
-        def all_values():
-            return values
-
-        def gather(i):
-            return values[i]
-
+    d, all_values, gather = _readers(values)
     kk = jnp.int32(kmax) if k is None else jnp.asarray(k, jnp.int32)
     no_guess = jnp.int32(NO_GUESS)
     if kmax == 0 or d == 0:
@@ -375,7 +474,7 @@ def _top_indices(values, kmax: int, key, k, keys_of, margin: float, target, by_p
         return _sorted_top(keys_of(all_values()), kk, kmax), jnp.int32(PATH_FULL), no_guess
 
     def accelerator():
-        return top_by_primitive(keys_of(all_values()), kk, kmax), jnp.int32(PATH_PRIMITIVE), no_guess
+        return *_top_accelerator(values, kmax, key, k, keys_of, margin), no_guess
 
     def cpu():
         return _top_sampled(all_values, gather, d, kmax, key, k, kk, keys_of, margin, target)
@@ -398,22 +497,7 @@ def _top_sampled(all_values, gather, d: int, kmax: int, key, k, kk, keys_of, mar
     if plan is None:
         return full(), jnp.int32(PATH_FULL), no_guess
     s, jmax, cap = plan
-    sample = keys_of(gather(uniform_indices(key, s, d)))
-    # Order-preserving map of the sampled keys to exactly representable floats
-    # (drop 8 low bits), so that lax.top_k's float path (a partial sort on CPU)
-    # applies. The j-th largest is taken as a masked min over *all* jmax values:
-    # slicing one element out of top_k makes XLA rewrite it into a full sort of
-    # the sample (~30x slower), and an optimization_barrier around top_k crashes
-    # XLA's TopkDecomposer inside shard_map.
-    vals = lax.top_k((sample >> 8).astype(jnp.float32), jmax)[0]
-    if k is None:
-        j = jmax
-    else:
-        q = kk.astype(jnp.float32) / d
-        jt = jnp.ceil(s * q + _upper_excess(s * q, s * q * (1.0 - q), margin)).astype(jnp.int32) + 1
-        j = jnp.clip(jt, 1, jmax)
-    jth = jnp.min(jnp.where(jnp.arange(jmax) < j, vals, jnp.inf))
-    lo = jnp.maximum(jth.astype(jnp.int32) << 8, 0)
+    lo = _sampled_threshold(gather, d, s, jmax, key, k, kk, keys_of, margin)
     words = pack_bits(keys_of(all_values()) >= lo, 1, jnp.uint32)
     count = jnp.sum(popcount(words), dtype=jnp.int32)  # int32 with x64 too (cond branches agree)
     # The common case runs outside any lax.cond: compacting the first C candidates and the
