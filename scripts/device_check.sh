@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU device check: prepares Python, then runs experiments/benchmarks/device_check.py, which writes
 # device_check.json (compile time of every compressor at 26M entries, the GRACE comparison at 10 and 100 MiB,
-# the elementwise compressors' bandwidth against HBM, a VGG16 step's compression overhead) to the output folder.
+# the elementwise compressors' bandwidth against HBM, a VGG16 step's compression overhead, the accelerator top-k
+# bodies side by side) to the output folder.
 # About 8 minutes on one GPU: the parts share --budget seconds (default 450), the set-up takes the rest.
 #
 # usage (from anywhere):  bash scripts/device_check.sh [--out DIR] [--smoke] [device_check.py options]

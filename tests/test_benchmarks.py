@@ -615,9 +615,13 @@ def test_device_check_smoke(tmp_path):
     grace = res["parts"]["grace"]["results"]
     assert [r["method"] for r in grace["results"]] == ["fp16"] and grace["machine"]["device"] == "cpu"
     assert res["parts"]["step"]["results"]["trees"]["tiny"]["results"]["signsgd"]["ratio"] > 0
+    select = res["parts"]["select"]["results"]
+    assert select["meta"]["smoke"] and select["identical"] and select["select"] and select["compressors"]
+    assert res["targets"]["selection bodies give identical indices"] == dict(met=True)
     assert "python:" in res["setup_log"]
     text = check.markdown_tables(res)
     assert "| fp16 | " in text and "| memory pass 2x+1 | " in text and "| tiny step |" in text
+    assert "| select | 4,096 |" in text and "| topk | 2,048 | 0.01 |" in text
     # The committed GPU run: the page shows exactly the tables --markdown prints from its JSON.
     saved = json.loads((BENCH / "results" / "device_check_h200.json").read_text())
     tables = check.markdown_tables(saved).split("\n\n")[1:]

@@ -2,7 +2,7 @@
 
 Run by ``scripts/device_check.sh`` (which prepares the Python environment first);
 on one GPU the whole check stays within ``--budget`` seconds (default 450: with
-the set-up, 8 minutes). Four parts, each in its own subprocess under its own time
+the set-up, 8 minutes). Five parts, each in its own subprocess under its own time
 limit (``PART_BUDGETS``, cut to what is left of the whole budget), each going on
 if another fails or runs out of time:
 
@@ -27,6 +27,10 @@ if another fails or runs out of time:
 4. ``step``: ``step_overhead.py --devices 1`` on the device: a VGG16 training step
    (forward and backward on 32 CIFAR images) with each of top-k, QSGD, signSGD and
    FP16 (GRACE's memory choice) against the same step without compression.
+5. ``select``: ``gpu_select.py`` on the device: the accelerator top-k bodies
+   (``lax.top_k`` over all keys against the sampled threshold) side by side at 2.6 M
+   and 26 M entries, and the ``topk`` / ``randomk`` round trips with each; both
+   bodies' indices compared on every input. Target: identical indices.
 
 ``--smoke`` runs every part at tiny sizes on whatever platform jax finds (the
 test suite runs it on the CPU). Output: ``device_check.json`` in ``--out``, with
@@ -51,9 +55,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-PARTS = ("compile", "grace", "bandwidth", "step")
-PART_BUDGETS = {"compile": 150, "grace": 110, "bandwidth": 60, "step": 110}
-"""Seconds each part may take on the GPU (450 in all); cut to what is left of ``--budget``."""
+PARTS = ("compile", "grace", "bandwidth", "step", "select")
+PART_BUDGETS = {"compile": 110, "grace": 80, "bandwidth": 40, "step": 80, "select": 140}
+"""Seconds each part may take on the GPU (450 in all; an H200 took 18, 35, 9 and 42 s for the first four);
+cut to what is left of ``--budget``."""
 SIZE, SMOKE_SIZE = 26_214_400, 4096
 COMPILE_TARGET_S = 10.0
 BANDWIDTH_TARGET = 0.5
@@ -269,6 +274,9 @@ def evaluate(parts: dict) -> dict:
     if bw and all("of_hbm" in r for r in bw):
         low = [r["name"] for r in bw if r["of_hbm"] < BANDWIDTH_TARGET]
         targets["elementwise bandwidth >= 50 % of HBM"] = dict(met=not low, below=low)
+    select = parts.get("select", {}).get("results", {})
+    if "identical" in select:
+        targets["selection bodies give identical indices"] = dict(met=bool(select["identical"]))
     grace = parts.get("grace", {}).get("results", {})
     if grace.get("targets"):
         targets["GRACE comparison"] = grace["targets"]
@@ -338,6 +346,45 @@ def markdown_tables(result: dict) -> str:
                     ]
                     for r in grace
                     if "grace_ms" in r
+                ],
+            )
+        )
+    select = parts.get("select", {}).get("results", {})
+    if select.get("select"):
+        out.append(
+            _table(
+                ["top-k body", "d", "k", "lax.top_k ms", "sampled ms", "ratio", "path", "identical"],
+                [
+                    [
+                        "select",
+                        f"{r['d']:,}",
+                        f"{r['k']:,}",
+                        f"{r['old_ms']:.3f}",
+                        f"{r['new_ms']:.3f}",
+                        f"{r['old_over_new']:.2f}",
+                        r["new_path"],
+                        r["identical"],
+                    ]
+                    for r in select["select"]
+                ],
+            )
+        )
+    if select.get("compressors"):
+        out.append(
+            _table(
+                ["round trip", "d", "density", "lax.top_k ms", "as lowered ms", "ratio", "lowered with", "identical"],
+                [
+                    [
+                        r["name"],
+                        f"{r['d']:,}",
+                        f"{r['density']:g}",
+                        f"{r['old_ms']:.3f}",
+                        f"{r['lib_ms']:.3f}",
+                        f"{r['old_over_lib']:.2f}",
+                        r["lib_selection"],
+                        r["identical"],
+                    ]
+                    for r in select["compressors"]
                 ],
             )
         )
@@ -428,6 +475,11 @@ def main(argv=None) -> dict:
             res = run_worker_part(part, names, d, args, out, limit, args.compile_limit + 30)
         elif part == "grace":
             res = run_script_part(part, _grace_cmd(args.smoke, out), out, limit, out / "grace_compare.json")
+        elif part == "select":
+            cmd = [sys.executable, str(HERE / "gpu_select.py"), *(["--smoke"] if args.smoke else [])]
+            res = run_script_part(
+                part, [*cmd, "--out", str(out / "gpu_select.json")], out, limit, out / "gpu_select.json"
+            )
         else:
             res = run_script_part(part, _step_cmd(args.smoke, out), out, limit, out / "step_overhead.json")
         res.update(limit_s=limit, wall_s=time.monotonic() - p0)
