@@ -212,16 +212,7 @@ def topk_floor(ratio: float = 0.01):
         vals, idx = sp._sparse_payload(x, idx)
         return sp.SparsePayload(values=vals, indices=idx, shape=tuple(np.shape(x)), dtype=x.dtype), state
 
-    return jc.compressors.Compressor(
-        name="topk_floor",
-        compress_fn=compress,
-        decompress_fn=sp._decompress_sparse,
-        decompress_sum=sp._decompress_sum_sparse,
-        compression_error=sp._error_sparse,
-        unbiased=False,
-        strategy="allgather",
-        params=dict(ratio=ratio),
-    )
+    return sp.sparse_compressor("topk_floor", compress, sp.sparse_hooks(), seed=0, params=dict(ratio=ratio))
 
 
 def qsgd_floor(levels: int = 64):

@@ -21,11 +21,11 @@ from .._validate import check_int, check_ratio
 from ._base import Compressor, Payload, payload_dataclass, register, static_field
 from ._bounds import ratio_of
 from ._kernels.bitpack import pack, unpack
-from ._kernels.scatter import scatter, scatter_count, subtract_sparse, sum_scatter
+from ._kernels.scatter import scatter_count
 from ._kernels.select import magnitude_keys, top_indices
 from ._primitives import dequantize, index_dtype, quantize
 from ._quantize import mean_of
-from ._sparse import num_selected
+from ._sparse import num_selected, sparse_compressor, sparse_hooks
 from ._topk import topk_indices
 
 Array = jax.Array
@@ -160,12 +160,10 @@ def adaptive(*, ratio: float, seed: int = 0) -> Compressor:
         vals = jnp.where(j < c0, p.means[0], jnp.where(j < c0 + c1, p.means[1], 0.0))
         return scatter_count(vals, p.indices, c0 + c1, p.shape, p.dtype, unique=True)
 
-    return Compressor(
-        name="adaptive",
-        compress_fn=compress,
-        decompress_fn=decompress,
-        unbiased=False,
-        strategy="allgather",
+    return sparse_compressor(
+        "adaptive",
+        compress,
+        dict(decompress_fn=decompress),
         seed=seed,
         params=dict(ratio=ratio),
         stochastic=False,
@@ -268,23 +266,10 @@ def qsparse(*, ratio: float, levels: int, seed: int = 0) -> Compressor:
         sign = unpack(p.signs, 1, k).astype(bool)
         return dequantize(level, sign, p.norm, p.num_levels, jnp.float32)
 
-    def decompress(p: QSparsePayload):
-        return scatter(values(p), p.indices, p.shape, p.dtype, unique=True)
-
-    def decompress_sum(g: QSparsePayload, dtype):
-        return sum_scatter(jax.vmap(values)(g), g.indices, g.shape, dtype, value_dtype=g.dtype)
-
-    def compression_error(x, p: QSparsePayload):
-        return subtract_sparse(x, values(p), p.indices)
-
-    return Compressor(
-        name="qsparse",
-        compress_fn=compress,
-        decompress_fn=decompress,
-        decompress_sum=decompress_sum,
-        compression_error=compression_error,
-        unbiased=False,
-        strategy="allgather",
+    return sparse_compressor(
+        "qsparse",
+        compress,
+        sparse_hooks(values),
         seed=seed,
         params=dict(ratio=ratio, levels=levels),
         stochastic=True,

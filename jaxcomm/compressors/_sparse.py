@@ -34,6 +34,7 @@ This module holds the sparse payload formats and their codecs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._bitcount import BitCount
-from ._base import Payload, payload_dataclass, static_field
+from ._base import Compressor, Payload, payload_dataclass, static_field
 from ._kernels.bitpack import bytes_to_words, unpack
 from ._kernels.compact import SMALL, compact, compact_words
 from ._kernels.scatter import scatter, scatter_count, scatters_whole_buffer, subtract_sparse, sum_scatter
@@ -135,17 +136,58 @@ class MaskSparsePayload(Payload):
         return BitCount.product(self.count, bits_of(self.values.dtype)) + self.mask.shape[0] * 8
 
 
-def _decompress_sparse(p: SparsePayload):
-    return scatter(p.values, p.indices, p.shape, p.dtype, unique=True)
+def sparse_hooks(values: Callable | None = None) -> dict:
+    """The decoding hooks of a payload of ``k`` values at distinct flat ``indices`` (:class:`SparsePayload`'s
+    layout: ``indices`` ``(k,)``, static ``shape`` and ``dtype``), as :class:`Compressor` keywords:
+
+    * ``decompress_fn``: ``p -> x_hat``, the ``k`` values scattered into zeros of ``shape`` (a scatter-set);
+    * ``decompress_sum``: ``(g, dtype) -> Σ_i decompress(g[i])`` over ``n`` payloads stacked on a leading
+      axis, one scatter-add of all ``n k`` entries;
+    * ``compression_error``: ``(x, p) -> x − decompress(p)``, the sent entries of ``x`` zeroed in place.
+
+    Args:
+      values: ``p -> (k,)`` the values a payload decodes to (a quantized format's dequantizer, float32);
+        ``None``: the payload's ``values`` field as it is.
+    """
+
+    def decoded(p):
+        return p.values if values is None else values(p)
+
+    def decompress(p):
+        return scatter(decoded(p), p.indices, p.shape, p.dtype, unique=True)
+
+    def decompress_sum(g, dtype):
+        stacked = g.values if values is None else jax.vmap(values)(g)
+        return sum_scatter(stacked, g.indices, g.shape, dtype, value_dtype=g.dtype)
+
+    def compression_error(x, p):
+        return subtract_sparse(x, decoded(p), p.indices)
+
+    return dict(decompress_fn=decompress, decompress_sum=decompress_sum, compression_error=compression_error)
+
+
+def sparse_compressor(name: str, compress, hooks: dict, *, seed: int, params: dict, **facts) -> Compressor:
+    """A sparsifier's :class:`Compressor`: biased, its payloads gathered (strategy ``"allgather"``).
+
+    ``hooks``: its format's decoding hooks (``decompress_fn``, and ``decompress_sum`` and
+    ``compression_error`` where the format has them: :func:`sparse_hooks`, :func:`count_sparse_hooks`);
+    ``facts``: its declared bound and randomness (``contraction=``, ``bound=``, ``stochastic=``, ...) and
+    its state (``init_state=``), passed on.
+    """
+    return Compressor(
+        name=name,
+        compress_fn=compress,
+        unbiased=False,
+        strategy="allgather",
+        seed=seed,
+        params=params,
+        **hooks,
+        **facts,
+    )
 
 
 def _decompress_count(p: CountSparsePayload):
     return scatter_count(p.values, p.indices, p.count, p.shape, p.dtype, p.scale, unique=True)
-
-
-def _decompress_sum_sparse(g: SparsePayload, dtype):
-    """``decompress_sum`` of stacked :class:`SparsePayload` (top-k): one scatter."""
-    return sum_scatter(g.values, g.indices, g.shape, dtype, value_dtype=g.dtype)
 
 
 def _decompress_sum_count(g: CountSparsePayload, dtype):
@@ -165,17 +207,18 @@ def _decompress_sum_count(g: CountSparsePayload, dtype):
     return total
 
 
-def _error_sparse(x, p: SparsePayload):
-    """``compression_error`` of :class:`SparsePayload` (top-k): one scatter into ``x``."""
-    return subtract_sparse(x, p.values, p.indices)
-
-
 def _error_count(x, p: CountSparsePayload):
     """``compression_error`` of :class:`CountSparsePayload`: one scatter into ``x`` when the
     buffer is small (``cap <= d / 16``), else ``x − decompress(p)`` (which skips unused slots)."""
     if scatters_whole_buffer(p.values.shape[0], int(np.size(x))):
         return subtract_sparse(x, p.values, p.indices, p.scale)
     return x - _decompress_count(p).astype(x.dtype)
+
+
+def count_sparse_hooks() -> dict:
+    """The decoding hooks of a :class:`CountSparsePayload` (a fixed-capacity buffer and its count), as
+    :class:`Compressor` keywords (``decompress_fn``, ``decompress_sum``, ``compression_error``)."""
+    return dict(decompress_fn=_decompress_count, decompress_sum=_decompress_sum_count, compression_error=_error_count)
 
 
 def _decompress_mask(p: MaskSparsePayload):

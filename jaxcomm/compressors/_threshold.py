@@ -22,13 +22,7 @@ from ._kernels.compact import SMALL, compact, compact_words
 from ._kernels.random_bits import uniform_indices
 from ._kernels.select import top_indices
 from ._primitives import flat32
-from ._sparse import (
-    CountSparsePayload,
-    _decompress_count,
-    _decompress_sum_count,
-    _error_count,
-    _sparse_payload,
-)
+from ._sparse import CountSparsePayload, _sparse_payload, count_sparse_hooks, sparse_compressor
 
 Array = jax.Array
 
@@ -280,16 +274,4 @@ def _count_sparse(name: str, compress, seed: int, params: dict, **facts) -> Comp
     buffer and its count), with that payload's decoder, gathered sum and in-place error. It sends
     entries exactly or drops them, so it is non-expansive (``contraction=0``); ``facts``: the rest of
     its declared bound (``bound=``, the source; ``local_contraction=``) and its randomness."""
-    return Compressor(
-        name=name,
-        compress_fn=compress,
-        decompress_fn=_decompress_count,
-        decompress_sum=_decompress_sum_count,
-        compression_error=_error_count,
-        unbiased=False,
-        strategy="allgather",
-        seed=seed,
-        params=params,
-        contraction=0.0,
-        **facts,
-    )
+    return sparse_compressor(name, compress, count_sparse_hooks(), seed=seed, params=params, contraction=0.0, **facts)

@@ -9,14 +9,7 @@ import numpy as np
 from .._validate import check_bool, check_int, check_ratio
 from ._base import Compressor, no_state, register
 from ._kernels.select import magnitude_keys, reuse_state, top_indices, top_indices_reusing
-from ._sparse import (
-    SparsePayload,
-    _decompress_sparse,
-    _decompress_sum_sparse,
-    _error_sparse,
-    _sparse_payload,
-    num_selected,
-)
+from ._sparse import SparsePayload, _sparse_payload, num_selected, sparse_compressor, sparse_hooks
 
 
 def topk_indices(x, k: int, key=None):
@@ -99,15 +92,11 @@ def topk(*, ratio: float, seed: int = 0, reuse_threshold: bool = False, dense_be
         d = int(np.size(x))
         return reuse_state(selected(ratio, dense_below, d), d)
 
-    return Compressor(
-        name="topk",
-        compress_fn=compress,
-        decompress_fn=_decompress_sparse,
-        decompress_sum=_decompress_sum_sparse,
-        compression_error=_error_sparse,
+    return sparse_compressor(
+        "topk",
+        compress,
+        sparse_hooks(),
         init_state=init_state if reuse_threshold else no_state,
-        unbiased=False,
-        strategy="allgather",
         seed=seed,
         stochastic=False,
         contraction=lambda d: selected(ratio, dense_below, d) / d,
