@@ -40,8 +40,8 @@ __all__ = ["main", "train"]
 
 
 def _setup(cfg: dict, rank: int):
-    """``(loss, params0, batches)``: this seed's model (the study's :func:`~.run._model`), its
-    cross-entropy loss, and this worker's ``(images, labels, dropout key)`` of every step ``t``: row
+    """``(loss, grad, params0, batches)``: this seed's model (the study's :func:`~.run._model`), its
+    cross-entropy loss and its jitted gradient (one compilation for every method), and this worker's ``(images, labels, dropout key)`` of every step ``t``: row
     ``rank`` of the global batches of ``jaxcomm run eventgrad``'s simulation and the key
     ``split(fold_in(key, 100 + t), P)[rank]`` (those of :func:`jaxcomm.algorithms.simulate_decentralized`)."""
     import jax
@@ -73,10 +73,10 @@ def _setup(cfg: dict, rank: int):
         logits, _ = pure.apply(params, pure.model_state, images, train=True, rngs=k)
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-    return loss, pure.params, batches
+    return loss, jax.jit(jax.grad(loss)), pure.params, batches
 
 
-def _stepper(method: str, cfg: dict, loss, params0, batches, world):
+def _stepper(method: str, cfg: dict, setup: tuple, world):
     """``(step, init, counts, close)`` of ``method``, its step compiled: ``step(params, state, images,
     labels, k)`` -> ``(params, state, fired)``; ``counts()`` -> ``(messages, payload_bytes,
     exchange_s)`` so far; ``close()`` frees the windows (collective)."""
@@ -87,10 +87,10 @@ def _stepper(method: str, cfg: dict, loss, params0, batches, world):
     from jaxcomm.algorithms import OneSidedEventGrad, dpsgd, eventgrad
     from jaxcomm.comm import MPIComm
 
+    loss, grad, params0, batches = setup
     n = world.Get_size()
     topo = topology.ring(n)
     tx = optax.sgd(float(cfg["lr"]), momentum=float(cfg["momentum"]) or None)
-    grad = jax.jit(jax.grad(loss))
     leaves = jax.tree.leaves(params0)
     deg = int(topo.degrees[world.Get_rank()])
     if method == "dpsgd_sendrecv":
@@ -151,8 +151,8 @@ def train(method: str, cfg: dict, setup: tuple, out: Path) -> None:
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
-    loss, params0, batches = setup
-    step, init, counts, close = _stepper(method, cfg, loss, params0, batches, world)
+    _, _, params0, batches = setup
+    step, init, counts, close = _stepper(method, cfg, setup, world)
     every = int(cfg["eval_every"])
     snaps, snap_steps, times, fired = [], [], [], []
     clock = {"train_s": 0.0, "first_step_s": 0.0}
