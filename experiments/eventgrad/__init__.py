@@ -27,7 +27,7 @@ EXPERIMENT = register_experiment(
 RING = register_experiment(
     Experiment(
         name="eventgrad-ring",
-        description="EventGraD vs D-PSGD (and + top-K) over MPI one-sided windows on a ring, emulated link, to plateau, seeds",
+        description="EventGraD vs D-PSGD (+ top-K), MPI one-sided windows on a ring, emulated link, to plateau, seeds",
         config_type=EventGradRingConfig,
         runner=f"{__name__}.ring:run",
     )

@@ -76,7 +76,7 @@ def staleness(fired, sizes) -> float:
     """
     f = np.asarray(fired, bool)
     f = f[None] if f.ndim == 2 else f
-    p, t, _ = f.shape
+    t = f.shape[1]
     idx = np.where(f, np.arange(t)[None, :, None], 0)
     last = np.maximum.accumulate(idx, axis=1)
     age = np.arange(t)[None, :, None] - last  # [P, T, L]
@@ -252,7 +252,8 @@ def verdicts(records: list[dict], config: EventGradRingConfig) -> list[dict]:
     if "eventgrad" in methods:
         claim("EventGraD: fewer messages than D-PSGD (% of D-PSGD's)", f"{pct} % (4 PEs; 'up to 60 %' fewer)",
               "eventgrad", "percent_messages", *band(pct), side=(0.0, 100.0))  # fmt: skip
-        claim("EventGraD: D-PSGD's accuracy (plateau difference, points)", f"{event - regular:+.1f} ({event} vs {regular})",
+        claim("EventGraD: D-PSGD's accuracy (plateau difference, points)",
+              f"{event - regular:+.1f} ({event} vs {regular})",
               "eventgrad", "accuracy_vs_dpsgd", -tol, tol)  # fmt: skip
         claim("EventGraD: less time to D-PSGD's accuracy (time-to-target ratio)",
               "implied ('reduction in ... the time ... overhead of communication'), not measured",

@@ -41,7 +41,8 @@ __all__ = ["main", "train"]
 
 def _setup(cfg: dict, rank: int):
     """``(loss, grad, params0, batches)``: this seed's model (the study's :func:`~.run._model`), its
-    cross-entropy loss and its jitted gradient (one compilation for every method), and this worker's ``(images, labels, dropout key)`` of every step ``t``: row
+    cross-entropy loss and its jitted gradient (one compilation for every method), and this
+    worker's ``(images, labels, dropout key)`` of every step ``t``: row
     ``rank`` of the global batches of ``jaxcomm run eventgrad``'s simulation and the key
     ``split(fold_in(key, 100 + t), P)[rank]`` (those of :func:`jaxcomm.algorithms.simulate_decentralized`)."""
     import jax
@@ -94,8 +95,8 @@ def _stepper(method: str, cfg: dict, setup: tuple, world):
     leaves = jax.tree.leaves(params0)
     deg = int(topo.degrees[world.Get_rank()])
     if method == "dpsgd_sendrecv":
-        alg = dpsgd(topo, tx, comm=MPIComm(world))
-        step = jax.jit(lambda p, s, x, y, k: alg.step(p, jax.grad(loss)(p, x, y, k), s))
+        two_sided = dpsgd(topo, tx, comm=MPIComm(world))
+        step = jax.jit(lambda p, s, x, y, k: two_sided.step(p, jax.grad(loss)(p, x, y, k), s))
         done = [0]
         all_fired = np.ones(len(leaves), bool)
         nbytes = sum(int(x.size) * x.dtype.itemsize for x in leaves)
@@ -106,9 +107,9 @@ def _stepper(method: str, cfg: dict, setup: tuple, world):
 
         # Compiled before the clock: one throw-away step (every worker takes it: it exchanges).
         x0, y0 = np.zeros_like(batches[0][0]), np.zeros_like(batches[0][1])
-        jax.block_until_ready(step(params0, alg.init(params0), x0, y0, jax.random.key(0)))
+        jax.block_until_ready(step(params0, two_sided.init(params0), x0, y0, jax.random.key(0)))
         counts = lambda: (done[0] * len(leaves) * deg, done[0] * nbytes * deg, 0.0)
-        return step_two_sided, alg.init, counts, lambda: None
+        return step_two_sided, two_sided.init, counts, lambda: None
     every = method == "dpsgd"  # D-PSGD: every tensor fires every step
     alg = eventgrad(
         topo,
@@ -187,7 +188,8 @@ def train(method: str, cfg: dict, setup: tuple, out: Path) -> None:
         messages=messages,
         payload_bytes=payload_bytes,
         exchange_s=exchange_s,
-        **clock,
+        train_s=clock["train_s"],
+        first_step_s=clock["first_step_s"],
         **link,
     )
 
