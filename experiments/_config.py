@@ -46,6 +46,9 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "seed": _SEED,
     **dict.fromkeys(("PaperClaimsConfig.seeds", "TimeToQualityConfig.seeds"), _SEED),
     "snapshots_per_epoch": _COUNT,
+    **dict.fromkeys(("EventGradRingConfig.iterations", "plateau_evals"), _COUNT),
+    **dict.fromkeys(("plateau_points", "target_points", "same_accuracy_points"), _POSITIVE),
+    "EventGradRingConfig.seeds": _SEED,
 }
 """Ranges of the studies' numeric fields, by field name, or ``"ConfigClass.field"`` where one study
 gives a name another meaning: ``(low, high, low inclusive, high inclusive)``. A tuple field's range

@@ -1,13 +1,18 @@
-"""``jaxcomm run eventgrad``: EventGraD Tables 1-2 and Figs. 1/4/5, D-PSGD vs event-triggered exchange.
+"""EventGraD (Ghosh et al.): D-PSGD against event-triggered exchange on a ring.
 
-Registration only (no JAX import); the runner is :mod:`experiments.eventgrad.run`.
+* ``jaxcomm run eventgrad`` (Tables 1-2, Figs. 1/4/5): workers simulated with ``jax.vmap``.
+* ``jaxcomm run eventgrad-ring``: 4 MPI processes on one-sided windows on an emulated link, trained
+  to a plateau, several seeds, with verdicts.
+
+Registration only (no JAX import); the runners are :mod:`experiments.eventgrad.run` and
+:mod:`experiments.eventgrad.ring`, the per-rank MPI worker :mod:`experiments.eventgrad.worker`.
 """
 
 from jaxcomm.studies import Experiment, register_experiment
 
-from .config import EventGradConfig
+from .config import EventGradConfig, EventGradRingConfig
 
-__all__ = ["EXPERIMENT", "EventGradConfig"]
+__all__ = ["EXPERIMENT", "RING", "EventGradConfig", "EventGradRingConfig"]
 
 EXPERIMENT = register_experiment(
     Experiment(
@@ -18,3 +23,13 @@ EXPERIMENT = register_experiment(
     )
 )
 """The registered experiment."""
+
+RING = register_experiment(
+    Experiment(
+        name="eventgrad-ring",
+        description="EventGraD vs D-PSGD (+ top-K), MPI one-sided windows on a ring, emulated link, to plateau, seeds",
+        config_type=EventGradRingConfig,
+        runner=f"{__name__}.ring:run",
+    )
+)
+"""The registered ``eventgrad-ring`` experiment."""

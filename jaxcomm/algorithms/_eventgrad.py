@@ -468,7 +468,8 @@ class OneSidedEventGrad:
     Args:
       algorithm: the :class:`EventGrad`.
       params: this worker's initial parameters.
-      **exchange_options: ``comm``, ``lockstep``, ``timeout``, ``abort_on_fault``: passed on to
+      **exchange_options: ``comm``, ``lockstep``, ``timeout``, ``abort_on_fault``, ``shared_memory``
+        (``False`` on an emulated link, so that the puts cross it): passed on to
         ``RMAExchange`` (the MPI windows this object exchanges through; ``jaxcomm.comm._rma``), with
         its defaults.
 

@@ -113,6 +113,11 @@ class RMAExchange:
         :class:`RMAExchangeTimeout` naming the workers that did not arrive (default 60).
       abort_on_fault: when such a fault leaves the ``with`` block, print it on stderr
         and ``MPI_Abort`` the job (default ``True``).
+      shared_memory: ``True`` (default): the window is ``MPI_Win_allocate``'d, and Open MPI maps
+        the windows of processes on one host into shared memory, where a put is a plain copy.
+        ``False``: ``MPI_Win_create`` on ``MPI_Alloc_mem`` memory, so every put goes through the
+        transport (TCP on :func:`jaxcomm.netem.launch`'s emulated link, which then counts and
+        shapes it).
 
     Attributes (cumulative counters of this worker):
       puts: ``MPI_Put`` calls (one per fired tensor per neighbour: the paper's messages).
@@ -133,6 +138,7 @@ class RMAExchange:
         lockstep: bool = False,
         timeout: float = 60.0,
         abort_on_fault: bool = True,
+        shared_memory: bool = True,
     ):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == np.inf:
             raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
@@ -169,7 +175,11 @@ class RMAExchange:
         self.num_slots = self.topology.num_permutations
         self.leaf_offsets = np.concatenate([[0], np.cumsum(self.nbytes)[:-1]]).astype(np.int64)
         size = max(1, self.num_slots * self.slot_bytes)
-        self.win = MPI.Win.Allocate(size, disp_unit=1, comm=self.comm)
+        self._mem = None if shared_memory else MPI.Alloc_mem(size)
+        if self._mem is None:
+            self.win = MPI.Win.Allocate(size, disp_unit=1, comm=self.comm)
+        else:
+            self.win = MPI.Win.Create(self._mem, disp_unit=1, comm=self.comm)
         self._buf = np.frombuffer(self.win.tomemory(), dtype=np.uint8)[: self.num_slots * self.slot_bytes]
         # Outgoing real edges: (slot k at the destination, destination rank).
         send_mask = self.topology.send_mask()
@@ -272,6 +282,8 @@ class RMAExchange:
             self._barrier("free")
             self.win.Free()
             self._pwin.Free()
+            if self._mem is not None:
+                self._MPI.Free_mem(self._mem)
             self._freed = True
 
     def __enter__(self):
