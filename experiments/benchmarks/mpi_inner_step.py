@@ -67,7 +67,10 @@ def programs(t: Trainer, state, batches) -> dict:
     step = t.step_fn
     return {
         "calls": dict(step.calls),
-        "effects": {name: sorted(map(str, getattr(step, name).trace(state, batch).jaxpr.effects)) for name in step.calls},
+        "effects": {
+            name: sorted(type(e).__name__ for e in getattr(step, name).trace(state, batch).jaxpr.effects)
+            for name in step.calls
+        },
     }
 
 
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     every_rank = world.gather(mine)
     if rank == 0:
         for r, row in enumerate(every_rank):
-            print(r, json.dumps({k: {m: (round(v, 2) if isinstance(v, float) else v) for m, v in d.items()} for k, d in row.items()}))
+            rounded = {k: {m: round(v, 2) if isinstance(v, float) else v for m, v in d.items()} for k, d in row.items()}
+            print(r, json.dumps(rounded))
         if args.out is not None:
             result = {"procs": n, "every": args.every, "repeats": args.repeats, "ranks": every_rank}
             args.out.write_text(json.dumps(result, indent=1))

@@ -150,11 +150,14 @@ def make_train_step(
         that also make every process wait for the slowest at every step. ``False``:
         each process reports its own worker's metrics, and a step whose optimizer
         sends nothing (local SGD's and DiLoCo's inner steps) runs no collective at
-        all. On a mesh the metrics come back per worker without a collective either
-        way.
+        all: the step is then a :class:`ScheduledStep`, whose quiet program (no
+        branch of a scheduled transform that communicates, so over MPI no ordered
+        effect and JAX's fast dispatch) runs those steps. On a mesh the metrics
+        come back per worker without a collective either way.
 
     Returns:
-      The jitted step. Metrics come back per worker (leading axis on a mesh):
+      The jitted step (with ``comm`` and ``gather_metrics=False``, a
+      :class:`ScheduledStep` called the same way). Metrics come back per worker (leading axis on a mesh):
       ``loss``, ``wire_bits`` (per-tensor :class:`~jaxcomm.BitCount` counts, :func:`collect_counter`;
       with ``comm``, every worker's, gathered: ``[workers, tensors]``; with
       ``gather_metrics=False``, this worker's: ``[1, tensors]``), ``messages`` (with
@@ -244,13 +247,14 @@ class ScheduledStep:
         self.full = jax.jit(functools.partial(body, quiet=False), donate_argnums=donate_argnums)
         self.quiet = jax.jit(functools.partial(body, quiet=True), donate_argnums=donate_argnums)
         self.calls = {"full": 0, "quiet": 0}
-        self._last: tuple[list, jax.Array] | None = None  # (weak refs to the returned state's leaves, its report)
+        self._last: tuple[list, Any] | None = None  # (weak refs to the returned state's leaves, its report)
 
     def __call__(self, state, batch):
         quiet = self._quiet_for(state)
         new, metrics, quiet_next = (self.quiet if quiet else self.full)(state, batch)
         self.calls["quiet" if quiet else "full"] += 1
-        self._last = None if quiet_next is None else ([weakref.ref(x) for x in jax.tree.leaves(new.opt_state)], quiet_next)
+        refs = [weakref.ref(x) for x in jax.tree.leaves(new.opt_state)]
+        self._last = None if quiet_next is None else (refs, quiet_next)
         return new, metrics
 
     def _quiet_for(self, state) -> bool:

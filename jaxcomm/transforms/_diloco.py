@@ -145,6 +145,10 @@ def diloco(
        ``θ'_{i,q} ← α θ'_{i,q} + (1 − α) θ̃_q`` and ``θ_q ← θ̃_q``;
     4. the update is ``θ'_i − θ_i``.
 
+    While the trainer's step traces it (:mod:`jaxcomm.transforms._schedule`), ``update`` reports
+    whether step ``t + 1`` sends or receives, and in the step's quiet program (run only where that
+    report said no) it traces stages 2 and 3 as their no-communication branches alone.
+
     With ``every = 1``, ``outer = optax.sgd(1.0)``, no compressor and a memoryless ``inner``
     (``optax.sgd(lr)``), this is data-parallel SGD: ``θ ← θ − lr ḡ``. With ``every = H``,
     ``outer = sgd(1.0)``, it is local SGD with periodic averaging.
