@@ -647,7 +647,10 @@ def test_mpi_inner_step_summary_closed_form():
 @pytest.mark.mpi
 def test_mpi_inner_step_benchmark_tiny(tmp_path):
     """mpi_inner_step.py under mpirun -n 2, one round of two 2-step periods of each trainer: rank
-    0's JSON holds every rank's summaries of both communicators."""
+    0's JSON holds every rank's summaries of both communicators. Of the 6 steps (2 to compile, 4
+    timed) of period 2, the odd ones after the first send nothing and ran the quiet program, which
+    carries no JAX effect, where the MPI step's full program carries mpi4jax's ordered one (the
+    effect that sends a program through JAX's Python dispatch)."""
     from mpirun import run_mpi
 
     out = tmp_path / "inner.json"
@@ -660,3 +663,5 @@ def test_mpi_inner_step_benchmark_tiny(tmp_path):
             assert all(s[k] > 0 for k in ("inner_median_ms", "inner_mean_ms", "last_step_mean_ms"))
             # 4 timed steps of a 2-step period: the mean is the inner and last steps' mean, half each
             assert s["mean_ms"] == pytest.approx((s["inner_mean_ms"] + s["last_step_mean_ms"]) / 2)
+            assert s["calls"] == {"full": 4, "quiet": 2} and s["effects"]["quiet"] == []
+        assert rank["local"]["effects"]["full"] == [] and rank["mpi"]["effects"]["full"] != []

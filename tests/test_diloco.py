@@ -308,3 +308,52 @@ def test_initial_states_hold_no_buffer_twice():
         leaves = [x for x in jax.tree.leaves((params, tx.init(params))) if isinstance(x, jax.Array)]
         pointers = [x.unsafe_buffer_pointer() for x in leaves]
         assert len(pointers) == len(set(pointers))
+
+
+def test_trainer_step_runs_the_quiet_program_exactly_at_the_steps_that_send_nothing():
+    """With a communicator and per-worker metrics the step is two programs: the quiet one (no switch
+    between the inner step and the exchanges, so over MPI no collective and no ordered effect) runs
+    exactly at the steps where no fragment sends or receives, as the schedule's closed form says, and
+    the run is bit-identical to one made with the full program alone. A state whose optimizer state
+    is not the last output (a copy) runs the full program."""
+    from jaxcomm.comm import Local
+    from jaxcomm.train._step import init_train_state, make_train_step
+
+    every, fragments, delay, steps = 6, 2, 1, 13
+    period = every // fragments
+    tx = jc.diloco(optax.sgd(0.05, momentum=0.5), every=every, fragments=fragments, delay=delay)
+    scale, target, theta0 = _problem()
+    batch = {k: (jnp.asarray(scale[k][0]), jnp.asarray(target[k][0])) for k in KEYS}
+
+    def loss(params, model_state, batch, key):
+        value = sum(0.5 * jnp.sum((batch[k][0] * params[k] - batch[k][1]) ** 2) for k in KEYS)
+        return value, (model_state, {})
+
+    def init():
+        return init_train_state({k: jnp.asarray(v) for k, v in theta0.items()}, {}, tx, jnp.zeros(2))
+
+    step = make_train_step(loss, tx, comm=Local(), gather_metrics=False)
+    state, ran = init(), []
+    for _ in range(steps):
+        before = dict(step.calls)
+        state, _ = step(state, batch)
+        ran.append("quiet" if step.calls["quiet"] > before["quiet"] else "full")
+
+    def communicates(t):  # a fragment sends at t ≡ 0 (mod H/F) and receives delay steps later
+        return t % period == 0 or (t - delay >= period and (t - delay) % period == 0)
+
+    # the first step has no report before it: full
+    assert ran == ["full"] + ["full" if communicates(t) else "quiet" for t in range(2, steps + 1)]
+    assert "quiet" in ran and ran.count("full") > 1
+    alone = init()
+    for _ in range(steps):
+        alone, _, _ = step.full(alone, batch)  # the full program alone (the wrapper's choice untouched)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(alone)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert "stablehlo.case" in step.full.lower(state, batch).as_text()
+    assert "stablehlo.case" not in step.quiet.lower(state, batch).as_text()
+    copy = jax.tree.map(jnp.copy, state)
+    quiet_before = step.calls["quiet"]
+    state, _ = step(state, batch)  # step 14: quiet (14 ≡ 2 mod 3), from the last output
+    copy, _ = step(copy, batch)  # the same step from a copy: full
+    assert step.calls["quiet"] == quiet_before + 1

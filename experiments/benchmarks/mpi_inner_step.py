@@ -9,7 +9,9 @@ starting each block together (a barrier). ``--every 0`` gives the optimizer a pe
 steps, so the timed steps never sync: an inner step of each kind, and nothing else.
 
 Prints, per rank, the median and mean of the inner steps (ms), the mean of each period's last
-step (the sync), and the mean step; rank 0 writes the same as JSON to ``--out``.
+step (the sync), the mean step, and how often each of the step's two programs ran with the JAX
+effects each carries (:class:`jaxcomm.train._step.ScheduledStep`: the inner steps run the quiet
+program, which holds no collective); rank 0 writes the same as JSON to ``--out``.
 
 usage: mpirun -n 4 --oversubscribe python experiments/benchmarks/mpi_inner_step.py [--every 40]
        [--repeats 6] [--out PATH]
@@ -58,6 +60,20 @@ def summary(times_s: list[float], period: int) -> dict:
     }
 
 
+def programs(t: Trainer, state, batches) -> dict:
+    """How often each of the step's two programs ran (``calls``) and the JAX effects each carries
+    (``effects``): the quiet one, run at the steps that send nothing, holds no collective."""
+    batch = t.worker_batch(batches.batch_at(batches.position))
+    step = t.step_fn
+    return {
+        "calls": dict(step.calls),
+        "effects": {
+            name: sorted(type(e).__name__ for e in getattr(step, name).trace(state, batch).jaxpr.effects)
+            for name in step.calls
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--every", type=int, default=40, help="DiLoCo period; 0: no sync in the timed steps")
@@ -86,11 +102,12 @@ def main(argv: list[str] | None = None) -> None:
             state, hist = t.fit(state, batches, int(state.step) + 2 * period, progress=False)
             runs[name][2] = state
             times += [row["step_time"] for row in hist]
-    mine = {name: summary(r[3], period) for name, r in runs.items()}
+    mine = {name: {**summary(r[3], period), **programs(r[0], r[2], r[1])} for name, r in runs.items()}
     every_rank = world.gather(mine)
     if rank == 0:
         for r, row in enumerate(every_rank):
-            print(r, json.dumps({k: {m: round(v, 2) for m, v in d.items()} for k, d in row.items()}))
+            rounded = {k: {m: round(v, 2) if isinstance(v, float) else v for m, v in d.items()} for k, d in row.items()}
+            print(r, json.dumps(rounded))
         if args.out is not None:
             result = {"procs": n, "every": args.every, "repeats": args.repeats, "ranks": every_rank}
             args.out.write_text(json.dumps(result, indent=1))

@@ -11,6 +11,8 @@ through the ambient communicator that the step installs with
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,8 +28,9 @@ from ..comm import MeshAxis, all_gather_packed, use
 from ..comm._packing import sum_packed
 from ..transforms._accumulate import warn_multisteps
 from ..transforms._layout import map_per_worker
+from ..transforms._schedule import tracing_schedule
 
-__all__ = ["TrainState", "make_train_step", "collect_counter", "init_train_state"]
+__all__ = ["TrainState", "ScheduledStep", "make_train_step", "collect_counter", "init_train_state"]
 
 
 class TrainState(NamedTuple):
@@ -147,11 +150,14 @@ def make_train_step(
         that also make every process wait for the slowest at every step. ``False``:
         each process reports its own worker's metrics, and a step whose optimizer
         sends nothing (local SGD's and DiLoCo's inner steps) runs no collective at
-        all. On a mesh the metrics come back per worker without a collective either
-        way.
+        all: the step is then a :class:`ScheduledStep`, whose quiet program (no
+        branch of a scheduled transform that communicates, so over MPI no ordered
+        effect and JAX's fast dispatch) runs those steps. On a mesh the metrics
+        come back per worker without a collective either way.
 
     Returns:
-      The jitted step. Metrics come back per worker (leading axis on a mesh):
+      The jitted step (with ``comm`` and ``gather_metrics=False``, a
+      :class:`ScheduledStep` called the same way). Metrics come back per worker (leading axis on a mesh):
       ``loss``, ``wire_bits`` (per-tensor :class:`~jaxcomm.BitCount` counts, :func:`collect_counter`;
       with ``comm``, every worker's, gathered: ``[workers, tensors]``; with
       ``gather_metrics=False``, this worker's: ``[1, tensors]``), ``messages`` (with
@@ -163,14 +169,20 @@ def make_train_step(
     gather_metrics = check_bool(gather_metrics, "gather_metrics")
     step = _worker_step(loss_fn, tx)
     donate_argnums = (0,) if donate else ()
+    if comm is not None and not gather_metrics:  # this worker's own metrics: no collective beyond the optimizer's
+
+        def own(state, batch, quiet: bool):
+            with use(comm), tracing_schedule(quiet) as schedule:
+                new, metrics = step(state, batch)
+            metrics["wire_bits"] = BitCount.stack([metrics["wire_bits"]])
+            return new, metrics, schedule.quiet_next()
+
+        return ScheduledStep(own, donate_argnums)
     if comm is not None:
 
         def body(state, batch):
             with use(comm):
                 new, metrics = step(state, batch)
-                if not gather_metrics:  # this worker's own: no collective beyond the optimizer's
-                    metrics["wire_bits"] = BitCount.stack([metrics["wire_bits"]])
-                    return new, metrics
                 # One small allreduce so every process reports the workers' mean
                 # (and the total of ``messages``), as the mesh backend's host side does.
                 # Two collectives whatever the metrics: one packed all-gather, one all-reduce.
@@ -205,6 +217,60 @@ def make_train_step(
     # compressed_mean's guard sees a gradient jax.grad already summed over the axis.
     f = jax.shard_map(sharded, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P(axis)), check_vma=True)
     return jax.jit(f, donate_argnums=donate_argnums)
+
+
+class ScheduledStep:
+    """The step over a communicator with per-worker metrics, as two compiled programs.
+
+    ``full`` takes every branch of the transforms' schedules (DiLoCo's ``lax.switch`` between its
+    inner step and its sync); ``quiet`` is the same step traced with every scheduled transform on
+    its no-communication branch (:mod:`jaxcomm.transforms._schedule`), so it holds none of their
+    collectives. Over MPI this matters beyond the branch: a program holding an mpi4jax collective
+    carries an ordered JAX effect, and JAX dispatches such a program through its Python path
+    (thousands of Python calls and a runtime token per call) where an effect-free one takes its C++
+    fast path.
+
+    Each program also returns whether no scheduled transform communicates at the next step. A call
+    runs ``quiet`` only when its ``state`` holds, leaf for leaf, the very optimizer state the previous
+    call returned, that call's report said so, and the report is already computed (it never waits for
+    the device); otherwise ``full``, which is right at every step. Where the two may run, they
+    compute the same numbers. Without a scheduled transform in the chain only ``full`` runs. The
+    reports depend on the optimizer state only, so the check is on ``state.opt_state``'s leaves: a
+    state with other parameters (a callback's averaging) keeps the schedule, one with another
+    optimizer state (a restored checkpoint, a new ``init``) runs ``full``.
+
+    Call it as the jitted step, ``(state, batch) -> (state, metrics)``. ``calls`` counts the calls
+    of each program (``{"full": n, "quiet": m}``); ``lower(state, batch)`` lowers ``full``.
+    """
+
+    def __init__(self, body: Callable, donate_argnums: tuple[int, ...]):
+        self.full = jax.jit(functools.partial(body, quiet=False), donate_argnums=donate_argnums)
+        self.quiet = jax.jit(functools.partial(body, quiet=True), donate_argnums=donate_argnums)
+        self.calls = {"full": 0, "quiet": 0}
+        self._last: tuple[list, Any] | None = None  # (weak refs to the returned state's leaves, its report)
+
+    def __call__(self, state, batch):
+        quiet = self._quiet_for(state)
+        new, metrics, quiet_next = (self.quiet if quiet else self.full)(state, batch)
+        self.calls["quiet" if quiet else "full"] += 1
+        refs = [weakref.ref(x) for x in jax.tree.leaves(new.opt_state)]
+        self._last = None if quiet_next is None else (refs, quiet_next)
+        return new, metrics
+
+    def _quiet_for(self, state) -> bool:
+        """Whether ``state``'s optimizer state is the last call's output (the reports depend on it only)
+        and that call reported a quiet next step."""
+        if self._last is None:
+            return False
+        refs, quiet_next = self._last
+        leaves = jax.tree.leaves(state.opt_state)
+        same = len(leaves) == len(refs) and all(r() is x for r, x in zip(refs, leaves))
+        return same and quiet_next.is_ready() and bool(quiet_next)
+
+    def lower(self, state, batch):
+        """``full.lower(state, batch)``: the program that is right at every step (ahead-of-time
+        compilation, inspection)."""
+        return self.full.lower(state, batch)
 
 
 def _state_specs(state_specs, axis: str) -> TrainState:

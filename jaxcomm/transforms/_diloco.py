@@ -47,6 +47,7 @@ from ._checks import check_compressor, check_memory, choose_strategy
 from ._collectives import LOCAL, accumulator, sent_bits, sum_decompressed
 from ._compressed_mean import compressed_mean
 from ._pipeline import compress_step, scaled
+from ._schedule import quiet_step, report_next_step
 from ._state import CompressionState
 
 __all__ = ["DiLoCoState", "diloco", "fragment_leaves"]
@@ -143,6 +144,10 @@ def diloco(
        ``θ̃_q = θ_q + outer(Δ̄_q)`` (its own outer state), then
        ``θ'_{i,q} ← α θ'_{i,q} + (1 − α) θ̃_q`` and ``θ_q ← θ̃_q``;
     4. the update is ``θ'_i − θ_i``.
+
+    While the trainer's step traces it (:mod:`jaxcomm.transforms._schedule`), ``update`` reports
+    whether step ``t + 1`` sends or receives, and in the step's quiet program (run only where that
+    report said no) it traces stages 2 and 3 as their no-communication branches alone.
 
     With ``every = 1``, ``outer = optax.sgd(1.0)``, no compressor and a memoryless ``inner``
     (``optax.sgd(lr)``), this is data-parallel SGD: ``θ ← θ − lr ḡ``. With ``every = H``,
@@ -305,6 +310,17 @@ def diloco(
             means.append(scaled(total / n, float(memory.output_scale)))
         return means
 
+    def schedule(t) -> tuple[list, list]:
+        """At step ``t`` (traced int32): whether each fragment sends (``t ≡ (p + 1) H / F (mod H)``) and
+        whether each receives (``delay`` steps after it sent): two lists of ``F`` boolean scalars."""
+        phase, lag = t % every, t - delay
+        sends = [phase == ((p + 1) * period) % every for p in range(fragments)]
+        receives = [
+            jnp.logical_and(lag >= (q + 1) * period, (lag % every) == ((q + 1) * period) % every)
+            for q in range(fragments)
+        ]
+        return sends, receives
+
     def split(params) -> list[list[int]]:
         sizes = [int(np.size(x)) for x in jax.tree.leaves(params)]
         return fragment_leaves(sizes, fragments)
@@ -375,10 +391,15 @@ def diloco(
 
             return send
 
-        phase = t % every
-        sends = [phase == ((p + 1) * period) % every for p in range(fragments)]
-        send_index = _which(sends)
-        pending, exchange_states = typed_switch(send_index, [no_send] + [sender(p) for p in range(fragments)], None)
+        sends, receives = schedule(t)
+        # the step's quiet program (this step sends and receives nothing, as the last step reported):
+        # the no-communication branches only, so the program holds none of the exchange's collectives
+        static = quiet_step()
+        if static:
+            pending, exchange_states = no_send(None)
+        else:
+            senders = [no_send] + [sender(p) for p in range(fragments)]
+            pending, exchange_states = typed_switch(_which(sends), senders, None)
         synced: list | None = None
         if carry_local:  # each fragment's local parameters at its sync: what the worker learnt since is carried
             if state.synced is None or jax.tree.structure(state.synced) != treedef:
@@ -420,14 +441,12 @@ def diloco(
 
             return receive
 
-        lag = t - delay
-        receives = [
-            jnp.logical_and(lag >= (q + 1) * period, (lag % every) == ((q + 1) * period) % every)
-            for q in range(fragments)
-        ]
-        local, anchor, outer_states = typed_switch(
-            _which(receives), [no_receive] + [receiver(q) for q in range(fragments)], None
-        )
+        if static:
+            local, anchor, outer_states = no_receive(None)
+        else:
+            receivers = [no_receive] + [receiver(q) for q in range(fragments)]
+            local, anchor, outer_states = typed_switch(_which(receives), receivers, None)
+        report_next_step(jnp.any(jnp.stack(list(itertools.chain(*schedule(t + 1))))))
 
         # 4. the update of this worker's parameters, typed as the parameters vary
         outs = [
