@@ -47,7 +47,7 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     **dict.fromkeys(
         ("PaperClaimsConfig.seeds", "TimeToQualityConfig.seeds", "GradientDroppingTimeConfig.seeds"), _SEED
     ),
-    "GradientDroppingTimeConfig.compute_steps": _COUNT,
+    "GradientDroppingTimeConfig.compute_steps": _SIZE,
     "target_rtol": _POSITIVE,
     "snapshots_per_epoch": _COUNT,
 }

@@ -108,6 +108,7 @@ def test_records_summary_and_verdicts_of_known_runs():
     # The common level (the seed's highest final perplexity): 9.2, and 10.0 for seed 2 (drop99's).
     assert by[("drop99", 2)]["common_perplexity"] == 10.0 and by[("baseline", 0)]["common_perplexity"] == 9.2
     assert by[("baseline", 0)]["time_to_common_s"] == pytest.approx(38.0)  # 30 + 0.8 x 10 s
+    assert by[("baseline", 0)]["steps_to_common"] == pytest.approx(38.0)
     assert vs_base["at_common_level"] == pytest.approx([38.0 / 20.0, 38.0 / 20.0, 30.0 / 10.0])
     assert vs_drop["at_common_level"] == pytest.approx([30.4 / 20.0, 30.4 / 20.0, 32.0 / 10.0])
     raw = claims["gradient dropping raises the raw training speed"]
@@ -183,7 +184,7 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         # The kernel's count holds at least what the workers handed to the collectives.
         assert r["link_bytes"] >= r["steps"] * r["wire_bytes_per_step_after_warmup"], key
         assert r["link_share"] == pytest.approx(8 * r["link_bytes"] / 1e9 / r["time_s"]), key  # a 1 Gbit/s link
-        assert r["compute_s"] > 0 and r["comm_share"] == pytest.approx(1 - r["compute_s"] / r["step_s"]), key
+        assert r["compute_s"] is None and r["comm_share"] is None, key  # compute_steps = 0: not measured
     rows = {row["method"]: row for row in res["summary"]}
     for method in cfg.methods:
         mine = [r for r in recs if r["method"] == method]

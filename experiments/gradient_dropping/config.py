@@ -112,7 +112,8 @@ class GradientDroppingTimeConfig(StudyConfig):
       seq_len, batch_size (windows per worker and step), embed, hidden, learning_rate, drop_ratio,
         warmup_steps, sync_every, corpus_chars: as in :class:`GradientDroppingConfig`.
       compute_steps: steps timed per method with a one-worker communicator (the step without its
-        communication), all processes at once; their median is the compute-only step.
+        communication), all processes at once; their median is the compute-only step (0: not
+        measured).
       bandwidth: the emulated link's rate (tc syntax, e.g. ``"100mbit"``; one link shared by all
         processes).
       launch_timeout_s: limit of the whole ``mpirun`` job (s).
@@ -172,7 +173,8 @@ class GradientDroppingTimeConfig(StudyConfig):
 
     @classmethod
     def smoke(cls) -> GradientDroppingTimeConfig:
-        """2 processes, 8 steps of a small LSTM on 20,000 characters, baseline and PARTIAL + sync, 2 seeds."""
+        """2 processes, 8 steps of a small LSTM on 20,000 characters, baseline and PARTIAL + sync, 2 seeds;
+        no compute-only step."""
         return dataclasses.replace(
             cls.default(),
             num_procs=2,
@@ -188,7 +190,7 @@ class GradientDroppingTimeConfig(StudyConfig):
             warmup_steps=2,
             sync_every=4,
             corpus_chars=20000,
-            compute_steps=8,
+            compute_steps=0,
             bandwidth="1gbit",
             launch_timeout_s=240.0,
         )

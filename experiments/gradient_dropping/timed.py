@@ -83,13 +83,14 @@ def time_to_target(times, values, target: float) -> tuple[float | None, float | 
 
 def records(job: dict, config: GradientDroppingTimeConfig) -> list[dict]:
     """One record per run of the worker's ``job``: the target and the time and steps to it, the
-    time to the seed's common level (``common_perplexity``: the highest final perplexity of the
+    time and steps to the seed's common level (``common_perplexity``: the highest final perplexity of the
     seed's runs, which every one of them reaches; not the paper's criterion, a level where the
     speeds of runs that miss the target can still be compared), the final perplexity, the run's
     throughput and steady step, the compute-only step and the communication's share of the steady
     step, the link's and the pipeline's bytes.
 
-    ``step_s``: the mean step after the warm-up (s); ``comm_share = 1 - compute_s / step_s``;
+    ``step_s``: the mean step after the warm-up (s); ``comm_share = 1 - compute_s / step_s``
+    (``None`` where the compute-only step was not measured);
     ``steps_per_s``: steps over the run's timed seconds (warm-up included);
     ``link_bytes_per_step``: the kernel's count over the run (all ranks) per step;
     ``link_share``: the seconds the link needs at its rate for a step's bytes, over the run's mean
@@ -113,10 +114,10 @@ def records(job: dict, config: GradientDroppingTimeConfig) -> list[dict]:
             curve = r["curve"]
             clock = ([c["time_s"] for c in curve], [c["step"] for c in curve])
             t, s = time_to_target(clock, [c["perplexity"] for c in curve], target)
-            t_common, _ = time_to_target(clock, [c["perplexity"] for c in curve], common)
+            t_common, s_common = time_to_target(clock, [c["perplexity"] for c in curve], common)
             steady = r["step_times"][warm:] or r["step_times"]
             step_s = float(np.mean(steady))
-            compute_s = float(job["compute_s"][method])
+            compute_s = job["compute_s"].get(method)  # None: not measured
             out.append(
                 {
                     "method": method,
@@ -126,6 +127,7 @@ def records(job: dict, config: GradientDroppingTimeConfig) -> list[dict]:
                     "steps_to_target": s,
                     "common_perplexity": common,
                     "time_to_common_s": t_common,
+                    "steps_to_common": s_common,
                     "final_perplexity": curve[-1]["perplexity"],
                     "final_perplexity_ratio": curve[-1]["perplexity"] / base_final,
                     "steps": int(r["steps"]),
@@ -133,7 +135,7 @@ def records(job: dict, config: GradientDroppingTimeConfig) -> list[dict]:
                     "steps_per_s": int(r["steps"]) / float(r["time_s"]),
                     "step_s": step_s,
                     "compute_s": compute_s,
-                    "comm_share": 1.0 - compute_s / step_s,
+                    "comm_share": None if compute_s is None else 1.0 - compute_s / step_s,
                     "link_bytes": int(r["link_bytes"]),
                     "link_bytes_per_step": int(r["link_bytes"]) / int(r["steps"]),
                     "link_share": None if rate is None else 8 * int(r["link_bytes"]) / rate / float(r["time_s"]),
@@ -149,6 +151,7 @@ _SUMMARY_KEYS = (
     "time_to_target_s",
     "steps_to_target",
     "time_to_common_s",
+    "steps_to_common",
     "final_perplexity",
     "steps_per_s",
     "step_s",

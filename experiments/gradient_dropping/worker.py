@@ -11,7 +11,7 @@
   communicator (:class:`jaxcomm.comm.Local`; forward, backward, selection, Adam), timed on every
   rank at once so that the processes share the cores as in training
   (:func:`~experiments.network.worker.timed_steps_alone`; the median of ``compute_steps`` steps,
-  the slowest rank's, s);
+  the slowest rank's, s; empty with ``compute_steps = 0``);
 * ``runs``: per seed and method, trained with :class:`jaxcomm.train.Trainer` over
   :class:`jaxcomm.comm.MPIComm` by the studies' one loop
   (:func:`~experiments.network.worker.train_to_target`, never stopped early): ``curve`` (after
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         "compute_s": {},
         "runs": [],
     }
-    for label in cfg["methods"]:
+    for label in cfg["methods"] if int(cfg["compute_steps"]) else ():
         result["compute_s"][label] = _compute_only(label, cfg, corpus, world)
         if rank == 0:
             print(f"[compute] {label}: {result['compute_s'][label] * 1e3:.1f} ms per step without communication")
