@@ -109,8 +109,10 @@ class GradientDroppingTimeConfig(StudyConfig):
         ``num_procs``).
       target_rtol: the quality target of a seed is its baseline's final validation perplexity
         times ``1 + target_rtol``.
-      seq_len, batch_size (windows per worker and step), embed, hidden, learning_rate, drop_ratio,
-        warmup_steps, sync_every, corpus_chars: as in :class:`GradientDroppingConfig`.
+      seq_len, batch_size, embed, hidden: as in :class:`GradientDroppingConfig` (``batch_size``:
+        windows per worker and step).
+      learning_rate, drop_ratio, warmup_steps, sync_every, corpus_chars: as in
+        :class:`GradientDroppingConfig`.
       compute_steps: steps timed per method with a one-worker communicator (the step without its
         communication), all processes at once; their median is the compute-only step (0: not
         measured).

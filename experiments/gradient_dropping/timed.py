@@ -25,6 +25,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,7 @@ __all__ = ["PAPER", "time_to_target", "records", "summarize", "verdicts", "headl
 
 _WORKER = "experiments.gradient_dropping.worker"
 
-PAPER = {
+PAPER: dict[str, Any] = {
     "setting": "4 nodes x 4 P100, 40 Gb/s InfiniBand, Marian, Adam; drop ratio 0.99, warm-up 1000 steps, "
     "PARTIAL, parameters averaged every 500 steps (Sec. 4, 5.3)",
     "en_de": {

@@ -105,7 +105,8 @@ def _train(label: str, seed: int, cfg: dict, corpus, valid, world, rank: int) ->
     batches = corpus.batches(seq_len, global_batch, key, num_workers=n)
 
     def evaluate(state) -> dict:
-        loss = float(world.allreduce(trainer.evaluate(state, *valid, batch_size=256)["loss"])) / n
+        x, y = valid
+        loss = float(world.allreduce(trainer.evaluate(state, x, y, batch_size=256)["loss"])) / n
         return {"loss": loss, "perplexity": math.exp(loss)}
 
     run = train_to_target(
