@@ -44,7 +44,11 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     **dict.fromkeys(("topk_ratio", "topk"), _FRACTION),
     "drop_ratio": (0.0, 1.0, True, False),  # the dropped fraction: 1 would send nothing
     "seed": _SEED,
-    **dict.fromkeys(("PaperClaimsConfig.seeds", "TimeToQualityConfig.seeds"), _SEED),
+    **dict.fromkeys(
+        ("PaperClaimsConfig.seeds", "TimeToQualityConfig.seeds", "GradientDroppingTimeConfig.seeds"), _SEED
+    ),
+    "GradientDroppingTimeConfig.compute_steps": _SIZE,
+    "target_rtol": _POSITIVE,
     "snapshots_per_epoch": _COUNT,
     **dict.fromkeys(("EventGradRingConfig.iterations", "plateau_evals"), _COUNT),
     **dict.fromkeys(("plateau_points", "target_points", "same_accuracy_points"), _POSITIVE),

@@ -45,6 +45,7 @@ __all__ = [
     "MODES",
     "CLAIM_TOLERANCE",
     "allreduce_message_bytes",
+    "launch_job",
     "mean_std",
     "records_of_seed",
     "summarize",
@@ -335,9 +336,41 @@ def _plot(records: list[dict], config: TimeToQualityConfig, out_dir: Path) -> No
     plt.close(fig)
 
 
+def launch_job(num_procs: int, module_argv: list[str], *, bandwidth: str, env: dict, timeout: float, what: str):
+    """``python -m MODULE ARGS...`` (``module_argv``) on ``num_procs`` MPI processes on the
+    emulated link (:func:`jaxcomm.netem.launch`, from :data:`experiments.PACKAGE_PARENT`, output
+    captured); its :class:`~jaxcomm.netem.LaunchResult`.
+
+    Raises:
+      RuntimeError: the job failed or timed out; the message names ``what`` and holds the tails
+        of its output.
+    """
+    from jaxcomm import netem
+
+    with warnings.catch_warnings():
+        # JAX (imported by the launching study) warns at every fork; the launcher's child only
+        # enters its new network namespace and execs, it runs no JAX.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        res = netem.launch(
+            int(num_procs),
+            [sys.executable, "-m", *module_argv],
+            bandwidth=bandwidth,
+            env=env,
+            timeout=timeout,
+            cwd=PACKAGE_PARENT,
+            capture_output=True,
+        )
+    if res.returncode != 0:
+        why = "timed out" if res.timed_out else f"exit code {res.returncode}"
+        raise RuntimeError(
+            f"{what} failed ({why})\nstdout:\n{(res.stdout or '')[-3000:]}\nstderr:\n{(res.stderr or '')[-3000:]}"
+        )
+    return res
+
+
 def _run_seed(config: TimeToQualityConfig, seed: int, env: dict) -> list[dict]:
     """One job on the emulated link: every mode of ``seed`` in turn; its records."""
-    from jaxcomm import imbalance, netem
+    from jaxcomm import imbalance
 
     p = int(config.num_procs)
     steps = int(config.train_points) // int(config.batch_total) * int(config.epochs)
@@ -347,25 +380,14 @@ def _run_seed(config: TimeToQualityConfig, seed: int, env: dict) -> list[dict]:
         np.save(tmp / "schedule.npy", table)
         (tmp / "config.json").write_text(json.dumps({**config_to_dict(config), "seed": int(seed), "count_link": True}))
         print(f"eager-time-to-quality: seed {seed}, modes {list(config.modes)}", flush=True)
-        with warnings.catch_warnings():
-            # JAX (imported for the delay table) warns at every fork; the launcher's child only
-            # enters its new network namespace and execs, it runs no JAX.
-            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-            res = netem.launch(
-                p,
-                [sys.executable, "-m", _WORKER, "hyperplane-modes", str(tmp)],
-                bandwidth=config.bandwidth,
-                env=env,
-                timeout=float(config.launch_timeout_s),
-                cwd=PACKAGE_PARENT,
-                capture_output=True,
-            )
-        if res.returncode != 0:
-            why = "timed out" if res.timed_out else f"exit code {res.returncode}"
-            raise RuntimeError(
-                f"the job of seed {seed} failed ({why})\nstdout:\n{(res.stdout or '')[-3000:]}\n"
-                f"stderr:\n{(res.stderr or '')[-3000:]}"
-            )
+        res = launch_job(
+            p,
+            [_WORKER, "hyperplane-modes", str(tmp)],
+            bandwidth=config.bandwidth,
+            env=env,
+            timeout=float(config.launch_timeout_s),
+            what=f"the job of seed {seed}",
+        )
         ranks = {m: [dict(np.load(tmp / f"hyper_{m}_rank{r}.npz")) for r in range(p)] for m in config.modes}
     return records_of_seed(config, seed, ranks, res.bytes)
 

@@ -20,7 +20,13 @@ from .._common import per_worker, plot_curves
 from .config import GradientDroppingConfig
 
 
-def _transform(method: str, config: GradientDroppingConfig, sync: bool):
+def transform(method: str, *, learning_rate: float, drop_ratio: float, warmup_steps: int, sync_every: int = 0):
+    """The optax chain of ``method`` (a name of :data:`~.config.METHODS`): the uncompressed mean
+    (``baseline``) or ``gradient_dropping`` with the warm-up ``R_t = drop_ratio^max(1, T/t)``
+    (``T = warmup_steps``; ``drop99``: vanilla, Algorithm 1; ``sum``, ``partial``, ``error``:
+    Algorithm 2's modes), then ``optax.adam(learning_rate)``, then, with ``sync_every > 0``, the
+    parameters averaged every ``sync_every`` steps (``periodic_average``). The communicator is the
+    trainer's."""
     from jaxcomm import compressors
     from jaxcomm.transforms import compressed_mean, drop_ratio_warmup, gradient_dropping, periodic_average
 
@@ -28,12 +34,39 @@ def _transform(method: str, config: GradientDroppingConfig, sync: bool):
         parts = [compressed_mean(compressors.none())]
     else:
         mode = "none" if method == "drop99" else method
-        schedule = drop_ratio_warmup(config.drop_ratio, config.warmup_steps)
-        parts = [gradient_dropping(schedule, mode=mode)]
-    parts.append(optax.adam(config.learning_rate))
-    if sync:
-        parts.append(periodic_average(config.sync_every))
+        parts = [gradient_dropping(drop_ratio_warmup(drop_ratio, warmup_steps), mode=mode)]
+    parts.append(optax.adam(learning_rate))
+    if sync_every:
+        parts.append(periodic_average(sync_every))
     return optax.chain(*parts)
+
+
+def _transform(method: str, config: GradientDroppingConfig, sync: bool):
+    return transform(
+        method,
+        learning_rate=config.learning_rate,
+        drop_ratio=config.drop_ratio,
+        warmup_steps=config.warmup_steps,
+        sync_every=config.sync_every if sync else 0,
+    )
+
+
+def char_corpus(corpus_chars: int = 0):
+    """The Shakespeare :class:`~jaxcomm.data.CharCorpus` (10 % held out for validation), cut to its
+    first ``corpus_chars`` characters (0: all)."""
+    from jaxcomm import data
+
+    text = data.load_shakespeare()
+    return data.CharCorpus(text[:corpus_chars] if corpus_chars else text, valid_fraction=0.1)
+
+
+def char_lstm(vocab_size: int, embed: int, hidden: int, seed: int):
+    """The one-layer :class:`~jaxcomm.models.CharLSTM` of the study, initialised from ``seed``."""
+    from flax import nnx
+
+    from jaxcomm import models
+
+    return models.CharLSTM(vocab_size, embed, hidden, 1, rngs=nnx.Rngs(seed))
 
 
 def run(config: GradientDroppingConfig, out_dir: Path) -> dict:
@@ -42,24 +75,17 @@ def run(config: GradientDroppingConfig, out_dir: Path) -> dict:
     Long because it is the study's script: data, model, every (method, sync) run and the two figures, in order
     over shared locals.
     """
-    from flax import nnx
-
-    from jaxcomm import data, models
     from jaxcomm.train import Trainer
 
-    text = data.load_shakespeare()
-    if config.corpus_chars:
-        text = text[: config.corpus_chars]
-    corpus = data.CharCorpus(text, valid_fraction=0.1)
+    corpus = char_corpus(config.corpus_chars)
     xv, yv = corpus.windows(config.seq_len, "valid")
     xv, yv = xv[: config.eval_windows], yv[: config.eval_windows]
     runs = []
     for method in config.methods:
         for sync in config.sync:
             name = f"{method}{'+sync' if sync else ''}"
-            model = models.CharLSTM(corpus.vocab_size, config.embed, config.hidden, 1, rngs=nnx.Rngs(config.seed))
             trainer = Trainer(
-                model,
+                char_lstm(corpus.vocab_size, config.embed, config.hidden, config.seed),
                 _transform(method, config, sync),
                 task="language_model",
                 num_workers=config.devices,

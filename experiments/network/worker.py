@@ -57,7 +57,18 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["compute_step_time", "main", "measure_link", "period_mean", "timed_steps"]
+__all__ = [
+    "compute_step_time",
+    "link_payload",
+    "load_step",
+    "main",
+    "measure_link",
+    "period_mean",
+    "timed_steps",
+    "timed_steps_alone",
+    "train_to_target",
+    "write_job_results",
+]
 
 
 def measure_link(world, repeats: int = 20, payload_bytes: int = 4 << 20) -> dict:
@@ -220,20 +231,48 @@ def compute_step_time(
     steps = h * math.ceil(int(steps) / h)
     trainer = Trainer(build_model(model, train, seed), tx, comm=Local(), seed=seed)
     batches = data.WorkerBatches([train], int(batch_size), jax.random.PRNGKey(seed + 7))
+    return timed_steps_alone(trainer, batches, steps, h, world)
+
+
+def timed_steps_alone(trainer, batches, steps: int, sync_every: int, world=None) -> float:
+    """Seconds of one step of ``trainer`` (built on :class:`jaxcomm.comm.Local`, so its steps send
+    nothing): compiled (:func:`_compile`), two untimed steps, then ``steps`` timed ones started on
+    every rank of ``world`` at once, so that processes sharing the cores share them as in training.
+
+    Returns the median over whole communication periods of ``sync_every`` steps of a period's mean
+    step time (:func:`period_mean`), in seconds.
+    """
     state = trainer.init_state()
     rank = 0 if world is None else world.Get_rank()
     _compile(trainer, state, batches, world, rank)
     state, _ = trainer.fit(state, batches, 2, progress=False)
     if world is not None:
         world.Barrier()
-    state, hist = trainer.fit(state, batches, 2 + steps, progress=False)
-    return period_mean([row["step_time"] for row in hist], h)
+    state, hist = trainer.fit(state, batches, 2 + int(steps), progress=False)
+    return period_mean([row["step_time"] for row in hist], sync_every)
 
 
 _COMPILED: dict = {}
-"""(method, learning rate, model) -> (tx, info, jitted step) of this process: an MPI step's program
-holds its communicator's handle, so the persistent compilation cache cannot serve it to a new
-trainer; later seeds reuse the step compiled for the first (their state is a new argument)."""
+"""(method, learning rate, model) -> (tx, info) of this process: the optimizer whose step
+:data:`_STEPS` holds under the same key."""
+
+_STEPS: dict = {}
+"""A study's key of a run's program -> the jitted MPI step compiled for it in this process: an MPI
+step's program holds its communicator's handle, so the persistent compilation cache cannot serve
+it to a new trainer; later seeds reuse the step compiled for the first (their state is a new
+argument)."""
+
+
+def load_step(trainer, key, batches, world, rank: int) -> None:
+    """Give ``trainer`` the step this process compiled under ``key`` (an earlier seed's run of the
+    same program), else compile it (:func:`_compile`) and keep it under ``key``; then two steps
+    from a fresh state load the executable and connect the ranks."""
+    if key in _STEPS:
+        trainer.step_fn = _STEPS[key]
+    else:
+        _compile(trainer, trainer.init_state(), batches, world, rank)
+        _STEPS[key] = trainer.step_fn
+    trainer.fit(trainer.init_state(), batches, 2, progress=False)
 
 
 def _mpi_trainer(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int):
@@ -248,8 +287,10 @@ def _mpi_trainer(method: str, seed: int, lr: float, cfg: dict, train, world, ran
     from .config import build_method
 
     n = world.Get_size()
-    compiled = _COMPILED.get((method, lr, cfg["model"]))
-    tx, info = compiled[:2] if compiled else build_method(method, lr, float(cfg["momentum"]), cfg)
+    program = (method, lr, cfg["model"])  # a seed changes values only, not the program
+    if program not in _COMPILED:
+        _COMPILED[program] = build_method(method, lr, float(cfg["momentum"]), cfg)
+    tx, info = _COMPILED[program]
     trainer = Trainer(
         build_model(cfg["model"], train, seed),
         tx,
@@ -260,13 +301,7 @@ def _mpi_trainer(method: str, seed: int, lr: float, cfg: dict, train, world, ran
     key = jax.random.PRNGKey(seed)
     shards = data.split_iid(train, n, key)
     global_batch = n * int(cfg["batch_size"])  # WorkerBatches takes the global batch
-    warm = data.WorkerBatches(shards, global_batch, jax.random.fold_in(key, 2))
-    if compiled:  # the same program (a seed changes values only): the step compiled for an earlier seed
-        trainer.step_fn = compiled[2]
-    else:
-        _compile(trainer, trainer.init_state(), warm, world, rank)
-        _COMPILED[(method, lr, cfg["model"])] = (tx, info, trainer.step_fn)
-    trainer.fit(trainer.init_state(), warm, 2, progress=False)  # load the executable, connect
+    load_step(trainer, program, data.WorkerBatches(shards, global_batch, jax.random.fold_in(key, 2)), world, rank)
     batches = data.WorkerBatches(shards, global_batch, jax.random.fold_in(key, 1))
     return trainer, batches, info
 
@@ -292,30 +327,93 @@ def _compute_s(method: str, seed: int, lr: float, cfg: dict, train, world, cache
 
 
 def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, world, rank: int, cache: dict) -> dict:
-    from experiments._common import per_worker
-    from jaxcomm._progress import progress_bar
-    from jaxcomm.netem import measure_window
-
     n = world.Get_size()
     compute_s = _compute_s(method, seed, lr, cfg, train, world, cache)
 
     trainer, batches, info = _mpi_trainer(method, seed, lr, cfg, train, world, rank)
-    state = trainer.init_state()
-    target, max_steps, every = float(cfg["target_accuracy"]), int(cfg["max_steps"]), int(cfg["eval_every"])
-    curve, step_times, bits, messages = [], [], [], []
-    elapsed, total_bytes, step = 0.0, 0, 0
+    target = float(cfg["target_accuracy"])
+
+    def evaluate(state) -> dict:
+        local = trainer.evaluate(state, test_shard.images, test_shard.labels)
+        return {k: float(world.allreduce(local[k])) / n for k in ("accuracy", "loss")}
+
     desc = f"{cfg['bandwidth']} {method} lr {lr:g} seed {seed}"
-    # Under mpirun the output is a pipe, which holds a bar's carriage-return updates back:
-    # then one line per evaluation instead.
+    run = train_to_target(
+        trainer,
+        trainer.init_state(),
+        batches,
+        world,
+        every=int(cfg["eval_every"]),
+        max_steps=int(cfg["max_steps"]),
+        evaluate=evaluate,
+        reached=lambda m: m["accuracy"] >= target,
+        shown=("accuracy", "test accuracy"),
+        desc=desc,
+    )
+    step, elapsed = run["steps"], run["time_s"]
+    if rank == 0:
+        outcome = (
+            f"reached {target:g} at step {step} in {elapsed:.1f} s"
+            if run["reached"]
+            else f"did not reach {target:g} in {step} steps ({elapsed:.1f} s)"
+        )
+        print(f"[run] {desc}: {outcome}; compute-only step {compute_s * 1e3:.1f} ms", flush=True)
+    h = info.sync_every
+    return {
+        **_described(method, seed, lr, info),
+        "warmup_steps": info.warmup_steps,
+        "compute_s": compute_s,
+        "step_s": period_mean(run["step_times"], h),
+        "wire_bits_per_step": period_mean([b / n for b in run["bits"]], h, np.mean),
+        "messages_per_step": period_mean(run["messages"], h, np.mean),
+        "link_bytes_per_step": run["link_bytes"] / max(step, 1),
+        "steps": step,
+        "reached": run["reached"],
+        "curve": run["curve"],
+    }
+
+
+def train_to_target(
+    trainer, state, batches, world, *, every: int, max_steps: int, evaluate, reached, shown: tuple[str, str], desc: str
+) -> dict:
+    """Train over MPI on the emulated link until ``reached`` or ``max_steps``: the studies' one loop.
+
+    ``trainer.fit`` runs ``every`` steps at a time inside the link's measurement window
+    (:func:`jaxcomm.netem.measure_window`; it fences the counter read with barriers on both sides:
+    a rank that started its first step before rank 0 had read the counter would send its first
+    eager, < 64 KiB, messages uncounted, docs/network.md, "What the counters mean"); then
+    ``evaluate(state)`` (the same dict of numbers on every rank, e.g. averaged over the ranks) is
+    added to the curve and ``reached(metrics)`` (decided alike on every rank) may end the run.
+    Evaluation, data loading and compilation are not timed. Rank 0 shows ``metrics[shown[0]]``
+    (named ``shown[1]``) on a progress bar, or, under ``mpirun`` (a pipe, which holds a bar's
+    carriage-return updates back), on one line per evaluation.
+
+    Returns a dict: ``state`` (the last), ``curve`` (per evaluation: ``step``, ``time_s`` (the
+    training steps' wall-clock seconds so far, rank 0's ``step_time`` summed), the metrics,
+    ``link_bytes`` (the qdisc's bytes during those steps, all ranks, counted on rank 0; 0
+    elsewhere) and ``wire_bits`` (one worker's share of the pipeline's count,
+    :func:`~experiments._common.per_worker`)), ``step_times`` (s, every step), ``bits`` and
+    ``messages`` (every step's, all workers: :func:`_workers_counts`), ``link_bytes`` (the run's),
+    ``steps``, ``time_s`` and ``reached`` (``{"step", "time_s"}`` of the first evaluation that
+    reached, else ``None``).
+    """
+    from experiments._common import per_worker
+    from jaxcomm._progress import progress_bar
+    from jaxcomm.netem import measure_window
+
+    n, rank = world.Get_size(), world.Get_rank()
+    key, name = shown
+    curve: list[dict] = []
+    step_times: list[float] = []
+    bits: list[int] = []
+    messages: list[int] = []
+    elapsed, total_bytes, step = 0.0, 0, int(state.step)
     lines = rank == 0 and not sys.stderr.isatty()
     bar = progress_bar(total=max_steps, desc=desc, disable=rank != 0 or lines, leave=True)
-    reached = None
+    hit = None
 
     def fit_counted(state, until: int):
-        """``trainer.fit`` to step ``until``, and the link's bytes meanwhile (rank 0; 0 elsewhere).
-        measure_window fences the counter read with barriers on both sides: a rank that started its
-        first step before rank 0 had read the counter would send its first (eager, < 64 KiB)
-        messages uncounted (docs/network.md, "What the counters mean")."""
+        """``trainer.fit`` to step ``until``, and the link's bytes meanwhile (rank 0; 0 elsewhere)."""
         fitted: list = []
         win = measure_window(lambda: fitted.extend(trainer.fit(state, batches, until, progress=False)), world)
         return (*fitted, win.bytes if win is not None else 0)
@@ -329,45 +427,34 @@ def _train(method: str, seed: int, lr: float, cfg: dict, train, test_shard, worl
         bits += chunk_bits  # all workers
         messages += chunk_messages
         elapsed += sum(row["step_time"] for row in hist)
-        local = trainer.evaluate(state, test_shard.images, test_shard.labels)
-        accuracy = float(world.allreduce(local["accuracy"])) / n
+        metrics = evaluate(state)
         curve.append(
             {
                 "step": step,
                 "time_s": elapsed,
-                "accuracy": accuracy,
-                "loss": float(world.allreduce(local["loss"])) / n,
+                **metrics,
                 "link_bytes": total_bytes,
                 "wire_bits": per_worker(sum(bits), n),
             }
         )
         bar.update(len(hist))
-        bar.set_postfix(acc=f"{accuracy:.3f}", s=f"{elapsed:.0f}")
+        bar.set_postfix({key: f"{metrics[key]:.3f}", "s": f"{elapsed:.0f}"})
         if lines:
-            print(f"{desc}: step {step}/{max_steps}, test accuracy {accuracy:.3f}, {elapsed:.1f} s", flush=True)
-        if accuracy >= target:
-            reached = {"step": step, "time_s": elapsed}
+            print(f"{desc}: step {step}/{max_steps}, {name} {metrics[key]:.3f}, {elapsed:.1f} s", flush=True)
+        if reached(metrics):
+            hit = {"step": step, "time_s": elapsed}
             break
     bar.close()
-    if rank == 0:
-        outcome = (
-            f"reached {target:g} at step {step} in {elapsed:.1f} s"
-            if reached
-            else f"did not reach {target:g} in {step} steps ({elapsed:.1f} s)"
-        )
-        print(f"[run] {desc}: {outcome}; compute-only step {compute_s * 1e3:.1f} ms", flush=True)
-    h = info.sync_every
     return {
-        **_described(method, seed, lr, info),
-        "warmup_steps": info.warmup_steps,
-        "compute_s": compute_s,
-        "step_s": period_mean(step_times, h),
-        "wire_bits_per_step": period_mean([b / n for b in bits], h, np.mean),
-        "messages_per_step": period_mean(messages, h, np.mean),
-        "link_bytes_per_step": total_bytes / max(step, 1),
-        "steps": step,
-        "reached": reached,
+        "state": state,
         "curve": curve,
+        "step_times": step_times,
+        "bits": bits,
+        "messages": messages,
+        "link_bytes": total_bytes,
+        "steps": step,
+        "time_s": elapsed,
+        "reached": hit,
     }
 
 
@@ -447,7 +534,7 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
     return out
 
 
-def _link_payload(bandwidth: str, n: int) -> int:
+def link_payload(bandwidth: str, n: int) -> int:
     """Bytes of the all-reduce that measures the throughput: 4 MiB unshaped, else about half a
     second of the link's rate for the whole ring, at least 256 KiB."""
     from jaxcomm.netem import parse_rate
@@ -479,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
         from jaxcomm.netem import link_counters
 
         start = link_counters()
-    link = measure_link(world, payload_bytes=_link_payload(cfg["bandwidth"], n))
+    link = measure_link(world, payload_bytes=link_payload(cfg["bandwidth"], n))
     t0 = time.perf_counter()
     result: dict = {"bandwidth": cfg["bandwidth"], "procs": n, "mode": "train", "link": link}
     seeds, methods = [int(s) for s in cfg["seeds"]], list(cfg["methods"])
@@ -509,12 +596,14 @@ def main(argv: list[str] | None = None) -> None:
                 result[key].append(_train(method, seed, lr, cfg, train, test_shard, world, rank, compute_cache))
             done += 1
             if rank == 0:  # after every run, so that an interrupted job keeps what it measured
-                _write(result, out, t0, complete=done == total and not cfg.get("time_links"))
+                write_job_results(result, out, t0, complete=done == total and not cfg.get("time_links"))
     if cfg.get("time_links"):
         _time_links(cfg, result, train, world, rank, out, t0, start)
 
 
-def _write(result: dict, out: Path, t0: float, complete: bool) -> None:
+def write_job_results(result: dict, out: Path, t0: float, complete: bool) -> None:
+    """Write ``result`` (with ``job_s``, the seconds since ``t0``, and ``complete``) to
+    ``out/results.json`` through a rename, so that a reader never sees half a file."""
     result["job_s"] = time.perf_counter() - t0
     result["complete"] = complete
     partial = out / "results.json.partial"
@@ -567,7 +656,7 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
             "procs": n,
             "mode": "time",
             "shape": shape,
-            "link": measure_link(world, payload_bytes=_link_payload(bandwidth, n)),
+            "link": measure_link(world, payload_bytes=link_payload(bandwidth, n)),
             "timings": [],
         }
         result["timing_jobs"].append(tj)
@@ -577,9 +666,9 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
             compute_s = _compute_s(method, seed, lr, job_cfg, train, world, {})
             tj["timings"].append({**_time(method, seed, lr, job_cfg, train, world, rank), "compute_s": compute_s})
             if rank == 0:
-                _write(result, out, t0, complete=False)
+                write_job_results(result, out, t0, complete=False)
     if rank == 0:
-        _write(result, out, t0, complete=True)
+        write_job_results(result, out, t0, complete=True)
 
 
 if __name__ == "__main__":
