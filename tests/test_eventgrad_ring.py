@@ -85,6 +85,20 @@ def test_bad_config_names_the_key_before_anything_runs(tmp_path, key, value, mat
     assert not (tmp_path / "out").exists()
 
 
+def test_docs_show_the_committed_results_tables():
+    """docs/eventgrad.md shows exactly the tables :func:`ring.markdown_tables` makes of the committed
+    results, whose summary is the records' arithmetic and whose verdicts follow the rule."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root / "docs/img/eventgrad/ring_4procs_200mbit_1500_steps.json").read_text())
+    assert ring.summarize(res["records"]) == res["summary"]
+    config = EXP.config_type(**{k: tuple(v) if isinstance(v, list) else v for k, v in res["config"].items()})
+    assert ring.verdicts(res["records"], config) == res["verdicts"]
+    page = (root / "docs/eventgrad.md").read_text()
+    assert all(t in page for t in ring.markdown_tables(res).split("\n\n"))
+
+
 @pytest.mark.mpi
 def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
     pytest.importorskip("mpi4py")

@@ -271,6 +271,52 @@ def verdicts(records: list[dict], config: EventGradRingConfig) -> list[dict]:
     return claims
 
 
+def _pm(mean, std, digits: int = 1) -> str:
+    """``mean ± std``; ``std`` ``None``: one seed's value; ``mean`` ``None``: no seed's."""
+    if mean is None:
+        return "not reached"
+    return f"{mean:.{digits}f}" + (" (one seed)" if std is None else f" ± {std:.{digits}f}")
+
+
+def markdown_tables(results: dict) -> str:
+    """The study's two tables as docs/eventgrad.md shows them, from a ``results.json``: per method
+    (mean ± sample std over the seeds), then the verdicts.
+
+    Print them: ``python -c "import json, experiments.eventgrad.ring as r;
+    print(r.markdown_tables(json.load(open('results.json'))))"``.
+    """
+    steps = results["config"]["iterations"]
+    head = ["method", "plateau accuracy (%)", "plateaued", "vs D-PSGD (points)", "messages (% of D-PSGD)",
+            "payload bytes (%)", "link bytes (%)", f"wall time, {steps} steps (s)", "reached target",
+            "time to target (s)", "staleness (steps)"]  # fmt: skip
+    rows = [
+        [
+            f"`{r['method']}`",
+            _pm(r["plateau_accuracy"], r["plateau_accuracy_std"]),
+            f"{r['plateaued']}/{r['seeds']}",
+            _pm(r["accuracy_vs_dpsgd"], r["accuracy_vs_dpsgd_std"]),
+            _pm(r["percent_messages"], r["percent_messages_std"]),
+            _pm(r["percent_payload_bytes"], r["percent_payload_bytes_std"]),
+            _pm(r["percent_link_bytes"], r["percent_link_bytes_std"]),
+            _pm(r["wall_s"], r["wall_s_std"]),
+            f"{r['reached']}/{r['seeds']}",
+            _pm(r["time_to_target_s"], r["time_to_target_s_std"]),
+            _pm(r["staleness_steps"], r["staleness_steps_std"], 2),
+        ]
+        for r in results["summary"]
+    ]
+    vhead = ["claim", "paper", "jaxcomm (mean ± std)", "seeds", "verdict"]
+    vrows = [[v["claim"], v["paper"], _pm(v["mean"], v["std"], 2), str(v["seeds"]), v["verdict"]]
+             for v in results["verdicts"]]  # fmt: skip
+
+    def table(h, rs):
+        return "\n".join(
+            ["| " + " | ".join(h) + " |", "|" + "---|" * len(h)] + ["| " + " | ".join(r) + " |" for r in rs]
+        )
+
+    return table(head, rows) + "\n\n" + table(vhead, vrows)
+
+
 def _plot(records: list[dict], config: EventGradRingConfig, out_dir: Path) -> None:
     """``accuracy.png``: test accuracy against wall-clock time and against messages, one line per
     method and seed."""
