@@ -143,22 +143,27 @@ _SUMMARY_KEYS = (
 )
 
 
+def summary_rows(records: list[dict], group: str, groups, keys, counts: dict | None = None) -> list[dict]:
+    """One row per value ``g`` of ``r[group]`` in ``groups`` that has records, in that order: ``group``,
+    ``seeds`` (its records), ``reached`` (those with a ``time_to_target_s``), each of ``counts``
+    (name -> function of the group's records), and the mean and sample standard deviation
+    (``KEY_std``, :func:`mean_std`) over its records of each of ``keys`` (``None`` values left out)."""
+    rows = []
+    for g in [g for g in groups if any(r[group] == g for r in records)]:
+        mine = [r for r in records if r[group] == g]
+        row: dict = {group: g, "seeds": len(mine), "reached": sum(r["time_to_target_s"] is not None for r in mine)}
+        row.update({name: count(mine) for name, count in (counts or {}).items()})
+        for key in keys:
+            row[key], row[f"{key}_std"] = mean_std(r[key] for r in mine)
+        rows.append(row)
+    return rows
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """One row per mode: the seeds, how many reached the target, and the mean and sample standard
     deviation (``_std``) over the seeds of each key of the records (over the seeds that reached the
     target, for the time, steps and speed-up to it)."""
-    rows = []
-    for mode in [m for m in MODES if any(r["mode"] == m for r in records)]:
-        mine = [r for r in records if r["mode"] == mode]
-        row: dict = {
-            "mode": mode,
-            "seeds": len(mine),
-            "reached": sum(r["time_to_target_s"] is not None for r in mine),
-        }
-        for key in _SUMMARY_KEYS:
-            row[key], row[f"{key}_std"] = mean_std(r[key] for r in mine)
-        rows.append(row)
-    return rows
+    return summary_rows(records, "mode", MODES, _SUMMARY_KEYS)
 
 
 def verdict(values, above_one: bool, paper: float | None = None) -> str:
@@ -303,37 +308,64 @@ def simulated_round_ms(config: TimeToQualityConfig) -> dict:
     }
 
 
-def _plot(records: list[dict], config: TimeToQualityConfig, out_dir: Path) -> None:
-    """``loss_vs_time.png``: validation MSE against wall-clock time, one line per mode and seed,
-    each seed's target dotted."""
+def plot_against_time(
+    records: list[dict], path: Path, *, x, y, group: str, color, target: str, labels: tuple, title: str
+):
+    """One line per record (``x(r)`` against ``y(r)``, log scale; colour ``color(r[group])``, line
+    style by seed, labelled ``"{group}, seed N"``) and each seed's ``r[target]`` dotted, saved to
+    ``path``; ``labels`` = (x label, y label). The timed studies' figure of quality against time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"sync": "tab:blue", "solo": "tab:orange", "majority": "tab:green"}
     styles = ["-", "--", ":", "-."]
     seeds = sorted({r["seed"] for r in records})
     fig, ax = plt.subplots(figsize=(8, 4.6))
     for r in records:
         ls = styles[seeds.index(r["seed"]) % len(styles)]
-        ax.plot(r["snapshot_times_s"], r["val_mse"], ls=ls, color=colors[r["mode"]], lw=1.2,
-                label=f"{r['mode']}, seed {r['seed']}")  # fmt: skip
+        ax.plot(x(r), y(r), ls=ls, color=color(r[group]), lw=1.2, label=f"{r[group]}, seed {r['seed']}")
     for s in seeds:
-        target = next(r["target_val_mse"] for r in records if r["seed"] == s)
-        ax.axhline(target, color="k", lw=0.6, ls=styles[seeds.index(s) % len(styles)], alpha=0.5)
+        level = next(r[target] for r in records if r["seed"] == s)
+        ax.axhline(level, color="k", lw=0.6, ls=styles[seeds.index(s) % len(styles)], alpha=0.5)
     ax.set_yscale("log")
-    ax.set_xlabel("wall-clock time (s, rank 0)")
-    ax.set_ylabel("validation MSE")
-    ax.set_title(
-        f"hyperplane, {config.num_procs} MPI processes on a {config.bandwidth} link,\n"
-        f"one process delayed {config.delay_ms:g} ms per step",
-        fontsize=10,
-    )
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=len(seeds))
     fig.tight_layout()
-    fig.savefig(out_dir / "loss_vs_time.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot(records: list[dict], config: TimeToQualityConfig, out_dir: Path) -> None:
+    """``loss_vs_time.png``: validation MSE against wall-clock time, one line per mode and seed,
+    each seed's target dotted."""
+    colors = {"sync": "tab:blue", "solo": "tab:orange", "majority": "tab:green"}
+    plot_against_time(
+        records, out_dir / "loss_vs_time.png", x=lambda r: r["snapshot_times_s"], y=lambda r: r["val_mse"],
+        group="mode", color=colors.__getitem__, target="target_val_mse",
+        labels=("wall-clock time (s, rank 0)", "validation MSE"),
+        title=f"hyperplane, {config.num_procs} MPI processes on a {config.bandwidth} link,\n"
+        f"one process delayed {config.delay_ms:g} ms per step",
+    )  # fmt: skip
+
+
+def start_emulated_study(study: str, package: str, out_dir, extra_env: dict | None = None) -> tuple[Path, dict, list]:
+    """What a study whose MPI jobs run on an emulated link does first: raise
+    :class:`jaxcomm.netem.NetemUnavailable` (naming ``study``) where no private network namespace can
+    be made; make ``out_dir``; return it, the workers' environment (``os.environ``, then
+    ``extra_env``, with a ``PYTHONPATH`` that finds ``package``) and the load average (1, 5, 15 min)."""
+    from jaxcomm import netem
+
+    why = netem.unavailable()
+    if why:
+        raise netem.NetemUnavailable(f"{study} runs MPI jobs on an emulated network: {why}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **(extra_env or {})}
+    env["PYTHONPATH"] = worker_pythonpath(package, env)
+    return out_dir, env, list(os.getloadavg())
 
 
 def launch_job(num_procs: int, module_argv: list[str], *, bandwidth: str, env: dict, timeout: float, what: str):
@@ -405,18 +437,10 @@ def run(config: TimeToQualityConfig, out_dir: Path) -> dict:
       jaxcomm.netem.NetemUnavailable: no private network namespace can be made here.
       RuntimeError: a job failed (its output's tail is in the message).
     """
-    from jaxcomm import netem
     from jaxcomm.netem._link import link_settings
     from jaxcomm.studies import write_results
 
-    why = netem.unavailable()
-    if why:
-        raise netem.NetemUnavailable(f"eager-time-to-quality runs MPI jobs on an emulated network: {why}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = worker_pythonpath(__package__, env)
-    load_start = os.getloadavg()
+    out_dir, env, load_start = start_emulated_study("eager-time-to-quality", __package__, out_dir)
     records = [rec for seed in config.seeds for rec in _run_seed(config, int(seed), env)]
     round_ms = simulated_round_ms(config) if config.simulate_rounds else None
     results = {

@@ -39,10 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxcomm.studies import config_to_dict, worker_pythonpath
+from jaxcomm.studies import config_to_dict
 
 from .. import PACKAGE_PARENT
-from ..eager.quality import mean_std
+from ..eager.quality import mean_std, start_emulated_study, summary_rows
 from .config import RING_METHODS, TASKS, EventGradRingConfig
 from .run import PAPER_TABLE1, PAPER_TABLE2
 
@@ -183,19 +183,8 @@ def summarize(records: list[dict]) -> list[dict]:
     """One row per method: the seeds, how many plateaued and reached the target, and the mean and
     sample standard deviation (``_std``) over the seeds of each key (over the seeds that reached
     the target, for the time, steps and ratio to it)."""
-    rows = []
-    for m in [m for m in RING_METHODS if any(r["method"] == m for r in records)]:
-        mine = [r for r in records if r["method"] == m]
-        row: dict = {
-            "method": m,
-            "seeds": len(mine),
-            "plateaued": sum(r["plateaued"] for r in mine),
-            "reached": sum(r["time_to_target_s"] is not None for r in mine),
-        }
-        for key in _SUMMARY_KEYS:
-            row[key], row[f"{key}_std"] = mean_std(r[key] for r in mine)
-        rows.append(row)
-    return rows
+    plateaued = {"plateaued": lambda mine: sum(r["plateaued"] for r in mine)}
+    return summary_rows(records, "method", RING_METHODS, _SUMMARY_KEYS, plateaued)
 
 
 def verdict(values, low: float, high: float, side: tuple[float, float] | None = None) -> str:
@@ -395,18 +384,10 @@ def run(config: EventGradRingConfig, out_dir: Path) -> dict:
       jaxcomm.netem.NetemUnavailable: no private network namespace can be made here.
       RuntimeError: a job failed (its output's tail is in the message).
     """
-    from jaxcomm import netem
     from jaxcomm.netem._link import link_settings
     from jaxcomm.studies import write_results
 
-    why = netem.unavailable()
-    if why:
-        raise netem.NetemUnavailable(f"eventgrad-ring runs MPI jobs on an emulated network: {why}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = worker_pythonpath(__package__, env)
-    load_start = os.getloadavg()
+    out_dir, env, load_start = start_emulated_study("eventgrad-ring", __package__, out_dir)
     records = [rec for seed in config.seeds for rec in _run_seed(config, int(seed), env)]
     results = {
         "config": config_to_dict(config),

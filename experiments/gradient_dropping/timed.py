@@ -29,9 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from jaxcomm.studies import config_to_dict, worker_pythonpath
+from jaxcomm.studies import config_to_dict
 
-from ..eager.quality import CLAIM_TOLERANCE, launch_job, mean_std, verdict
+from ..eager.quality import (
+    CLAIM_TOLERANCE,
+    launch_job,
+    mean_std,
+    plot_against_time,
+    start_emulated_study,
+    summary_rows,
+    verdict,
+)
 from .config import GradientDroppingTimeConfig
 
 __all__ = ["PAPER", "time_to_target", "records", "summarize", "verdicts", "headline", "results_of", "run"]
@@ -168,18 +176,7 @@ def summarize(recs: list[dict]) -> list[dict]:
     """One row per method: the seeds, how many reached the target, and the mean and sample
     standard deviation (``_std``, ``ddof = 1``) over the seeds of each key (over the seeds that
     reached the target, for the time and steps to it)."""
-    rows = []
-    for method in dict.fromkeys(r["method"] for r in recs):
-        mine = [r for r in recs if r["method"] == method]
-        row: dict = {
-            "method": method,
-            "seeds": len(mine),
-            "reached": sum(r["time_to_target_s"] is not None for r in mine),
-        }
-        for key in _SUMMARY_KEYS:
-            row[key], row[f"{key}_std"] = mean_std(r[key] for r in mine)
-        rows.append(row)
-    return rows
+    return summary_rows(recs, "method", dict.fromkeys(r["method"] for r in recs), _SUMMARY_KEYS)
 
 
 def _per_seed(recs: list[dict], method: str) -> dict[int, dict]:
@@ -327,34 +324,14 @@ def headline(results: dict) -> list[dict]:
 def _plot(recs: list[dict], config: GradientDroppingTimeConfig, out_dir: Path) -> None:
     """``perplexity_vs_time.png``: validation perplexity against the training steps' wall-clock
     time, one line per method and seed, each seed's target dotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     methods = list(dict.fromkeys(r["method"] for r in recs))
-    seeds = sorted({r["seed"] for r in recs})
-    styles = ["-", "--", ":", "-."]
-    fig, ax = plt.subplots(figsize=(8, 4.6))
-    for r in recs:
-        ls = styles[seeds.index(r["seed"]) % len(styles)]
-        ax.plot([c["time_s"] for c in r["curve"]], [c["perplexity"] for c in r["curve"]], ls=ls,
-                color=f"C{methods.index(r['method'])}", lw=1.2, label=f"{r['method']}, seed {r['seed']}")  # fmt: skip
-    for s in seeds:
-        target = next(r["target_perplexity"] for r in recs if r["seed"] == s)
-        ax.axhline(target, color="k", lw=0.6, ls=styles[seeds.index(s) % len(styles)], alpha=0.5)
-    ax.set_yscale("log")
-    ax.set_xlabel("training steps' wall-clock time (s, rank 0)")
-    ax.set_ylabel("validation perplexity")
-    ax.set_title(
-        f"char-LSTM on Shakespeare, {config.num_procs} MPI processes on a {config.bandwidth} link;\n"
+    plot_against_time(
+        recs, out_dir / "perplexity_vs_time.png", x=lambda r: [c["time_s"] for c in r["curve"]],
+        y=lambda r: [c["perplexity"] for c in r["curve"]], group="method", color=lambda m: f"C{methods.index(m)}",
+        target="target_perplexity", labels=("training steps' wall-clock time (s, rank 0)", "validation perplexity"),
+        title=f"char-LSTM on Shakespeare, {config.num_procs} MPI processes on a {config.bandwidth} link;\n"
         f"target: the baseline's final perplexity x {1 + config.target_rtol:g} (dotted)",
-        fontsize=10,
-    )
-    ax.legend(fontsize=7, ncol=len(seeds))
-    fig.tight_layout()
-    fig.savefig(out_dir / "perplexity_vs_time.png", dpi=110)
-    plt.close(fig)
+    )  # fmt: skip
 
 
 def _launch(config: GradientDroppingTimeConfig, env: dict, job_dir: Path) -> dict:
@@ -388,14 +365,9 @@ def run(config: GradientDroppingTimeConfig, out_dir: Path) -> dict:
     from jaxcomm import netem
     from jaxcomm.studies import write_results
 
-    why = netem.unavailable()
-    if why:
-        raise netem.NetemUnavailable(f"gradient-dropping-time runs an MPI job on an emulated network: {why}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **netem.RING_COLLECTIVES}
-    env["PYTHONPATH"] = worker_pythonpath(__package__, env)
-    load_start = os.getloadavg()
+    out_dir, env, load_start = start_emulated_study(
+        "gradient-dropping-time", __package__, out_dir, netem.RING_COLLECTIVES
+    )
     with tempfile.TemporaryDirectory(prefix="gradient-dropping-time-") as tmp:
         # one persistent compilation cache: rank 0 compiles each step, the other ranks load it
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tmp) / "jax_cache"))
