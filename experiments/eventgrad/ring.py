@@ -381,12 +381,16 @@ def run(config: EventGradRingConfig, out_dir: Path) -> dict:
     (1, 5, 15 min) at the start and the end.
 
     Raises:
+      ValueError: ``config.threshold_rule`` not a rule of :func:`jaxcomm.algorithms.eventgrad`.
       jaxcomm.netem.NetemUnavailable: no private network namespace can be made here.
       RuntimeError: a job failed (its output's tail is in the message).
     """
+    from jaxcomm.algorithms._eventgrad import THRESHOLD_RULES
     from jaxcomm.netem._link import link_settings
     from jaxcomm.studies import write_results
 
+    if config.threshold_rule not in THRESHOLD_RULES:
+        raise ValueError(f"EventGradRingConfig.threshold_rule: one of {THRESHOLD_RULES}; got {config.threshold_rule!r}")
     out_dir, env, load_start = start_emulated_study("eventgrad-ring", __package__, out_dir)
     records = [rec for seed in config.seeds for rec in _run_seed(config, int(seed), env)]
     results = {
