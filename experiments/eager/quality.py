@@ -199,9 +199,9 @@ def _ratio(records: list[dict], mode: str, key: str, over: str | None = None) ->
     return [by[(mode, s)][key] / by[(over, s)][key] for s in seeds]
 
 
-def _claim(text, paper, paper_value, values, above_one, ideal, extra) -> dict:
+def claim_row(text: str, paper: str, paper_value: float | None, values: list, above_one: bool, **extra) -> dict:
     """One claim's row: its per-seed ``values``, their mean and sample deviation, the number of
-    seeds and the :func:`verdict` against ``paper_value`` (``None``: the sides of 1 alone)."""
+    seeds, the :func:`verdict` against ``paper_value`` (``None``: the sides of 1 alone), then ``extra``."""
     mean, std = mean_std(values)
     return {
         "claim": text,
@@ -211,8 +211,7 @@ def _claim(text, paper, paper_value, values, above_one, ideal, extra) -> dict:
         "std": std,
         "seeds": len(values),
         "verdict": verdict(values, above_one, paper_value),
-        "ideal": ideal,
-        **(extra or {}),
+        **extra,
     }
 
 
@@ -235,7 +234,9 @@ def verdicts(records: list[dict], config: TimeToQualityConfig, round_ms: dict | 
         return float(np.mean(np.array(round_ms[over], float) / np.array(round_ms[mode], float)))
 
     def claim(text, paper, paper_value, values, above_one, ideal=None, extra=None):
-        claims.append(_claim(text, paper, paper_value if same_delay else None, values, above_one, ideal, extra))
+        claims.append(
+            claim_row(text, paper, paper_value if same_delay else None, values, above_one, ideal=ideal, **(extra or {}))
+        )
 
     paper_solo, paper_majority = _PAPER_SOLO_SPEEDUP_200, _PAPER_STEPS_S_200["majority"]
     if "solo" in modes:

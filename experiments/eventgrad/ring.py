@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 import numpy as np
 
 from jaxcomm.studies import config_to_dict
 
-from .. import PACKAGE_PARENT
-from ..eager.quality import mean_std, start_emulated_study, summary_rows
+from ..eager.quality import launch_job, mean_std, start_emulated_study, summary_rows
 from .config import RING_METHODS, TASKS, EventGradRingConfig
 from .run import PAPER_TABLE1, PAPER_TABLE2
 
@@ -345,31 +342,15 @@ def _tensor_sizes(config: EventGradRingConfig, seed: int) -> list[int]:
 
 def _run_seed(config: EventGradRingConfig, seed: int, env: dict) -> list[dict]:
     """One job on the emulated link: every method of ``seed`` in turn; its records."""
-    from jaxcomm import netem
-
     p = int(config.num_procs)
     with tempfile.TemporaryDirectory(prefix="eventgrad-ring-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "config.json").write_text(json.dumps({**config_to_dict(config), "seed": int(seed)}))
         print(f"eventgrad-ring: seed {seed}, methods {list(config.methods)}", flush=True)
-        with warnings.catch_warnings():
-            # JAX warns at every fork; the launcher's child only enters its namespace and execs.
-            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-            res = netem.launch(
-                p,
-                [sys.executable, "-m", _WORKER, str(tmp)],
-                bandwidth=config.bandwidth,
-                env=env,
-                timeout=float(config.launch_timeout_s),
-                cwd=PACKAGE_PARENT,
-                capture_output=True,
-            )
-        if res.returncode != 0:
-            why = "timed out" if res.timed_out else f"exit code {res.returncode}"
-            raise RuntimeError(
-                f"the job of seed {seed} failed ({why})\nstdout:\n{(res.stdout or '')[-3000:]}\n"
-                f"stderr:\n{(res.stderr or '')[-3000:]}"
-            )
+        res = launch_job(
+            p, [_WORKER, str(tmp)], bandwidth=config.bandwidth, env=env, timeout=float(config.launch_timeout_s),
+            what=f"the job of seed {seed}",
+        )  # fmt: skip
         ranks = {m: [dict(np.load(tmp / f"{m}_rank{r}.npz")) for r in range(p)] for m in config.methods}
     return records_of_seed(config, seed, ranks, res.bytes, _tensor_sizes(config, seed))
 

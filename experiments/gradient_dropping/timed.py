@@ -33,8 +33,8 @@ from jaxcomm.studies import config_to_dict
 
 from ..eager.quality import (
     CLAIM_TOLERANCE,
+    claim_row,
     launch_job,
-    mean_std,
     plot_against_time,
     start_emulated_study,
     summary_rows,
@@ -199,20 +199,6 @@ def _speedups(recs: list[dict], slow: str, fast: str) -> tuple[list, list[bool],
     return values, bounds, common
 
 
-def _claim(text: str, paper: str, paper_value: float | None, values: list, above_one: bool, **extra) -> dict:
-    mean, std = mean_std(values)
-    return {
-        "claim": text,
-        "paper": paper,
-        "values": values,
-        "mean": mean,
-        "std": std,
-        "seeds": len(values),
-        "verdict": verdict(values, above_one, paper_value),
-        **extra,
-    }
-
-
 def verdicts(recs: list[dict], config: GradientDroppingTimeConfig) -> list[dict]:
     """The paper's claims, each with its per-seed values, mean and sample deviation and the
     verdict of :func:`experiments.eager.quality.verdict` (``holds``: every seed on the claimed side
@@ -237,7 +223,7 @@ def verdicts(recs: list[dict], config: GradientDroppingTimeConfig) -> list[dict]
         values, _, common = _speedups(recs, "baseline", "partial+sync")
         paper = _paper_ratio(en, "time_to_target_h", "baseline", "partial+sync")
         claims.append(
-            _claim(
+            claim_row(
                 "PARTIAL + sync reaches the target faster than the uncompressed multi-node baseline "
                 "(t_baseline / t_method; '48 % faster' = 1.48)",
                 f"{paper:.2f} (En-De, 11.69 h / 7.89 h to 33.5 BLEU); "
@@ -252,7 +238,7 @@ def verdicts(recs: list[dict], config: GradientDroppingTimeConfig) -> list[dict]
         values, bounds, common = _speedups(recs, "drop99", "partial+sync")
         paper = _paper_ratio(en, "time_to_target_h", "drop99", "partial+sync")
         claims.append(
-            _claim(
+            claim_row(
                 "PARTIAL + sync reaches the target faster than vanilla gradient dropping "
                 "(t_drop / t_method; '28 % faster' = 1.28)",
                 f"{paper:.2f} (En-De, 10.12 h / 7.89 h); "
@@ -268,7 +254,7 @@ def verdicts(recs: list[dict], config: GradientDroppingTimeConfig) -> list[dict]
         base, drop = _per_seed(recs, "baseline"), _per_seed(recs, "drop99")
         paper = _paper_ratio(en, "words_per_s", "drop99", "baseline")
         claims.append(
-            _claim(
+            claim_row(
                 "gradient dropping raises the raw training speed (steps/s over the baseline's)",
                 f"{paper:.2f} (En-De words/s, 58,000 / 41,020); "
                 f"{_paper_ratio(ro, 'words_per_s', 'drop99', 'baseline'):.2f} (Ro-En)",
@@ -280,7 +266,7 @@ def verdicts(recs: list[dict], config: GradientDroppingTimeConfig) -> list[dict]
     if {"baseline", "partial+sync"} <= methods:
         ratios = [r["final_perplexity_ratio"] for r in sorted(_per_seed(recs, "partial+sync").values(),
                                                              key=lambda r: r["seed"])]  # fmt: skip
-        row = _claim(
+        row = claim_row(
             f"PARTIAL + sync loses no quality (final perplexity within {rtol:.0%} of the baseline's)",
             "dev BLEU 34.52 against 34.45 (En-De), 35.6 against 35.59 (Ro-En)",
             None,
