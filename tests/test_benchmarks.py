@@ -230,6 +230,22 @@ def test_topk_reuse_benchmark_tiny(tmp_path):
         bench.main(["--gradients", "stale", "--out", str(out)])
 
 
+def test_kernels_benchmark_selection_tiny(tmp_path):
+    """The top-k comparison of kernels.py: both bodies checked equal (check() raises otherwise), timed,
+    and their ratio recorded per ratio of k; the other comparisons are not run."""
+    bench = _load("kernels")
+    out = tmp_path / "kernels.json"
+    result = bench.main(["--comparisons", "top_k", "--select-sizes", "4096", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert {r["comparison"] for r in result["results"]} == {"top_k 0.1%", "top_k 1%"}
+    assert {(r["kernel"], r["n"]) for r in result["results"]} == {("float view", 4096), ("sampled threshold", 4096)}
+    assert [(c["comparison"], c["n"]) for c in result["ratios"]] == [("top_k 0.1%", 4096), ("top_k 1%", 4096)]
+    with pytest.raises(SystemExit):
+        bench.main(["--select-sizes", "2048", "--out", str(out)])  # at most SMALL: a sort, not compared
+    with pytest.raises(SystemExit):
+        bench.main(["--comparisons", "top", "--out", str(out)])
+
+
 def test_floor_rows_send_what_their_compressor_sends():
     """topk_floor's payload is top-k's at positions 0, s, 2s, ...: same sizes, top-k's
     decompress, sum and error hooks; qsgd_floor's is QSGD's payload and decoder."""

@@ -85,12 +85,16 @@ def test_compact_matches_nonzero(n, cap, density, body):
     assert (pos[len(expected) :] == 0).all()
 
 
-# One compiled selection per margin, with a traced k <= kmax = 80 (d = 8192 takes the sampled path).
+# One compiled selection per margin, with a traced k <= kmax = 80 (d = 8192 with primitive_max=0 takes the
+# sampled path; by default the CPU selects this size by top_by_float_view).
 _D, _KMAX = 8192, 80
 _select = jax.jit(
-    lambda x, kt, margin=5.0: S.top_indices(x, _KMAX, KEY, k=kt, margin=margin, keys_of=S.magnitude_keys),
+    lambda x, kt, margin=5.0: S.top_indices(
+        x, _KMAX, KEY, k=kt, margin=margin, keys_of=S.magnitude_keys, primitive_max=0
+    ),
     static_argnames=("margin",),
 )
+_select_float_view = jax.jit(lambda x, kt: S.top_indices(x, _KMAX, KEY, k=kt, keys_of=S.magnitude_keys))
 
 
 def test_top_indices_every_path_is_exact():
@@ -142,6 +146,9 @@ def test_accelerator_top_k_equals_the_cpu_path(seed, levels, nans, kt):
     x[rs.choice(_D, nans, replace=False)] = np.nan
     got = np.asarray(_select_accelerator(jnp.asarray(x), kt))
     np.testing.assert_array_equal(got, np.asarray(_select(jnp.asarray(x), kt)[0]))
+    idx, path = _select_float_view(jnp.asarray(x), kt)  # the CPU's default at this size
+    assert int(path) == S.PATH_PRIMITIVE
+    np.testing.assert_array_equal(np.asarray(idx), got)
     np.testing.assert_array_equal(got[:kt], np.sort(np_topk(x, kt)))
     assert (got[kt:] == 0).all()
     np.testing.assert_array_equal(np.asarray(_select_threshold(jnp.asarray(x), kt, jax.random.PRNGKey(seed))[0]), got)
@@ -152,6 +159,53 @@ def test_unpacked_words_are_the_packed_mask():
     mask = np.random.RandomState(3).rand(100) < 0.4  # 4 words, the last one padded with zeros
     words = pack_bits(jnp.asarray(mask), 1, jnp.uint32)
     np.testing.assert_array_equal(np.asarray(C._unpack_words(words)), np.pad(mask, (0, 28)))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    kind=st.sampled_from(["normal", "ties", "subnormal", "nonfinite", "zeros", "int32"]),
+    d=st.integers(S.SMALL + 1, 6000),
+    k=st.integers(1, 120),
+)
+def test_top_by_float_view_is_the_exact_integer_order(seed, kind, d, k):
+    """int32 keys bitcast to float32 and selected by lax.top_k (the CPU's body up to CPU_PRIMITIVE_MAX keys)
+    give NumPy's stable top-k of the integers: magnitude keys of ties, subnormals, NaN, +-Inf and signed zeros,
+    and arbitrary int32 keys (negative ones, NaN bit patterns) with k <= #(keys >= 0). Under jit, vmap and
+    shard_map with check_vma."""
+    rs = np.random.RandomState(seed)
+    x = rs.randn(d).astype(np.float32)
+    if kind == "ties":
+        x = rs.randint(-3, 4, d).astype(np.float32)
+    elif kind == "subnormal":
+        x = np.where(rs.rand(d) < 0.5, 0.0, rs.randn(d) * 1e-42).astype(np.float32)
+    elif kind == "nonfinite":
+        x[rs.randint(0, d, 6)] = [np.nan, np.nan, np.inf, -np.inf, -np.nan, np.inf]
+    elif kind == "zeros":
+        x = np.zeros(d, np.float32)
+        x[rs.randint(0, d, 4)] = -0.0
+    keys = np.asarray(S.magnitude_keys(jnp.asarray(x)))
+    if kind == "int32":
+        keys = rs.randint(-(2**31), 2**31, d, dtype=np.int64).astype(np.int32)
+        keys[rs.randint(0, d, 40)] = keys[0]  # ties
+        k = min(k, int((keys >= 0).sum()))
+    want = np.sort(np.argsort(-keys.astype(np.int64), kind="stable")[:k])
+    one = jax.jit(lambda v: S.top_by_float_view(v, jnp.int32(k), k))
+    np.testing.assert_array_equal(np.asarray(one(jnp.asarray(keys))), want)
+    batched = jax.jit(jax.vmap(lambda v: S.top_by_float_view(v, jnp.int32(k), k)))
+    np.testing.assert_array_equal(np.asarray(batched(jnp.asarray(np.stack([keys, keys])))), np.stack([want, want]))
+    mesh = jax.make_mesh((2,), ("w",))
+    sharded = jax.jit(
+        jax.shard_map(
+            lambda v: S.top_by_float_view(v[0], jnp.int32(k), k)[None],
+            mesh=mesh,
+            in_specs=jax.P("w"),
+            out_specs=jax.P("w"),
+            check_vma=True,
+        )
+    )
+    both = jax.device_put(np.stack([keys, keys]), jax.NamedSharding(mesh, jax.P("w")))
+    np.testing.assert_array_equal(np.asarray(sharded(both)), np.stack([want, want]))
 
 
 # One compressor per way into the platform-dependent kernels: top_indices (topk; qsparse calls it the
@@ -176,7 +230,11 @@ def test_accelerator_bodies_send_the_cpu_payload(case, monkeypatch):
     d = 3 * S.SMALL + 5  # above SMALL: the platform-dependent paths; not a whole number of 32-bit words
     x = jnp.asarray(np.round(np.random.RandomState(5).randn(d) * 4).astype(np.float32) / 4)
     state = c.init_state(x) if c.init_state is not None else None
+    by_float_view = jax.jit(lambda x, k: c.compress(x, k, state)[0])(x, KEY)  # the CPU's default at this size
+    monkeypatch.setattr(S, "CPU_PRIMITIVE_MAX", 0)  # the CPU's sampled bodies (what larger tensors take)
     want = jax.jit(lambda x, k: c.compress(x, k, state)[0])(x, KEY)
+    for a, b in zip(jax.tree.leaves(by_float_view), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=case)
     chose = []
 
     def accelerator_only(*, cpu, accelerator, like=()):
@@ -313,8 +371,10 @@ def test_top_indices_counters_equal_stored_counters(margin):
 
     @jax.jit  # one compiled program: op by op, each primitive compiled alone, the test cost twice the CPU time
     def both():
-        got, _ = S.top_indices(d, k, KEY, keys_of=keys_of, margin=margin)
-        want, _ = S.top_indices(jnp.arange(d, dtype=jnp.uint32), k, KEY, keys_of=keys_of, margin=margin)
+        got, _ = S.top_indices(d, k, KEY, keys_of=keys_of, margin=margin, primitive_max=0)
+        want, _ = S.top_indices(
+            jnp.arange(d, dtype=jnp.uint32), k, KEY, keys_of=keys_of, margin=margin, primitive_max=0
+        )
         return got, want
 
     got, want = both()

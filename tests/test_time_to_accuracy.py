@@ -381,3 +381,39 @@ def test_a_study_on_the_unshaped_link_alone_plots_its_training_job():
     assert [title for title, _ in panels] == ["link unlimited (measured end to end)"]
     assert len(panels[0][1]) == len(TRAINING["runs"])
     assert _panels(TRAINING, [], [], ["10mbit"]) == []  # a shaped link alone: its timing job's panel only
+
+
+def test_the_compute_only_step_is_timed_after_the_methods_warm_up():
+    """timed_steps_alone runs two steps and ``skip`` more (DGC's warm-up stages) untimed, then times
+    exactly the next ``steps``: the median over whole periods of those steps' own times only."""
+    from experiments.network import worker
+
+    class Step:
+        def lower(self, state, batch):
+            return self
+
+        def compile(self):
+            return self
+
+    class Batches:
+        position = 0
+
+        def batch_at(self, position):
+            return None
+
+    class Trainer:
+        step_fn = Step()
+
+        def init_state(self):
+            return 0
+
+        def worker_batch(self, batch):
+            return batch
+
+        def fit(self, state, batches, until, progress):
+            # step t takes t seconds, so the timed mean names the steps that were timed
+            return until, [{"step_time": float(t)} for t in range(state, until)]
+
+    got = worker.timed_steps_alone(Trainer(), Batches(), steps=4, sync_every=2, skip=10)
+    assert got == np.median([np.mean([12, 13]), np.mean([14, 15])])
+    assert worker.timed_steps_alone(Trainer(), Batches(), steps=2, sync_every=1) == 2.5  # steps 2 and 3

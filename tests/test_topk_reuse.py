@@ -37,9 +37,9 @@ def np_topk_sorted(x, k):
     return np.sort(np.argsort(-np_keys(x), kind="stable")[:k])
 
 
-_D, _K = 6000, 60  # d > 2048: the sampled path, so a threshold is carried
-_plain = jax.jit(lambda v, key: S.top_indices(v, _K, key, keys_of=S.magnitude_keys))
-_reuse = jax.jit(lambda v, key, s: S.top_indices_reusing(v, _K, key, s, keys_of=S.magnitude_keys))
+_D, _K = 6000, 60  # d > 2048 with primitive_max=0: the sampled path, so a threshold is carried
+_plain = jax.jit(lambda v, key: S.top_indices(v, _K, key, keys_of=S.magnitude_keys, primitive_max=0))
+_reuse = jax.jit(lambda v, key, s: S.top_indices_reusing(v, _K, key, s, keys_of=S.magnitude_keys, primitive_max=0))
 
 
 def test_reuse_capacity_and_initial_state():
@@ -178,11 +178,12 @@ def _run_shard_map(c, steps, a, x0):
     return out, tx
 
 
-def test_step_with_reuse_is_bit_identical_and_conserves_mass():
+def test_step_with_reuse_is_bit_identical_and_conserves_mass(monkeypatch):
     """compressed_mean(topk(reuse_threshold=True)) inside shard_map(check_vma=True) over 6 steps: the
     mean, the memories and the wire bits equal topk()'s bit for bit; the NumPy reference of the step
     holds (m_i' = φ_i with its top-k zeroed; ḡ = Σ_i (φ_i − m_i') / n) and so does the conservation
-    Σ_i m_i' + n ḡ = Σ_i φ_i."""
+    Σ_i m_i' + n ḡ = Σ_i φ_i. The sampled CPU bodies (CPU_PRIMITIVE_MAX = 0), so a threshold is carried."""
+    monkeypatch.setattr(S, "CPU_PRIMITIVE_MAX", 0)
     a, x0 = _data()
     k = jc.compressors.topk(ratio=0.02)
     r = jc.compressors.topk(ratio=0.02, reuse_threshold=True)

@@ -13,7 +13,12 @@ Four comparisons, each kernel against the alternative it replaced:
   one prefix sum per block of 512) against the same blocks with three prefix sums, one per class;
 * ``code_packing``: ``n`` codes of 2 and 4 bits in bytes, the plane-major layout of
   ``bitpack.pack_codes`` (code ``i`` in byte ``i mod B``) against the interleaved layout of
-  ``bitpack.pack`` (code ``i`` in byte ``i div m``), each encoded and decoded.
+  ``bitpack.pack`` (code ``i`` in byte ``i div m``), each encoded and decoded;
+* ``top_k 0.1%`` and ``top_k 1%``: the exact top-k by magnitude of ``m`` float32 (each of
+  ``--select-sizes``), ``select.top_by_float_view`` (one ``lax.top_k`` of the order keys viewed as
+  float32: the CPU's body up to ``select.CPU_PRIMITIVE_MAX`` keys) against the sampled threshold
+  (``select.top_indices`` with ``primitive_max=0``: the CPU's body above it); the ratio is sampled /
+  float view, so above 1 the float view is faster at that size.
 
 Every kernel is jitted and checked against its alternative's result (equal outputs, or a round
 trip for the packings). Then, with ``compressors.py``'s timer (rounds of a, A, b, B: the second
@@ -26,6 +31,7 @@ call of each timed; ``--repeats`` rounds; medians):
   time, and for the prefix sums of their compile times.
 
 usage: python experiments/benchmarks/kernels.py [--n 4194304] [--prefix-sizes 65536,4194304]
+       [--select-sizes 9216,36864,65536,147456,589824] [--comparisons random_bits,...,top_k]
        [--repeats 15] [--compile-repeats 3] [--smoke] [--out experiments/benchmarks/results/kernels_cpu.json]
        python experiments/benchmarks/kernels.py --markdown experiments/benchmarks/results/kernels_cpu.json
 """
@@ -46,16 +52,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm._paths import check_output_path
-from jaxcomm.compressors._kernels import bitpack, compact, random_bits
+from jaxcomm.compressors._kernels import bitpack, compact, random_bits, select
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from compressors import machine_info, reference_fn, time_interleaved  # noqa: E402
 
-SMOKE = dict(n=4096, prefix_sizes=[1024], repeats=2, compile_repeats=1)
+SMOKE = dict(n=4096, prefix_sizes=[1024], select_sizes=[4096], repeats=2, compile_repeats=1)
 """A tiny run: the plumbing only (the timings are noise at this size)."""
 
 WIDTHS = (2, 4)
+SELECT_RATIOS = (0.001, 0.01)
+FAMILIES = ("random_bits", "prefix_sum", "class_ranks", "code_packing", "top_k")
+"""The values of ``--comparisons``: each names the comparisons whose name starts with it."""
 
 
 def ranks_three_prefix_sums(tags):
@@ -74,7 +83,36 @@ def ranks_three_prefix_sums(tags):
     return out.reshape(-1)[:d]
 
 
-def cases(n: int, prefix_sizes) -> list[dict]:
+def selection_cases(sizes) -> list[dict]:
+    """The exact top-k of ``m`` normal float32 for every ``m`` in ``sizes`` and every ratio of
+    :data:`SELECT_RATIOS`: the float view of the keys against the sampled threshold."""
+    key = jax.random.PRNGKey(0)
+    out = []
+    for m in sizes:
+        x = jnp.asarray(np.random.default_rng(m).standard_normal(m, dtype=np.float32))
+        for ratio in SELECT_RATIOS:
+            k = max(1, round(ratio * m))
+            bodies = {
+                "float view": lambda v, k=k: select.top_by_float_view(select.magnitude_keys(v), jnp.int32(k), k),
+                "sampled threshold": lambda v, k=k: select.top_indices(
+                    v, k, key, keys_of=select.magnitude_keys, primitive_max=0
+                )[0],
+            }
+            out += [
+                dict(
+                    comparison=f"top_k {100 * ratio:g}%",
+                    kernel=name,
+                    n=m,
+                    fn=jax.jit(f),
+                    args=(x,),
+                    same_as="sampled threshold",
+                )
+                for name, f in bodies.items()
+            ]
+    return out
+
+
+def cases(n: int, prefix_sizes, select_sizes=()) -> list[dict]:
     """Every kernel: its comparison, name, jitted function and argument, and the check of its result."""
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
@@ -113,7 +151,7 @@ def cases(n: int, prefix_sizes) -> list[dict]:
                     comparison=comparison, kernel=f"{layout} decode", n=n, fn=jax.jit(dec), args=(packed,), codes=codes
                 )
             )
-    return out
+    return out + selection_cases(select_sizes)
 
 
 def check(case: dict, results: dict) -> None:
@@ -145,13 +183,17 @@ COMPARISONS = [
     ("prefix_sum", "jnp.cumsum", "lax.scan"),
     ("class_ranks", "three prefix sums", "one packed prefix sum"),
     *[(f"code_packing_{w}bit", f"interleaved {op}", f"planar {op}") for w in WIDTHS for op in ("decode", "encode")],
+    *[(f"top_k {100 * r:g}%", "sampled threshold", "float view") for r in SELECT_RATIOS],
 ]
 
 
-def measure(n: int, prefix_sizes, repeats: int, compile_repeats: int) -> tuple[list[dict], list[dict]]:
+def measure(
+    n: int, prefix_sizes, repeats: int, compile_repeats: int, select_sizes=(), comparisons=FAMILIES
+) -> tuple[list[dict], list[dict]]:
     """Every kernel against the memory pass over its ``n`` (median seconds, ns per element, passes),
-    and every comparison's two kernels interleaved with each other (their ratio)."""
-    all_cases = cases(n, prefix_sizes)
+    and every comparison's two kernels interleaved with each other (their ratio); only the comparisons
+    whose name starts with one of ``comparisons``."""
+    all_cases = [c for c in cases(n, prefix_sizes, select_sizes) if c["comparison"].startswith(tuple(comparisons))]
     outputs: dict = {}
     for case in sorted(all_cases, key=lambda c: c["kernel"] != c.get("same_as")):  # alternatives first
         check(case, outputs)
@@ -173,6 +215,8 @@ def measure(n: int, prefix_sizes, repeats: int, compile_repeats: int) -> tuple[l
     compiled = {(r["kernel"], r["n"]): r["compile_s"] for r in rows if "compile_s" in r}
     pairs = []
     for comparison, slower, faster in COMPARISONS:
+        if not comparison.startswith(tuple(comparisons)):
+            continue
         for m in sorted({c["n"] for c in all_cases if c["comparison"] == comparison}):
             s, f = by[(comparison, slower, m)], by[(comparison, faster, m)]
             t = time_interleaved(s["fn"], s["args"], f["fn"], f["args"], repeats)
@@ -207,6 +251,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=4194304, help="entries of every kernel but the prefix sums")
     ap.add_argument("--prefix-sizes", default="65536,4194304", help="entries of the prefix sums (comma-separated)")
+    ap.add_argument(
+        "--select-sizes",
+        default="9216,36864,65536,147456,589824",
+        help="entries of the top-k selections (comma-separated)",
+    )
+    ap.add_argument("--comparisons", default=",".join(FAMILIES), help=f"which to run, from {', '.join(FAMILIES)}")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--compile-repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help=f"a tiny run: {SMOKE}")
@@ -216,12 +266,22 @@ def main(argv=None) -> dict:
     if args.markdown:
         print(markdown_table(json.loads(Path(args.markdown).read_text())))
         return {}
-    try:
-        prefix_sizes = [int(s) for s in args.prefix_sizes.split(",") if s]
-    except ValueError:
-        ap.error(f"--prefix-sizes: comma-separated integers; got {args.prefix_sizes!r}")
+    sizes = {}
+    for flag in ("prefix_sizes", "select_sizes"):
+        try:
+            sizes[flag] = [int(s) for s in getattr(args, flag).split(",") if s]
+        except ValueError:
+            ap.error(f"--{flag.replace('_', '-')}: comma-separated integers; got {getattr(args, flag)!r}")
+    prefix_sizes, select_sizes = sizes["prefix_sizes"], sizes["select_sizes"]
     if args.n < 1 or not prefix_sizes or min(prefix_sizes) < 1:
         ap.error("--n and every --prefix-sizes entry must be >= 1")
+    if not select_sizes or min(select_sizes) <= select.SMALL:
+        ap.error(
+            f"every --select-sizes entry must be > {select.SMALL} (smaller vectors are sorted); got {select_sizes}"
+        )
+    comparisons = [c for c in args.comparisons.split(",") if c]
+    if not comparisons or set(comparisons) - set(FAMILIES):
+        ap.error(f"--comparisons: comma-separated names from {', '.join(FAMILIES)}; got {args.comparisons!r}")
     if args.repeats < 1 or args.compile_repeats < 1:
         ap.error("--repeats and --compile-repeats must be >= 1")
     try:
@@ -231,8 +291,15 @@ def main(argv=None) -> dict:
     config = (
         SMOKE
         if args.smoke
-        else dict(n=args.n, prefix_sizes=prefix_sizes, repeats=args.repeats, compile_repeats=args.compile_repeats)
+        else dict(
+            n=args.n,
+            prefix_sizes=prefix_sizes,
+            select_sizes=select_sizes,
+            repeats=args.repeats,
+            compile_repeats=args.compile_repeats,
+        )
     )
+    config = dict(config, comparisons=comparisons)
     out = {
         "meta": {
             "benchmark": "kernels",

@@ -201,8 +201,9 @@ def compute_step_time(
       batch_size: examples per step (one worker's batch).
       method: a label of :data:`~experiments.network.config.METHODS`.
       learning_rate, momentum: of the method's ``optax.sgd``.
-      steps: steps timed after two untimed ones (compilation), ``>= 1``; rounded up to whole
-        communication periods of the method.
+      steps: steps timed after two untimed ones (compilation) and the method's warm-up
+        (``MethodInfo.warmup_steps``: DGC's denser sparsity stages), ``>= 1``; rounded up to
+        whole communication periods of the method.
       seed: initialisation and data order.
       options: the configuration fields a method reads (``dgc_steps_per_stage``).
       train: the training :class:`~jaxcomm.data.Dataset` (default: loaded from ``dataset``).
@@ -231,13 +232,15 @@ def compute_step_time(
     steps = h * math.ceil(int(steps) / h)
     trainer = Trainer(build_model(model, train, seed), tx, comm=Local(), seed=seed)
     batches = data.WorkerBatches([train], int(batch_size), jax.random.PRNGKey(seed + 7))
-    return timed_steps_alone(trainer, batches, steps, h, world)
+    return timed_steps_alone(trainer, batches, steps, h, world, skip=int(info.warmup_steps))
 
 
-def timed_steps_alone(trainer, batches, steps: int, sync_every: int, world=None) -> float:
+def timed_steps_alone(trainer, batches, steps: int, sync_every: int, world=None, skip: int = 0) -> float:
     """Seconds of one step of ``trainer`` (built on :class:`jaxcomm.comm.Local`, so its steps send
-    nothing): compiled (:func:`_compile`), two untimed steps, then ``steps`` timed ones started on
-    every rank of ``world`` at once, so that processes sharing the cores share them as in training.
+    nothing): compiled (:func:`_compile`), two untimed steps and ``skip`` more (a method's warm-up,
+    e.g. DGC's denser sparsity stages, so that the steps timed are the steps after it), then
+    ``steps`` timed ones started on every rank of ``world`` at once, so that processes sharing the
+    cores share them as in training.
 
     Returns the median over whole communication periods of ``sync_every`` steps of a period's mean
     step time (:func:`period_mean`), in seconds.
@@ -245,10 +248,10 @@ def timed_steps_alone(trainer, batches, steps: int, sync_every: int, world=None)
     state = trainer.init_state()
     rank = 0 if world is None else world.Get_rank()
     _compile(trainer, state, batches, world, rank)
-    state, _ = trainer.fit(state, batches, 2, progress=False)
+    state, _ = trainer.fit(state, batches, 2 + int(skip), progress=False)
     if world is not None:
         world.Barrier()
-    state, hist = trainer.fit(state, batches, 2 + int(steps), progress=False)
+    state, hist = trainer.fit(state, batches, 2 + int(skip) + int(steps), progress=False)
     return period_mean([row["step_time"] for row in hist], sync_every)
 
 

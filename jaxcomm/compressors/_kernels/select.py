@@ -6,7 +6,10 @@ whose integer order is the float order on ``[0, +Inf]`` and puts NaN above
 +Inf. The candidates above a sampled threshold are compacted with the
 bit-packed kernels of :mod:`.compact` (:func:`~.compact.compact`: the positions
 of the first ``cap`` true entries, in index order); vectors of at most
-``SMALL = 2048`` entries use a stable sort instead (cheaper to compile).
+``SMALL = 2048`` entries use a stable sort instead (cheaper to compile), and on
+CPU vectors of at most ``CPU_PRIMITIVE_MAX = 65536`` entries one ``lax.top_k`` of
+the keys viewed as float32 (:func:`top_by_float_view`), whose cost at those sizes
+is below the sampled path's fixed cost.
 :func:`top_indices` is the exact top-k used by top-k, DGC, random-k and the
 adaptive threshold.
 
@@ -75,8 +78,17 @@ _MARGIN = 5.0
 
 PATH_SAMPLED, PATH_TIES, PATH_FULL, PATH_REUSED, PATH_PRIMITIVE = 0, 1, 2, 3, 4
 """Which branch :func:`top_indices` (or :func:`top_indices_reusing`) took (returned for tests and diagnostics);
-``PATH_PRIMITIVE``: the accelerator's ``lax.top_k`` over all keys (:func:`top_by_primitive`); lowered for an
-accelerator, ``PATH_SAMPLED`` is :func:`top_by_threshold`'s top-k among the sampled candidates."""
+``PATH_PRIMITIVE``: ``lax.top_k`` over all keys (:func:`top_by_primitive`; on CPU, of at most
+``CPU_PRIMITIVE_MAX`` keys, :func:`top_by_float_view`); lowered for an accelerator, ``PATH_SAMPLED`` is
+:func:`top_by_threshold`'s top-k among the sampled candidates."""
+
+CPU_PRIMITIVE_MAX = 1 << 16
+"""Up to this many keys (and above ``SMALL``), the CPU selection is one ``lax.top_k`` of the keys viewed as
+float32 (:func:`top_by_float_view`) instead of the sampled threshold, whose fixed cost (the sample, a count,
+a compaction and the selection among the candidates: 0.15-0.4 ms) dominates at these sizes. Measured on
+this machine's CPU (``experiments/benchmarks/kernels.py``'s ``select`` rows): at 36,864 keys and
+``k = 37`` 0.14 ms against 0.39 ms; at 147,456 keys the two are equal for ``k = 0.1 %`` and the sampled
+threshold is 2.3x faster for ``k = 1 %``."""
 
 
 def _radix_kth(keys, k) -> Array:
@@ -190,6 +202,20 @@ def top_by_primitive(keys, k, kmax: int, positions=None) -> Array:
     return jnp.where(first, idx, 0)
 
 
+def top_by_float_view(keys, k, kmax: int) -> Array:
+    """:func:`top_by_primitive` of int32 ``keys`` bitcast to float32: XLA:CPU's ``lax.top_k`` of the keys'
+    order, one partial sort, where ``lax.top_k`` of int32 keys is a full sort (50-500x slower at 10^4-10^6 keys).
+
+    Exact because XLA:CPU's float32 top-k compares the values' bit patterns as sign-magnitude integers (a
+    total order: ``-0.0 < +0.0``, NaN patterns by their bits) and breaks ties to the lowest index, so the
+    non-negative keys keep their integer order and every negative key ranks below them.
+    ``tests/test_sparsifiers.py`` checks this against NumPy on ties, NaN, infinities, subnormals and
+    arbitrary int32 keys, under ``jit``, ``vmap`` and ``shard_map``. ``keys``: ``(d,)`` int32; ``k``, ``kmax``
+    and the result as :func:`top_by_primitive`.
+    """
+    return top_by_primitive(lax.bitcast_convert_type(keys, jnp.float32), k, kmax)
+
+
 def _identity(v):
     return v
 
@@ -285,7 +311,9 @@ def top_by_threshold(values, kmax: int, key, k=None, *, keys_of=_identity, margi
     return lax.cond((count >= kk) & (count <= cap), candidates, everything)
 
 
-def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: float = _MARGIN):
+def top_indices(
+    values, kmax: int, key, k=None, *, keys_of=_identity, margin: float = _MARGIN, primitive_max: int | None = None
+):
     """Exact positions of the ``k`` largest keys ``keys_of(values)`` (ties: lowest index first).
 
     Args:
@@ -302,6 +330,9 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
         fused into the passes that read it instead of materialising the keys.
       margin: the ``z`` of :func:`_sample_plan` (tests pass a negative value to
         force the exact fallback).
+      primitive_max: lowered for CPU, vectors of ``SMALL < d <= primitive_max`` entries are selected by
+        :func:`top_by_float_view` (``PATH_PRIMITIVE``) instead of the sampled threshold; ``None``:
+        ``CPU_PRIMITIVE_MAX`` (read when traced); tests pass 0 to run the sampled path at small sizes.
     Returns:
       ``(indices, path)``: int32 ``(kmax,)`` (slots ``>= k`` hold 0) and the
       branch taken (``PATH_SAMPLED``, ``PATH_TIES`` or ``PATH_FULL``). For
@@ -326,7 +357,7 @@ def top_indices(values, kmax: int, key, k=None, *, keys_of=_identity, margin: fl
     sample, ``lax.top_k`` among the candidates: ``PATH_SAMPLED``, else over all
     keys: ``PATH_PRIMITIVE``) from there on, the same indices in the same order.
     """
-    idx, path, _ = _top_indices(values, kmax, key, k, keys_of, margin, None)
+    idx, path, _ = _top_indices(values, kmax, key, k, keys_of, margin, None, primitive_max=primitive_max)
     return idx, path
 
 
@@ -359,7 +390,9 @@ def reuse_state(kmax: int, d: int) -> Array:
     return jnp.asarray([NO_GUESS, (kmax + reuse_capacity(kmax, d)) // 2], jnp.int32)
 
 
-def top_indices_reusing(values, kmax: int, key, state, *, keys_of=_identity, margin: float = _MARGIN):
+def top_indices_reusing(
+    values, kmax: int, key, state, *, keys_of=_identity, margin: float = _MARGIN, primitive_max: int | None = None
+):
     """:func:`top_indices` (static ``k = kmax``) with a threshold carried from the previous call.
 
     The candidates ``key >= guess`` are counted in one pass; if they number
@@ -384,10 +417,10 @@ def top_indices_reusing(values, kmax: int, key, state, *, keys_of=_identity, mar
 
     Lowered for ``cuda``, ``rocm`` or ``tpu`` nothing is reused: the selection is
     :func:`top_indices`' accelerator body (its path is returned) and the state is
-    returned unchanged.
+    returned unchanged; likewise on CPU for ``d <= primitive_max`` (:func:`top_by_float_view`).
 
     Args:
-      values, kmax, key, keys_of, margin: as :func:`top_indices`.
+      values, kmax, key, keys_of, margin, primitive_max: as :func:`top_indices`.
       state: int32 ``(2,)``: the previous call's guess and aim (:func:`reuse_state` at first).
     Returns:
       ``(indices, path, new_state)``: int32 ``(kmax,)``; ``PATH_REUSED`` or the
@@ -396,21 +429,22 @@ def top_indices_reusing(values, kmax: int, key, state, *, keys_of=_identity, mar
     d = values.shape[0]
     state = jnp.asarray(state, jnp.int32)
     cap_r = reuse_capacity(kmax, d, margin)
-    if cap_r == 0:  # no sampled path: nothing to carry
-        idx, path = top_indices(values, kmax, key, keys_of=keys_of, margin=margin)
+    primitive_max = CPU_PRIMITIVE_MAX if primitive_max is None else primitive_max
+    if cap_r == 0 or d <= primitive_max:  # no sampled path on CPU: nothing to carry
+        idx, path = top_indices(values, kmax, key, keys_of=keys_of, margin=margin, primitive_max=primitive_max)
         return idx, path, state
 
     def accelerator():
         return *_top_accelerator(values, kmax, key, None, keys_of, margin), state
 
     return typed_platform_dependent(
-        cpu=lambda: _top_reusing_cpu(values, kmax, key, state, keys_of, margin, cap_r),
+        cpu=lambda: _top_reusing_cpu(values, kmax, key, state, keys_of, margin, cap_r, primitive_max),
         accelerator=accelerator,
         like=(values, key, state, keys_of(values[:1])),  # the last: what keys_of closes over
     )
 
 
-def _top_reusing_cpu(values, kmax: int, key, state, keys_of, margin: float, cap_r: int):
+def _top_reusing_cpu(values, kmax: int, key, state, keys_of, margin: float, cap_r: int, primitive_max: int | None):
     """:func:`top_indices_reusing` lowered for CPU (see there)."""
     guess, aim = state[0], state[1]
     kk = jnp.int32(kmax)
@@ -430,7 +464,9 @@ def _top_reusing_cpu(values, kmax: int, key, state, keys_of, margin: float, cap_
         return idx, jnp.int32(PATH_REUSED) + zero, _next_guess(guess, t, count, kmax, aim) + zero
 
     def sampled():
-        idx, path, nxt = _top_indices(values, kmax, key, None, keys_of, margin, aim, by_platform=False)
+        idx, path, nxt = _top_indices(
+            values, kmax, key, None, keys_of, margin, aim, by_platform=False, primitive_max=primitive_max
+        )
         return idx + zero, path + zero, nxt + zero
 
     ok = (guess >= 0) & (count >= kk) & (count <= cap_r)
@@ -459,13 +495,24 @@ def _top_accelerator(values, kmax: int, key, k, keys_of, margin: float):
     return top_by_primitive(keys_of(all_values()), kk, kmax), jnp.int32(PATH_PRIMITIVE)
 
 
-def _top_indices(values, kmax: int, key, k, keys_of, margin: float, target, by_platform: bool = True):
+def _top_indices(
+    values,
+    kmax: int,
+    key,
+    k,
+    keys_of,
+    margin: float,
+    target,
+    by_platform: bool = True,
+    primitive_max: int | None = None,
+):
     """:func:`top_indices`, plus the next guess of :func:`top_indices_reusing` when ``target`` is given
     (:data:`NO_GUESS` otherwise); ``by_platform=False``: the CPU body whatever the platform (for a
     caller that already chose it)."""
     d, all_values, gather = _readers(values)
     kk = jnp.int32(kmax) if k is None else jnp.asarray(k, jnp.int32)
     no_guess = jnp.int32(NO_GUESS)
+    primitive_max = CPU_PRIMITIVE_MAX if primitive_max is None else primitive_max
     if kmax == 0 or d == 0:
         return jnp.zeros((kmax,), jnp.int32), jnp.int32(PATH_FULL), no_guess
     if k is None and kmax >= d:
@@ -477,6 +524,8 @@ def _top_indices(values, kmax: int, key, k, keys_of, margin: float, target, by_p
         return *_top_accelerator(values, kmax, key, k, keys_of, margin), no_guess
 
     def cpu():
+        if d <= primitive_max:
+            return top_by_float_view(keys_of(all_values()), kk, kmax), jnp.int32(PATH_PRIMITIVE), no_guess
         return _top_sampled(all_values, gather, d, kmax, key, k, kk, keys_of, margin, target)
 
     if not by_platform:
