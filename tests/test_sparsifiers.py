@@ -208,6 +208,23 @@ def test_top_by_float_view_is_the_exact_integer_order(seed, kind, d, k):
     np.testing.assert_array_equal(np.asarray(sharded(both)), np.stack([want, want]))
 
 
+def test_the_cpu_body_follows_the_size_and_the_count():
+    """On CPU: a stable sort up to SMALL keys, the float view up to CPU_PRIMITIVE_MAX keys with at most
+    CPU_PRIMITIVE_K_MAX selected, the sampled threshold beyond either bound; the same exact set each time."""
+    rs = np.random.RandomState(7)
+    cases = [
+        (S.SMALL, 10, S.PATH_FULL),
+        (S.SMALL + 1, S.CPU_PRIMITIVE_K_MAX, S.PATH_PRIMITIVE),
+        (16_384, S.CPU_PRIMITIVE_K_MAX + 1, S.PATH_SAMPLED),
+        (S.CPU_PRIMITIVE_MAX + 1, 10, S.PATH_SAMPLED),
+    ]
+    for d, k, path in cases:
+        x = rs.randn(d).astype(np.float32)
+        idx, took = jax.jit(lambda v, k=k: S.top_indices(v, k, KEY, keys_of=S.magnitude_keys))(jnp.asarray(x))
+        assert int(took) == path, (d, k)
+        np.testing.assert_array_equal(np.sort(np.asarray(idx)), np.sort(np_topk(x, k)))
+
+
 # One compressor per way into the platform-dependent kernels: top_indices (topk; qsparse calls it the
 # same way, adaptive with a traced k as tested above), top_indices_reusing, DGC's compact_words, random-k's
 # hashed counters, compact (threshold; random_sparsification calls it the same way).

@@ -295,7 +295,9 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         # the link was given this rate before its steps were timed (the unshaped link counts with pfifo)
         assert tj["shape"]["bandwidth_bps"] == rate and {t["qdisc"] for t in tj["timings"]} == {"tbf"}
         for t in tj["timings"]:
-            assert len(t["step_times"]) == cfg.timing_steps and t["warmup_steps"] == 0
+            # timing_steps, or more where the token bucket would carry over a tenth of the window's bytes
+            assert len(t["step_times"]) >= cfg.timing_steps and t["warmup_steps"] == 0
+            assert len(t["step_times"]) == cfg.timing_steps or t["bucket_share"] <= 0.1 * 1.5
             # A token bucket passes at most burst + rate · t / 8 bytes in t seconds (the window's wall clock,
             # which also holds the closing barrier and the ranks' lag behind rank 0's step clock).
             assert sum(t["step_times"]) <= t["window_s"]
@@ -417,3 +419,20 @@ def test_the_compute_only_step_is_timed_after_the_methods_warm_up():
     got = worker.timed_steps_alone(Trainer(), Batches(), steps=4, sync_every=2, skip=10)
     assert got == np.median([np.mean([12, 13]), np.mean([14, 15])])
     assert worker.timed_steps_alone(Trainer(), Batches(), steps=2, sync_every=1) == 2.5  # steps 2 and 3
+
+
+def test_a_timed_window_is_long_enough_for_the_token_bucket():
+    """bucket_steps: the steps whose bytes reach burst / share at the smallest per-step rate of the
+    runs after the warm-up (closed form); the cap where nothing was sent."""
+    from experiments.network.worker import TIMING_STEPS_MAX, bucket_steps
+
+    def run(points):
+        return {"curve": [{"step": s, "link_bytes": b} for s, b in points]}
+
+    # after a 40-step warm-up: 4,000 and 2,000 bytes a step; the warm-up's 1 MB is not counted
+    runs = [run([(20, 900_000), (40, 1_000_000), (140, 1_400_000)]), run([(40, 1_000_000), (240, 1_400_000)])]
+    assert bucket_steps(runs, 40, 262_144, share=0.1) == math.ceil(262_144 / (0.1 * 2_000))
+    # no warm-up: from the run's start (0 bytes), also where the target came at the first evaluation
+    assert bucket_steps([run([(20, 5e6), (40, 10e6)])], 0, 262_144) == math.ceil(262_144 / 0.1 / 250_000)
+    assert bucket_steps([run([(10, 2e5)])], 0, 262_144) == math.ceil(262_144 / 0.1 / 2e4)
+    assert bucket_steps([run([(20, 0), (40, 0)])], 0, 262_144) == TIMING_STEPS_MAX

@@ -271,7 +271,9 @@ class TimeToAccuracyConfig(StudyConfig):
       compute_steps: steps timed with a one-worker communicator (the step without its
         communication), once per method and learning rate; rounded up to whole communication periods.
       timing_steps: decomposed route: the least number of steps timed per method and link, after
-        the method's warm-up; at least two communication periods are timed, in whole periods.
+        the method's warm-up; at least two communication periods are timed, in whole periods,
+        and enough steps that the link's token bucket carries at most a tenth of the window's
+        bytes (:func:`~experiments.network.worker.bucket_steps`, at most 2,000 steps).
       seeds: initialisation, data order and compressor randomness; one run per seed.
       timeout_s: seconds one job may take before it is ended.
       gather_metrics: ``True``: the trainer gathers every worker's loss and bit counts at every

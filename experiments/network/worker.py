@@ -500,7 +500,8 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
     n = world.Get_size()
     h = info.sync_every
     warmup = min(int(info.warmup_steps), int((cfg.get("timing_warmup") or {}).get(method, info.warmup_steps)))
-    steady = timed_steps(int(cfg["timing_steps"]), h)
+    least = max(int(cfg["timing_steps"]), int((cfg.get("timing_least") or {}).get(method, 0)))
+    steady = timed_steps(least, h)
     state = trainer.init_state()
     hist_warm = []
     if warmup:
@@ -525,6 +526,10 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
         "messages_per_step": float(np.mean(window_messages)),
         "link_bytes_per_step": (window.bytes if window else 0) / steady,
         "window_drops": window.drops if window else 0,
+        # the most of the window's bytes the token bucket, full at its start, can have passed unshaped
+        "bucket_share": cfg["burst_bytes"] / window.bytes
+        if window and window.bytes and cfg.get("burst_bytes")
+        else None,
         "qdisc": window.kind if window else None,
         "window_s": window_s,
     }
@@ -535,6 +540,33 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
             flush=True,
         )
     return out
+
+
+BUCKET_SHARE = 0.1
+"""The most of a timed window's bytes the link's token bucket may carry: a window starts with the
+bucket full (``burst`` bytes pass at line speed), so a method that sends little per step is timed
+over enough steps that its window's bytes are at least ``burst / BUCKET_SHARE``."""
+
+TIMING_STEPS_MAX = 2000
+"""The most steps a window is lengthened to for :data:`BUCKET_SHARE`."""
+
+
+def bucket_steps(runs: list[dict], warmup: int, burst_bytes: int, share: float = BUCKET_SHARE) -> int:
+    """Steps after the warm-up whose link bytes reach ``burst_bytes / share``, at the smallest rate
+    of bytes per step any of ``runs`` (one method's training runs) had on the unshaped link from
+    its last evaluation at or before ``warmup`` (the run's start, with 0 bytes, counts as one) to
+    its last evaluation; at most :data:`TIMING_STEPS_MAX` (also where no run sent anything then)."""
+    rates = []
+    for run in runs:
+        points = [{"step": 0, "link_bytes": 0}, *run["curve"]]
+        first = [p for p in points if p["step"] <= warmup][-1]
+        last = points[-1]
+        if last["step"] > first["step"]:
+            rates.append((last["link_bytes"] - first["link_bytes"]) / (last["step"] - first["step"]))
+    rate = min(rates) if rates else 0.0
+    if rate <= 0:
+        return TIMING_STEPS_MAX
+    return int(min(TIMING_STEPS_MAX, math.ceil(burst_bytes / (share * rate))))
 
 
 def link_payload(bandwidth: str, n: int) -> int:
@@ -604,6 +636,13 @@ def main(argv: list[str] | None = None) -> None:
         _time_links(cfg, result, train, world, rank, out, t0, start)
 
 
+def _warmup_of(method: str, needed: int) -> int:
+    """``method``'s warm-up steps (its :class:`~experiments.network.config.MethodInfo`, built for its
+    training in this process), at most ``needed``."""
+    infos = [info for (m, _, _), (_, info) in _COMPILED.items() if m == method]
+    return min(max((int(i.warmup_steps) for i in infos), default=0), int(needed))
+
+
 def write_job_results(result: dict, out: Path, t0: float, complete: bool) -> None:
     """Write ``result`` (with ``job_s``, the seconds since ``t0``, and ``complete``) to
     ``out/results.json`` through a rename, so that a reader never sees half a file."""
@@ -628,7 +667,7 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
     and ``timings`` (each with ``qdisc``, the kind of qdisc that counted its window).
     """
     from jaxcomm.netem import link_counters
-    from jaxcomm.netem._link import reshape
+    from jaxcomm.netem._link import LinkSettings, reshape
 
     n = world.Get_size()
     runs = result["runs"]
@@ -636,6 +675,13 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
         m: max(int(r["reached"]["step"]) if r["reached"] else int(r["steps"]) for r in runs if r["method"] == m)
         for m in dict.fromkeys(r["method"] for r in runs)
     }
+    burst_bytes = LinkSettings().burst_bytes  # reshape's default bucket
+    # rank 0 counted the link's bytes (the others' curves hold 0): its window lengths, for every rank
+    least = world.bcast(
+        {m: bucket_steps([r for r in runs if r["method"] == m], _warmup_of(m, needed[m]), burst_bytes) for m in needed}
+        if rank == 0
+        else None
+    )
     rates = result.get("learning_rates") or {}
     seed = int(cfg["seeds"][0])
     world.Barrier()
@@ -653,7 +699,13 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
         error = world.bcast(error)  # every rank ends with the reason, none waits for rank 0 forever
         if error is not None:
             raise RuntimeError(f"could not give the link the rate {bandwidth}: {error}")
-        job_cfg = {**cfg, "bandwidth": bandwidth, "timing_warmup": needed}
+        job_cfg = {
+            **cfg,
+            "bandwidth": bandwidth,
+            "timing_warmup": needed,
+            "timing_least": least,
+            "burst_bytes": burst_bytes,
+        }
         tj = {
             "bandwidth": bandwidth,
             "procs": n,

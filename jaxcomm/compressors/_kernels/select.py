@@ -7,9 +7,10 @@ whose integer order is the float order on ``[0, +Inf]`` and puts NaN above
 bit-packed kernels of :mod:`.compact` (:func:`~.compact.compact`: the positions
 of the first ``cap`` true entries, in index order); vectors of at most
 ``SMALL = 2048`` entries use a stable sort instead (cheaper to compile), and on
-CPU vectors of at most ``CPU_PRIMITIVE_MAX = 65536`` entries one ``lax.top_k`` of
-the keys viewed as float32 (:func:`top_by_float_view`), whose cost at those sizes
-is below the sampled path's fixed cost.
+CPU vectors of at most ``CPU_PRIMITIVE_MAX = 65536`` entries, of which at most
+``CPU_PRIMITIVE_K_MAX = 400`` are selected, one ``lax.top_k`` of the keys viewed as
+float32 (:func:`top_by_float_view`), whose cost there is below the sampled path's
+fixed cost.
 :func:`top_indices` is the exact top-k used by top-k, DGC, random-k and the
 adaptive threshold.
 
@@ -83,12 +84,16 @@ PATH_SAMPLED, PATH_TIES, PATH_FULL, PATH_REUSED, PATH_PRIMITIVE = 0, 1, 2, 3, 4
 :func:`top_by_threshold`'s top-k among the sampled candidates."""
 
 CPU_PRIMITIVE_MAX = 1 << 16
-"""Up to this many keys (and above ``SMALL``), the CPU selection is one ``lax.top_k`` of the keys viewed as
-float32 (:func:`top_by_float_view`) instead of the sampled threshold, whose fixed cost (the sample, a count,
-a compaction and the selection among the candidates: 0.15-0.4 ms) dominates at these sizes. Measured on
-this machine's CPU (``experiments/benchmarks/kernels.py``'s ``select`` rows): at 36,864 keys and
-``k = 37`` 0.14 ms against 0.39 ms; at 147,456 keys the two are equal for ``k = 0.1 %`` and the sampled
-threshold is 2.3x faster for ``k = 1 %``."""
+"""Up to this many keys (and above ``SMALL``), and for at most ``CPU_PRIMITIVE_K_MAX`` selected, the CPU
+selection is one ``lax.top_k`` of the keys viewed as float32 (:func:`top_by_float_view`) instead of the
+sampled threshold, whose fixed cost (the sample, a count, a compaction and the selection among the
+candidates) dominates at these sizes. Measured on this machine's CPU, sampled threshold / float view
+(``experiments/benchmarks/kernels.py --comparisons top_k``, ``results/kernels_top_k_cpu.json``): 2.9x at
+9,216 and 36,864 keys for 0.1 %, 1.2x at 65,536; for 1 %, 2.8x at 9,216, 1.0x at 36,864 (``k`` = 369) and
+0.7x at 65,536 (``k`` = 655); at 147,456 keys and above the sampled threshold is faster (0.8x and 0.5x)."""
+
+CPU_PRIMITIVE_K_MAX = 400
+"""The largest ``kmax`` :func:`top_by_float_view` serves on CPU (see ``CPU_PRIMITIVE_MAX``)."""
 
 
 def _radix_kth(keys, k) -> Array:
@@ -204,7 +209,7 @@ def top_by_primitive(keys, k, kmax: int, positions=None) -> Array:
 
 def top_by_float_view(keys, k, kmax: int) -> Array:
     """:func:`top_by_primitive` of int32 ``keys`` bitcast to float32: XLA:CPU's ``lax.top_k`` of the keys'
-    order, one partial sort, where ``lax.top_k`` of int32 keys is a full sort (50-500x slower at 10^4-10^6 keys).
+    order, one partial sort, where ``lax.top_k`` of int32 keys is a full sort of them.
 
     Exact because XLA:CPU's float32 top-k compares the values' bit patterns as sign-magnitude integers (a
     total order: ``-0.0 < +0.0``, NaN patterns by their bits) and breaks ties to the lowest index, so the
@@ -330,8 +335,9 @@ def top_indices(
         fused into the passes that read it instead of materialising the keys.
       margin: the ``z`` of :func:`_sample_plan` (tests pass a negative value to
         force the exact fallback).
-      primitive_max: lowered for CPU, vectors of ``SMALL < d <= primitive_max`` entries are selected by
-        :func:`top_by_float_view` (``PATH_PRIMITIVE``) instead of the sampled threshold; ``None``:
+      primitive_max: lowered for CPU, vectors of ``SMALL < d <= primitive_max`` entries, of which at most
+        ``CPU_PRIMITIVE_K_MAX`` are selected (``kmax``), are selected by :func:`top_by_float_view`
+        (``PATH_PRIMITIVE``) instead of the sampled threshold; ``None``:
         ``CPU_PRIMITIVE_MAX`` (read when traced); tests pass 0 to run the sampled path at small sizes.
     Returns:
       ``(indices, path)``: int32 ``(kmax,)`` (slots ``>= k`` hold 0) and the
@@ -417,7 +423,8 @@ def top_indices_reusing(
 
     Lowered for ``cuda``, ``rocm`` or ``tpu`` nothing is reused: the selection is
     :func:`top_indices`' accelerator body (its path is returned) and the state is
-    returned unchanged; likewise on CPU for ``d <= primitive_max`` (:func:`top_by_float_view`).
+    returned unchanged; likewise on CPU where :func:`top_by_float_view` serves (``d <= primitive_max``,
+    ``kmax <= CPU_PRIMITIVE_K_MAX``).
 
     Args:
       values, kmax, key, keys_of, margin, primitive_max: as :func:`top_indices`.
@@ -430,7 +437,7 @@ def top_indices_reusing(
     state = jnp.asarray(state, jnp.int32)
     cap_r = reuse_capacity(kmax, d, margin)
     primitive_max = CPU_PRIMITIVE_MAX if primitive_max is None else primitive_max
-    if cap_r == 0 or d <= primitive_max:  # no sampled path on CPU: nothing to carry
+    if cap_r == 0 or (d <= primitive_max and kmax <= CPU_PRIMITIVE_K_MAX):  # no sampled path on CPU: nothing to carry
         idx, path = top_indices(values, kmax, key, keys_of=keys_of, margin=margin, primitive_max=primitive_max)
         return idx, path, state
 
@@ -524,7 +531,7 @@ def _top_indices(
         return *_top_accelerator(values, kmax, key, k, keys_of, margin), no_guess
 
     def cpu():
-        if d <= primitive_max:
+        if d <= primitive_max and kmax <= CPU_PRIMITIVE_K_MAX:
             return top_by_float_view(keys_of(all_values()), kk, kmax), jnp.int32(PATH_PRIMITIVE), no_guess
         return _top_sampled(all_values, gather, d, kmax, key, k, kk, keys_of, margin, target)
 
