@@ -221,6 +221,12 @@ def top_by_float_view(keys, k, kmax: int) -> Array:
     return top_by_primitive(lax.bitcast_convert_type(keys, jnp.float32), k, kmax)
 
 
+def _float_view_serves(d: int, kmax: int, primitive_max: int | None) -> bool:
+    """Whether the CPU selects ``kmax`` of ``d > SMALL`` keys by :func:`top_by_float_view`: ``d <= primitive_max``
+    (``None``: ``CPU_PRIMITIVE_MAX``, read when traced) and ``kmax <= CPU_PRIMITIVE_K_MAX``."""
+    return d <= (CPU_PRIMITIVE_MAX if primitive_max is None else primitive_max) and kmax <= CPU_PRIMITIVE_K_MAX
+
+
 def _identity(v):
     return v
 
@@ -436,8 +442,7 @@ def top_indices_reusing(
     d = values.shape[0]
     state = jnp.asarray(state, jnp.int32)
     cap_r = reuse_capacity(kmax, d, margin)
-    primitive_max = CPU_PRIMITIVE_MAX if primitive_max is None else primitive_max
-    if cap_r == 0 or (d <= primitive_max and kmax <= CPU_PRIMITIVE_K_MAX):  # no sampled path on CPU: nothing to carry
+    if cap_r == 0 or _float_view_serves(d, kmax, primitive_max):  # no sampled path on CPU: nothing to carry
         idx, path = top_indices(values, kmax, key, keys_of=keys_of, margin=margin, primitive_max=primitive_max)
         return idx, path, state
 
@@ -519,7 +524,6 @@ def _top_indices(
     d, all_values, gather = _readers(values)
     kk = jnp.int32(kmax) if k is None else jnp.asarray(k, jnp.int32)
     no_guess = jnp.int32(NO_GUESS)
-    primitive_max = CPU_PRIMITIVE_MAX if primitive_max is None else primitive_max
     if kmax == 0 or d == 0:
         return jnp.zeros((kmax,), jnp.int32), jnp.int32(PATH_FULL), no_guess
     if k is None and kmax >= d:
@@ -531,7 +535,7 @@ def _top_indices(
         return *_top_accelerator(values, kmax, key, k, keys_of, margin), no_guess
 
     def cpu():
-        if d <= primitive_max and kmax <= CPU_PRIMITIVE_K_MAX:
+        if _float_view_serves(d, kmax, primitive_max):
             return top_by_float_view(keys_of(all_values()), kk, kmax), jnp.int32(PATH_PRIMITIVE), no_guess
         return _top_sampled(all_values, gather, d, kmax, key, k, kk, keys_of, margin, target)
 
