@@ -222,8 +222,7 @@ def top_by_float_view(keys, k, kmax: int) -> Array:
 
 
 def _float_view_serves(d: int, kmax: int, primitive_max: int | None) -> bool:
-    """Whether the CPU selects ``kmax`` of ``d > SMALL`` keys by :func:`top_by_float_view`: ``d <= primitive_max``
-    (``None``: ``CPU_PRIMITIVE_MAX``, read when traced) and ``kmax <= CPU_PRIMITIVE_K_MAX``."""
+    """Whether the CPU selects ``kmax`` of ``d > SMALL`` keys by :func:`top_by_float_view` (``None``: the constant)."""
     return d <= (CPU_PRIMITIVE_MAX if primitive_max is None else primitive_max) and kmax <= CPU_PRIMITIVE_K_MAX
 
 
