@@ -315,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         help="shared link rate (with --jax: each node's link): 200mbit, 1gbit, ... or unlimited",
     )
     p_launch.add_argument("--latency", default="0", help="delay added per packet: 0.1ms, 50us, ... (needs sch_netem)")
-    p_launch.add_argument("--burst", default="256kb", help="token bucket size (default 256kb)")
+    p_launch.add_argument(
+        "--burst",
+        default="256kb",
+        help="token bucket size: 256kb, or a time at the rate, e.g. 1ms (at least one packet; default 256kb)",
+    )
     p_launch.add_argument(
         "--mtu", type=int, default=65536, help="loopback MTU in bytes (default 65536; 1500: Ethernet)"
     )

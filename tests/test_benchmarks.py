@@ -428,6 +428,23 @@ def test_payload_bytes_benchmark_smoke(namespaces, tmp_path, capsys):
     assert "measured / predicted" in capsys.readouterr().out
 
 
+@pytest.mark.mpi
+def test_token_bucket_benchmark_smoke(namespaces, tmp_path):
+    """token_bucket.py --smoke (2 processes, 100 Mbit/s, 4 kB per rank): one row per shape, each
+    with its bucket in closed form (256 KiB; 1 ms of the rate, over one 9,014-byte packet), the
+    all-gather's n (n − 1) payloads on the link plus at most 4 kB of protocol and barrier bytes,
+    and nothing dropped."""
+    bench = _load("token_bucket")
+    out = tmp_path / "bucket.json"
+    bench.main(["--smoke", "--procs", "2", "--iters", "3", "--compute-ms", "10", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["burst"], r["mtu"], r["burst_bytes"]) for r in rows] == [("256kb", 65536, 262144), ("1ms", 9000, 12500)]
+    for r in rows:
+        assert r["link"] == "100mbit" and r["drops"] == 0
+        assert 4096 * 2 <= r["link_bytes_per_iteration"] <= 4096 * 2 + 4096, r
+        assert r["wire_ms"] == pytest.approx(8e3 * r["link_bytes_per_iteration"] / 1e8)
+
+
 def _grace_rows(speedups: dict, size: int) -> list[dict]:
     """Rows as grace_compare.py writes them, with the given (GRACE / torch pass) / (jaxcomm / jax pass)."""
     rows = []

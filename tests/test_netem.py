@@ -92,6 +92,20 @@ def test_parse_time_and_size():
             _link.parse_size(huge)
 
 
+def test_a_burst_given_as_a_time_is_that_time_at_the_rate_and_at_least_one_packet():
+    """parse_burst: a time t gives max(mtu + 14, ceil(rate · t / 8)) bytes; a size is a size."""
+    assert _link.parse_burst("1ms", 1e9, 9000) == 125_000  # 1 ms at 1 Gbit/s
+    assert _link.parse_burst("1ms", 1e8, 9000) == 12_500
+    assert _link.parse_burst("1ms", 1e7, 9000) == 9014  # 1,250 bytes: one 9,000-byte packet instead
+    assert _link.parse_burst("2.5ms", 1e7, 1500) == 3125 and _link.parse_burst("1ms", None, 1500) == 1514
+    assert _link.parse_burst("256kb", 1e7, 9000) == 262144
+    s = _link.link_settings("10mbit", "0", "1ms", 9000)
+    assert s.burst_bytes == 9014 and s.mtu == 9000
+    for bad in ("1hour", "fast", "20s"):
+        with pytest.raises(netem.NetemError, match="--burst"):
+            _link.parse_burst(bad, 1e9, 9000)
+
+
 def test_link_settings_checks_each_option():
     s = _link.link_settings("200mbit", "0.1ms", "256kb", 1500)
     assert (s.bandwidth_bps, s.burst_bytes, s.mtu) == (2e8, 262144, 1500) and s.latency_s == pytest.approx(1e-4)
@@ -124,8 +138,16 @@ def test_link_settings_checks_each_option():
     assert _link.LinkSettings(bandwidth_bps=_link.MAX_RATE_BPS).bandwidth_bps == _link.parse_rate("1tbit")
 
 
+def test_the_tbf_queue_holds_400_ms_of_the_rate_and_at_least_16_mib():
+    queue = _link.tbf_queue_bytes
+    assert queue(_link.link_settings("10mbit", burst="1ms", mtu=9000)) == 9014 + 16 * 2**20
+    assert queue(_link.link_settings("1gbit", burst="1ms", mtu=9000)) == 125_000 + 50_000_000  # 0.4 s of 1 Gbit/s
+    assert queue(_link.link_settings("1tbit")) == 2**31  # tbf's limit is a 32-bit count
+
+
 def test_qdisc_commands():
-    tbf = ["tbf", "rate", "200000000bit", "burst", "262144", "latency", "400ms"]
+    # the queue: 400 ms of 200 Mbit/s (10 MB) is under 16 MiB, so 16 MiB plus the bucket
+    tbf = ["tbf", "rate", "200000000bit", "burst", "262144", "limit", str(16 * 2**20 + 262144)]
     lo_up = ["ip", "link", "set", "dev", "lo", "mtu", "65536", "up"]
     assert _link.qdisc_commands(_link.link_settings("200mbit")) == [
         lo_up,

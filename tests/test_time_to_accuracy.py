@@ -37,6 +37,9 @@ EXP = get_experiment("time-to-accuracy")
         ("lr_sweep", [0.0], "lr_sweep"),
         ("timing_steps", 0, "timing_steps"),
         ("dgc_steps_per_stage", 0, "dgc_steps_per_stage"),
+        ("burst", "fast", r"TimeToAccuracyConfig\.burst: cannot read 'fast'"),
+        ("burst", "1kb", r"TimeToAccuracyConfig\.burst: .*9014"),  # smaller than one 9,000-byte packet
+        ("mtu", 10, r"TimeToAccuracyConfig\.mtu"),
     ],
 )
 def test_bad_config_names_the_field_before_anything_runs(key, value, match):
@@ -241,6 +244,7 @@ def test_the_sweep_chooses_the_rate_with_the_fewest_steps():
 
 @pytest.mark.mpi
 def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
+    from experiments.network.config import link_of
     from experiments.network.run import RECORD_KEYS
 
     cfg = EXP.config(smoke=True)
@@ -294,6 +298,9 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         assert [(t["method"], t["learning_rate"]) for t in tj["timings"]] == list(res["learning_rates"].items())
         # the link was given this rate before its steps were timed (the unshaped link counts with pfifo)
         assert tj["shape"]["bandwidth_bps"] == rate and {t["qdisc"] for t in tj["timings"]} == {"tbf"}
+        # with the configured bucket (1 ms of the rate, at least one packet) at the MTU the launcher set
+        burst = link_of(cfg, tj["bandwidth"]).burst_bytes
+        assert tj["shape"]["mtu"] == cfg.mtu and tj["shape"]["burst_bytes"] == burst == max(cfg.mtu + 14, rate / 8e3)
         for t in tj["timings"]:
             # timing_steps, or more where the token bucket would carry over a tenth of the window's bytes
             assert len(t["step_times"]) >= cfg.timing_steps and t["warmup_steps"] == 0
@@ -301,7 +308,7 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
             # A token bucket passes at most burst + rate · t / 8 bytes in t seconds (the window's wall clock,
             # which also holds the closing barrier and the ranks' lag behind rank 0's step clock).
             assert sum(t["step_times"]) <= t["window_s"]
-            assert t["link_bytes_per_step"] * len(t["step_times"]) <= 256 * 1024 + rate * t["window_s"] / 8
+            assert t["link_bytes_per_step"] * len(t["step_times"]) <= burst + rate * t["window_s"] / 8
     # The records: one per link, method and seed, with these keys and types.
     records = res["records"]
     assert [(r["link"], r["method"], r["seed"]) for r in records] == [
@@ -387,7 +394,7 @@ def test_a_study_on_the_unshaped_link_alone_plots_its_training_job():
 
 def test_the_compute_only_step_is_timed_after_the_methods_warm_up():
     """timed_steps_alone runs two steps and ``skip`` more (DGC's warm-up stages) untimed, then times
-    exactly the next ``steps``: the median over whole periods of those steps' own times only."""
+    exactly the next ``steps``: the median (or ``reduce``) over whole periods of those steps' own times only."""
     from experiments.network import worker
 
     class Step:
@@ -413,12 +420,42 @@ def test_the_compute_only_step_is_timed_after_the_methods_warm_up():
             return batch
 
         def fit(self, state, batches, until, progress):
-            # step t takes t seconds, so the timed mean names the steps that were timed
-            return until, [{"step_time": float(t)} for t in range(state, until)]
+            # step t takes t² seconds, so the result names the steps timed, and median ≠ mean
+            return until, [{"step_time": float(t * t)} for t in range(state, until)]
 
-    got = worker.timed_steps_alone(Trainer(), Batches(), steps=4, sync_every=2, skip=10)
-    assert got == np.median([np.mean([12, 13]), np.mean([14, 15])])
-    assert worker.timed_steps_alone(Trainer(), Batches(), steps=2, sync_every=1) == 2.5  # steps 2 and 3
+    periods = [np.mean([12**2, 13**2]), np.mean([14**2, 15**2]), np.mean([16**2, 17**2])]
+    assert worker.timed_steps_alone(Trainer(), Batches(), steps=6, sync_every=2, skip=10) == np.median(periods)
+    got = worker.timed_steps_alone(Trainer(), Batches(), steps=6, sync_every=2, skip=10, reduce=np.mean)
+    assert got == pytest.approx(np.mean(periods)) and got != np.median(periods)
+    assert worker.timed_steps_alone(Trainer(), Batches(), steps=2, sync_every=1) == 6.5  # steps 2 and 3
+
+
+def test_the_compute_only_step_is_timed_as_the_window_it_divides(monkeypatch):
+    """_compute_s times the step over at least the window's steps (``_window_least``) with the
+    training's ``gather_metrics``, and keeps the slowest rank's figure."""
+    from experiments.network import worker
+    from jaxcomm.studies import config_to_dict
+
+    seen = []
+
+    def fake(**kwargs):
+        seen.append(kwargs)
+        return 0.5
+
+    class World:
+        def Barrier(self):
+            pass
+
+        def allgather(self, x):
+            return [x, 2 * x]
+
+    monkeypatch.setattr(worker, "compute_step_time", fake)
+    cfg = {**config_to_dict(EXP.config(smoke=True)), "timing_least": {"none": 640}}
+    assert worker._window_least(cfg, "none") == 640 and worker._window_least(cfg, "bf16") == cfg["timing_steps"]
+    got = worker._compute_s("none", 0, 0.1, cfg, None, World(), {}, worker._window_least(cfg, "none"))
+    assert got == 1.0 and seen[-1]["steps"] == 640 and seen[-1]["gather_metrics"] is False
+    worker._compute_s("bf16", 0, 0.1, {**cfg, "gather_metrics": True}, None, World(), {})
+    assert seen[-1]["steps"] == cfg["compute_steps"] and seen[-1]["gather_metrics"] is True
 
 
 def test_a_timed_window_is_long_enough_for_the_token_bucket():

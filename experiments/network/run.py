@@ -148,9 +148,9 @@ def _plot_time(plt, panels: list, colors: dict, what: str, target: float, out_di
                 label=method if first else None,
             )
         ax.axhline(target, color="0.5", ls=":", lw=1)
-        ax.set_xlim(left=0.0)
+        ax.set_xscale("log")  # the methods' times to target span two to three decades on one link
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("training wall-clock (s)")
+        ax.set_xlabel("training wall-clock (s, log scale)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("test accuracy")
     handles, labels = axes[0][0].get_legend_handles_labels()
@@ -237,6 +237,8 @@ def _launch(config: TimeToAccuracyConfig, bandwidth: str, job_dir: Path, env: di
         int(config.procs),
         [sys.executable, "-m", _WORKER, str(job_dir)],
         bandwidth=bandwidth,
+        burst=config.burst,
+        mtu=int(config.mtu),
         env=env,
         timeout=float(config.timeout_s),
         cwd=PACKAGE_PARENT,

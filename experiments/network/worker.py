@@ -187,6 +187,7 @@ def compute_step_time(
     options: dict | None = None,
     train=None,
     world=None,
+    gather_metrics: bool = True,
 ) -> float:
     """Seconds of one training step of ``method`` on this process's default device, without
     communication: the same optimizer with a one-worker communicator
@@ -209,9 +210,13 @@ def compute_step_time(
       train: the training :class:`~jaxcomm.data.Dataset` (default: loaded from ``dataset``).
       world: an mpi4py communicator: every rank times its own steps at once (after a
         barrier), so that processes sharing the cores share them as in training.
+      gather_metrics: the :class:`~jaxcomm.train.Trainer`'s, as in the training it stands for:
+        with ``False`` a step that sends nothing (DiLoCo's inner steps) runs as its own program,
+        as it does over MPI.
     Returns:
-      the median over whole communication periods of a period's mean step time, in seconds
-      (compilation excluded; for a method that communicates every step, the median step).
+      the mean step time over whole communication periods, in seconds (compilation excluded):
+      the statistic of a link's timed window (:func:`_time`'s ``step_s``), so that their ratio,
+      the utilization, compares like with like.
     """
     import jax
 
@@ -230,20 +235,22 @@ def compute_step_time(
     tx, info = build_method(method, learning_rate, momentum, {**(options or {}), "one_worker": True})
     h = max(int(info.sync_every), 1)
     steps = h * math.ceil(int(steps) / h)
-    trainer = Trainer(build_model(model, train, seed), tx, comm=Local(), seed=seed)
+    trainer = Trainer(build_model(model, train, seed), tx, comm=Local(), seed=seed, gather_metrics=gather_metrics)
     batches = data.WorkerBatches([train], int(batch_size), jax.random.PRNGKey(seed + 7))
-    return timed_steps_alone(trainer, batches, steps, h, world, skip=int(info.warmup_steps))
+    return timed_steps_alone(trainer, batches, steps, h, world, skip=int(info.warmup_steps), reduce=np.mean)
 
 
-def timed_steps_alone(trainer, batches, steps: int, sync_every: int, world=None, skip: int = 0) -> float:
+def timed_steps_alone(
+    trainer, batches, steps: int, sync_every: int, world=None, skip: int = 0, reduce=np.median
+) -> float:
     """Seconds of one step of ``trainer`` (built on :class:`jaxcomm.comm.Local`, so its steps send
     nothing): compiled (:func:`_compile`), two untimed steps and ``skip`` more (a method's warm-up,
     e.g. DGC's denser sparsity stages, so that the steps timed are the steps after it), then
     ``steps`` timed ones started on every rank of ``world`` at once, so that processes sharing the
     cores share them as in training.
 
-    Returns the median over whole communication periods of ``sync_every`` steps of a period's mean
-    step time (:func:`period_mean`), in seconds.
+    Returns ``reduce`` (default the median) over whole communication periods of ``sync_every``
+    steps of a period's mean step time (:func:`period_mean`), in seconds.
     """
     state = trainer.init_state()
     rank = 0 if world is None else world.Get_rank()
@@ -252,7 +259,7 @@ def timed_steps_alone(trainer, batches, steps: int, sync_every: int, world=None,
     if world is not None:
         world.Barrier()
     state, hist = trainer.fit(state, batches, 2 + int(skip) + int(steps), progress=False)
-    return period_mean([row["step_time"] for row in hist], sync_every)
+    return period_mean([row["step_time"] for row in hist], sync_every, reduce)
 
 
 _COMPILED: dict = {}
@@ -309,8 +316,9 @@ def _mpi_trainer(method: str, seed: int, lr: float, cfg: dict, train, world, ran
     return trainer, batches, info
 
 
-def _compute_s(method: str, seed: int, lr: float, cfg: dict, train, world, cache: dict) -> float:
-    """The compute-only step (s) of ``method`` at ``lr``: measured once (first seed), then reused."""
+def _compute_s(method: str, seed: int, lr: float, cfg: dict, train, world, cache: dict, steps: int = 0) -> float:
+    """The compute-only step (s) of ``method`` at ``lr``, over ``steps`` steps (at least
+    ``compute_steps``), with the training's ``gather_metrics``: measured once (first seed), then reused."""
     if (method, lr) not in cache:
         world.Barrier()
         compute_s = compute_step_time(
@@ -319,11 +327,12 @@ def _compute_s(method: str, seed: int, lr: float, cfg: dict, train, world, cache
             method=method,
             learning_rate=lr,
             momentum=float(cfg["momentum"]),
-            steps=int(cfg["compute_steps"]),
+            steps=max(int(cfg["compute_steps"]), int(steps)),
             seed=seed,
             options=cfg,
             train=train,
             world=world,
+            gather_metrics=bool(cfg.get("gather_metrics", True)),
         )
         cache[(method, lr)] = float(np.max(world.allgather(compute_s)))  # the slowest rank paces the step
     return cache[(method, lr)]
@@ -485,6 +494,12 @@ def _described(method: str, seed: int, lr: float, info) -> dict:
     }
 
 
+def _window_least(cfg: dict, method: str) -> int:
+    """The least number of steps ``method``'s timed window covers on a link (:func:`timed_steps`
+    rounds it to whole periods): ``timing_steps``, or more for the token bucket (``timing_least``)."""
+    return max(int(cfg["timing_steps"]), int((cfg.get("timing_least") or {}).get(method, 0)))
+
+
 def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int) -> dict:
     """Every step's time of ``method`` on this link: its warm-up (capped by ``timing_warmup``),
     then :func:`timed_steps` steps whose kernel byte count is read (rank 0).
@@ -500,8 +515,7 @@ def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int)
     n = world.Get_size()
     h = info.sync_every
     warmup = min(int(info.warmup_steps), int((cfg.get("timing_warmup") or {}).get(method, info.warmup_steps)))
-    least = max(int(cfg["timing_steps"]), int((cfg.get("timing_least") or {}).get(method, 0)))
-    steady = timed_steps(least, h)
+    steady = timed_steps(_window_least(cfg, method), h)
     state = trainer.init_state()
     hist_warm = []
     if warmup:
@@ -667,7 +681,9 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
     and ``timings`` (each with ``qdisc``, the kind of qdisc that counted its window).
     """
     from jaxcomm.netem import link_counters
-    from jaxcomm.netem._link import LinkSettings, reshape
+    from jaxcomm.netem._link import reshape
+
+    from .config import link_of
 
     n = world.Get_size()
     runs = result["runs"]
@@ -675,13 +691,6 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
         m: max(int(r["reached"]["step"]) if r["reached"] else int(r["steps"]) for r in runs if r["method"] == m)
         for m in dict.fromkeys(r["method"] for r in runs)
     }
-    burst_bytes = LinkSettings().burst_bytes  # reshape's default bucket
-    # rank 0 counted the link's bytes (the others' curves hold 0): its window lengths, for every rank
-    least = world.bcast(
-        {m: bucket_steps([r for r in runs if r["method"] == m], _warmup_of(m, needed[m]), burst_bytes) for m in needed}
-        if rank == 0
-        else None
-    )
     rates = result.get("learning_rates") or {}
     seed = int(cfg["seeds"][0])
     world.Barrier()
@@ -693,12 +702,18 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
         shape, error = None, None
         if rank == 0:
             try:
-                shape = reshape(bandwidth).describe()
+                shape = reshape(bandwidth, burst=cfg.get("burst", "256kb")).describe()
             except (OSError, ValueError, RuntimeError) as e:  # NetemError, NetemUnavailable, a missing tc
                 error = f"{type(e).__name__}: {e}"
         error = world.bcast(error)  # every rank ends with the reason, none waits for rank 0 forever
         if error is not None:
             raise RuntimeError(f"could not give the link the rate {bandwidth}: {error}")
+        burst_bytes = link_of(cfg, bandwidth).burst_bytes
+        # rank 0 counted the link's bytes (the others' curves hold 0): its window lengths, for every rank
+        runs_of = {m: [r for r in runs if r["method"] == m] for m in needed}
+        least = world.bcast(
+            {m: bucket_steps(runs_of[m], _warmup_of(m, needed[m]), burst_bytes) for m in needed} if rank == 0 else None
+        )
         job_cfg = {
             **cfg,
             "bandwidth": bandwidth,
@@ -717,8 +732,9 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
         result["timing_jobs"].append(tj)
         for method in needed:
             lr = float(rates.get(method, _learning_rate(cfg, method)))
-            # the compute-only step again, just before the window: under the load its steps meet
-            compute_s = _compute_s(method, seed, lr, job_cfg, train, world, {})
+            # the compute-only step again, just before the window: under the load its steps meet,
+            # over as many steps as the window (a short one is at the mercy of the scheduler)
+            compute_s = _compute_s(method, seed, lr, job_cfg, train, world, {}, _window_least(job_cfg, method))
             tj["timings"].append({**_time(method, seed, lr, job_cfg, train, world, rank), "compute_s": compute_s})
             if rank == 0:
                 write_job_results(result, out, t0, complete=False)

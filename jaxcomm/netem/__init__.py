@@ -11,7 +11,7 @@ a TCP/IPv4 packet, through the root queueing discipline (qdisc) installed on
 settings                    root qdisc on ``lo``
 ==========================  ==================================================
 bandwidth and latency unset ``pfifo`` (counts, never delays)
-bandwidth ``R``             ``tbf rate R burst B latency 400ms`` (token bucket)
+bandwidth ``R``             ``tbf rate R burst B limit Q`` (token bucket)
 latency ``L``               ``netem delay L`` (needs the kernel's ``sch_netem``)
 both                        ``netem delay L`` with a ``tbf`` child
 ==========================  ==================================================

@@ -8,10 +8,10 @@ link another rate.
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 HEADER_BYTES = 66
 """Bytes of headers per TCP/IPv4 packet on a loopback qdisc: Ethernet 14 + IPv4 20 + TCP 32
@@ -24,7 +24,13 @@ MAX_RATE_BPS = 1e12
 """The fastest link rate accepted, in bits per second (``1tbit``; faster: write ``unlimited``)."""
 MAX_BURST_BYTES = 2**30
 """The largest token bucket accepted, in bytes (``1gb``)."""
-_TBF_QUEUE_LATENCY = "400ms"  # tbf's bound on queueing time (its `latency`), not a delay
+QUEUE_S = 0.4
+"""The tbf queue holds at least this many seconds of the link's rate (and :data:`QUEUE_MIN_BYTES`)."""
+QUEUE_MIN_BYTES = 16 * 2**20
+"""The tbf queue's least size in bytes: four TCP flows of a ring collective put up to about a MB
+each in flight, and a queue of 400 ms at 10 Mbit/s (500 kB) dropped packets of a 16-bit
+all-reduce, whose retransmissions then slowed its step by 18-30 % (a drop costs TCP a
+retransmission timeout of at least 200 ms)."""
 
 
 class NetemError(ValueError):
@@ -124,6 +130,30 @@ def parse_size(text: str, option: str = "--burst") -> int:
     return round(size)
 
 
+def parse_burst(text: str, rate_bps: float | None, mtu: int = LOOPBACK_MTU, option: str = "--burst") -> int:
+    """The token bucket's size in **bytes**, from a size or a time at the link's rate.
+
+    A size (``"256kb"``, :func:`parse_size`) is taken as it is. A time (``"1ms"``,
+    :func:`parse_time`'s units) is the bytes the link passes in that time,
+    ``max(mtu + 14, ceil(rate_bps · t / 8))``: after an idle spell the bucket lets at most that
+    time's worth of bytes (and at least one packet, which tbf needs) through at line speed. A
+    physical link lets none through: a step that computes for longer than ``burst / rate`` while
+    the link is idle would otherwise send its first ``burst`` bytes for free, as if they had
+    crossed during the computation (256 KiB is 210 ms at 10 Mbit/s). Without a rate
+    (``rate_bps=None``), a time gives one packet.
+
+    Raises:
+      NetemError: naming ``option``, for anything that is neither.
+    """
+    s = str(text).strip().lower()
+    m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", s)
+    if m and m.group(2) in _TIME_UNITS:
+        seconds = parse_time(s, option)
+        packet = int(mtu) + 14
+        return packet if rate_bps is None else max(packet, math.ceil(rate_bps * seconds / 8))
+    return parse_size(text, option)
+
+
 @dataclass(frozen=True)
 class LinkSettings:
     """The emulated link, in base units.
@@ -180,8 +210,9 @@ def link_settings(
     Args:
       bandwidth: ``"200mbit"``, ``"1gbit"``, ``"unlimited"``, or bits per second.
       latency: ``"0.1ms"`` or seconds.
-      burst: ``"256kb"`` or bytes; it must hold one full packet, ``mtu + 14`` bytes
-        (tbf cannot send a packet larger than its bucket).
+      burst: ``"256kb"``, bytes, or a time at the link's rate (``"1ms"``: :func:`parse_burst`);
+        it must hold one full packet, ``mtu + 14`` bytes (tbf cannot send a packet larger than
+        its bucket).
       mtu: 68 to 65536 bytes.
 
     Raises:
@@ -192,8 +223,15 @@ def link_settings(
     else:
         bw = float(bandwidth)
     lat = parse_time(latency, "--latency") if isinstance(latency, str) else float(latency)
-    b = parse_size(burst, "--burst") if isinstance(burst, str) else int(burst)
+    b = parse_burst(burst, bw, mtu) if isinstance(burst, str) else int(burst)
     return LinkSettings(bandwidth_bps=bw, latency_s=lat, burst_bytes=b, mtu=mtu)  # checked there
+
+
+def tbf_queue_bytes(settings: LinkSettings) -> int:
+    """Bytes tbf may queue before it drops (its ``limit``): the bucket, plus :data:`QUEUE_S` of
+    the rate or :data:`QUEUE_MIN_BYTES`, whichever is more (at most 2**31)."""
+    rate = settings.bandwidth_bps or 0.0
+    return int(min(2**31, settings.burst_bytes + max(math.ceil(rate / 8 * QUEUE_S), QUEUE_MIN_BYTES)))
 
 
 def qdisc_commands(settings: LinkSettings, dev: str = "lo") -> list[list[str]]:
@@ -203,7 +241,7 @@ def qdisc_commands(settings: LinkSettings, dev: str = "lo") -> list[list[str]]:
     if settings.bandwidth_bps is not None:
         tbf = [
             "tbf", "rate", f"{settings.bandwidth_bps:.0f}bit", "burst", str(settings.burst_bytes),
-            "latency", _TBF_QUEUE_LATENCY,
+            "limit", str(tbf_queue_bytes(settings)),
         ]  # fmt: skip
     add = ["tc", "qdisc", "add", "dev", dev]
     if settings.latency_s > 0:
@@ -216,6 +254,22 @@ def qdisc_commands(settings: LinkSettings, dev: str = "lo") -> list[list[str]]:
     else:
         cmds.append([*add, "root", "handle", "1:", "pfifo", "limit", "100000"])
     return cmds
+
+
+def device_mtu(dev: str = "lo") -> int:
+    """The MTU in bytes of ``dev`` in this process's network namespace (``SIOCGIFMTU``).
+
+    Not ``/sys/class/net``: sysfs shows the devices of the namespace it was mounted in, which
+    for a process that entered a new namespace without mounting sysfs again is the host's.
+    """
+    import fcntl
+    import socket
+    import struct
+
+    siocgifmtu = 0x8921
+    request = struct.pack("16si20x", dev.encode()[:15], 0)  # struct ifreq: name, then ifr_mtu
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        return struct.unpack("16si20x", fcntl.ioctl(sock.fileno(), siocgifmtu, request))[1]
 
 
 def reshape(bandwidth: str | float | None, dev: str = "lo", *, burst: str | int = "256kb") -> LinkSettings:
@@ -231,8 +285,7 @@ def reshape(bandwidth: str | float | None, dev: str = "lo", *, burst: str | int 
       NetemError: a bad ``bandwidth`` or ``burst`` (before anything changes).
       NetemUnavailable: ``tc`` failed (e.g. without CAP_NET_ADMIN in the namespace).
     """
-    mtu = int(Path(f"/sys/class/net/{dev}/mtu").read_text())
-    settings = link_settings(bandwidth, "0", burst, mtu)
+    settings = link_settings(bandwidth, "0", burst, device_mtu(dev))
     subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True, check=False, timeout=60)
     for cmd in qdisc_commands(settings, dev)[1:]:  # [0] sets the device up: it is up already
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
