@@ -36,6 +36,8 @@ EXP = get_experiment("time-to-accuracy")
         ("learning_rates", {"none": -0.1}, "learning_rates"),
         ("lr_sweep", [0.0], "lr_sweep"),
         ("timing_steps", 0, "timing_steps"),
+        ("method_timing_steps", {"none": 0}, "method_timing_steps"),
+        ("method_timing_steps", {"nosuch": 10}, "method_timing_steps"),
         ("dgc_steps_per_stage", 0, "dgc_steps_per_stage"),
         ("burst", "fast", r"TimeToAccuracyConfig\.burst: cannot read 'fast'"),
         ("burst", "1kb", r"TimeToAccuracyConfig\.burst: .*9014"),  # smaller than one 9,000-byte packet
@@ -452,6 +454,8 @@ def test_the_compute_only_step_is_timed_as_the_window_it_divides(monkeypatch):
     monkeypatch.setattr(worker, "compute_step_time", fake)
     cfg = {**config_to_dict(EXP.config(smoke=True)), "timing_least": {"none": 640}}
     assert worker._window_least(cfg, "none") == 640 and worker._window_least(cfg, "bf16") == cfg["timing_steps"]
+    own = {**cfg, "method_timing_steps": {"none": 800, "bf16": 30}}
+    assert worker._window_least(own, "none") == 800 and worker._window_least(own, "bf16") == 30
     got = worker._compute_s("none", 0, 0.1, cfg, None, World(), {}, worker._window_least(cfg, "none"))
     assert got == 1.0 and seen[-1]["steps"] == 640 and seen[-1]["gather_metrics"] is False
     worker._compute_s("bf16", 0, 0.1, {**cfg, "gather_metrics": True}, None, World(), {})

@@ -290,6 +290,8 @@ class TimeToAccuracyConfig(StudyConfig):
         the method's warm-up; at least two communication periods are timed, in whole periods,
         and enough steps that the link's token bucket carries at most a tenth of the window's
         bytes (:func:`~experiments.network.worker.bucket_steps`, at most 2,000 steps).
+      method_timing_steps: method label -> its own ``timing_steps`` (e.g. 800 for a method whose
+        step takes milliseconds, in the job whose dense baselines take seconds a step).
       seeds: initialisation, data order and compressor randomness; one run per seed.
       timeout_s: seconds one job may take before it is ended.
       gather_metrics: ``True``: the trainer gathers every worker's loss and bit counts at every
@@ -335,6 +337,7 @@ class TimeToAccuracyConfig(StudyConfig):
     train_examples: int = 0
     compute_steps: int = 20
     timing_steps: int = 20
+    method_timing_steps: dict[str, int] = dataclasses.field(default_factory=dict)
     seeds: tuple[int, ...] = (0, 1, 2)
     timeout_s: float = 3600.0
     gather_metrics: bool = False
@@ -384,6 +387,13 @@ class TimeToAccuracyConfig(StudyConfig):
             bad("seeds", "give at least one seed")
         if any(not 0 <= s < 2**32 for s in self.seeds) or len(set(self.seeds)) != len(self.seeds):
             bad("seeds", f"distinct seeds in [0, 2**32); got {list(self.seeds)}")
+        if not isinstance(self.method_timing_steps, dict):
+            bad("method_timing_steps", f"a mapping of method label to steps; got {self.method_timing_steps!r}")
+        for label, n in self.method_timing_steps.items():
+            if label not in METHODS:
+                bad("method_timing_steps", f"unknown method {label!r}; valid: {list(METHODS)}")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                bad("method_timing_steps", f"the steps of {label!r} must be an integer >= 1; got {n!r}")
         if not isinstance(self.learning_rates, dict):
             bad("learning_rates", f"a mapping of method label to learning rate; got {self.learning_rates!r}")
         for label, lr in self.learning_rates.items():

@@ -133,6 +133,8 @@ def _plot(panels: list, bytes_job: dict, rows: list[dict], config: TimeToAccurac
 
 def _plot_time(plt, panels: list, colors: dict, what: str, target: float, out_dir: Path) -> None:
     """``accuracy_vs_time.png``: test accuracy against training wall-clock, one panel per link and route."""
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.9), sharey=True, squeeze=False)
     for ax, (title, curves) in zip(axes[0], panels):
         seen = set()
@@ -149,6 +151,9 @@ def _plot_time(plt, panels: list, colors: dict, what: str, target: float, out_di
             )
         ax.axhline(target, color="0.5", ls=":", lw=1)
         ax.set_xscale("log")  # the methods' times to target span two to three decades on one link
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 1, 2, 5, 10, 20, ... s
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("training wall-clock (s, log scale)")
         ax.grid(alpha=0.3)

@@ -496,8 +496,10 @@ def _described(method: str, seed: int, lr: float, info) -> dict:
 
 def _window_least(cfg: dict, method: str) -> int:
     """The least number of steps ``method``'s timed window covers on a link (:func:`timed_steps`
-    rounds it to whole periods): ``timing_steps``, or more for the token bucket (``timing_least``)."""
-    return max(int(cfg["timing_steps"]), int((cfg.get("timing_least") or {}).get(method, 0)))
+    rounds it to whole periods): its ``method_timing_steps``, else ``timing_steps``, or more for
+    the token bucket (``timing_least``)."""
+    own = (cfg.get("method_timing_steps") or {}).get(method, cfg["timing_steps"])
+    return max(int(own), int((cfg.get("timing_least") or {}).get(method, 0)))
 
 
 def _time(method: str, seed: int, lr: float, cfg: dict, train, world, rank: int) -> dict:
