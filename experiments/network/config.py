@@ -256,8 +256,8 @@ class TimeToAccuracyConfig(StudyConfig):
         (``"256kb"``) or a time at the link's rate (default ``"1ms"``: 1 ms of the rate, at least
         one packet of ``mtu + 14`` bytes). A bucket lets that much pass at line speed after an
         idle spell, as if it had crossed while the step computed; a physical link does not. With
-        256 KiB, ResNet-20's DGC step of 160 KB passed at 10 Mbit/s in 124 ms where 83 ms of
-        computation and 127 ms of transfer take 210 ms on a link without one.
+        256 KiB, ResNet-20's DGC step, which sends 160 kB (127 ms at 10 Mbit/s), took 124 ms at
+        10 Mbit/s; with 1 ms, 158 ms.
       methods: labels from :data:`METHODS`, trained in this order.
       route: ``"decomposed"``: one job on the unshaped link trains every method and seed to the
         target; then one short job per link times each method's steps over whole communication
