@@ -58,18 +58,19 @@ def _compressed(label: str, name: str, kwargs: dict) -> Builder:
     return build
 
 
-def _dgc(ratio: float = 0.001) -> Builder:
+def _dgc(ratio: float = 0.001, warmup: bool = True) -> Builder:
     """Deep gradient compression (``ratio`` of the entries, its own momentum), then plain SGD.
 
     Tensors of at most 1,024 entries (normalisation scales and biases, ResNet-20's classifier) are
-    sent whole, as DGC's implementations do; every larger tensor keeps ``ratio`` after the warm-up."""
+    sent whole, as DGC's implementations do; every larger tensor keeps ``ratio`` after the warm-up
+    (``warmup=False``: from the first step)."""
 
     def build(learning_rate: float, momentum: float, options: Mapping | None = None):
         import optax
 
         import jaxcomm
 
-        steps_per_stage = int((options or {}).get("dgc_steps_per_stage", 10))
+        steps_per_stage = int((options or {}).get("dgc_steps_per_stage", 10)) if warmup else 0
         tx = optax.chain(
             jaxcomm.transforms.deep_gradient_compression(
                 ratio=ratio, momentum=momentum, clip_norm=None, steps_per_stage=steps_per_stage, dense_below=1024
@@ -145,6 +146,7 @@ METHODS: dict[str, Builder] = {
     "bf16": _compressed("bf16", "bf16", {}),
     "dgc-0.1%": _dgc(),
     "dgc-1%": _dgc(0.01),
+    "dgc-0.1%-no-warmup": _dgc(warmup=False),
     "diloco-H20": _diloco(),
     "diloco-H20-int8": _diloco(compressor=_eightbit),
     "sparseloco-H20": _diloco(compressor=_topk2, memory=_residual09, outer=_outer_sgd1),
@@ -179,7 +181,8 @@ METHODS: dict[str, Builder] = {
   residual memory; 16-bit all-reduces sum in float32);
 * ``dgc-0.1%``: ``chain(deep_gradient_compression(ratio=0.001, momentum, steps_per_stage=
   dgc_steps_per_stage), sgd(learning_rate))`` (the momentum is inside DGC); ``dgc-1%`` the same
-  with ``ratio=0.01``;
+  with ``ratio=0.01``; ``dgc-0.1%-no-warmup`` without the sparsity warm-up (0.1 % from the first
+  step);
 * ``diloco-H20``: ``diloco(sgd(learning_rate, momentum), every=20)`` (inner steps, then every 20
   steps the outer Nesterov step on the averaged parameter change), with ``-int8`` 8-bit
   quantization of what is averaged; ``sparseloco-H20``: top-k 2 % (tensors of at most 256
