@@ -246,8 +246,8 @@ def test_the_sweep_chooses_the_rate_with_the_fewest_steps():
 
 @pytest.mark.mpi
 def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
-    from experiments.network.config import link_of
     from experiments.network.run import RECORD_KEYS
+    from jaxcomm.netem._link import link_settings
 
     cfg = EXP.config(smoke=True)
     assert cfg.route == "decomposed" and not cfg.gather_metrics
@@ -301,7 +301,7 @@ def test_smoke_run_on_an_emulated_link(namespaces, tmp_path):
         # the link was given this rate before its steps were timed (the unshaped link counts with pfifo)
         assert tj["shape"]["bandwidth_bps"] == rate and {t["qdisc"] for t in tj["timings"]} == {"tbf"}
         # with the configured bucket (1 ms of the rate, at least one packet) at the MTU the launcher set
-        burst = link_of(cfg, tj["bandwidth"]).burst_bytes
+        burst = link_settings(tj["bandwidth"], "0", cfg.burst, cfg.mtu).burst_bytes
         assert tj["shape"]["mtu"] == cfg.mtu and tj["shape"]["burst_bytes"] == burst == max(cfg.mtu + 14, rate / 8e3)
         for t in tj["timings"]:
             # timing_steps, or more where the token bucket would carry over a tenth of the window's bytes

@@ -235,15 +235,6 @@ def build_method(label: str, learning_rate: float, momentum: float, options: Map
     return METHODS[label](learning_rate, momentum, options or {})
 
 
-def link_of(config, bandwidth: str):
-    """The :class:`jaxcomm.netem._link.LinkSettings` of ``config``'s link at ``bandwidth`` (its
-    ``mtu`` and ``burst``; ``config`` a :class:`TimeToAccuracyConfig` or its dict)."""
-    from jaxcomm.netem._link import link_settings
-
-    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-    return link_settings(str(bandwidth), "0", str(get("burst", "256kb")), int(get("mtu", 65536)))
-
-
 @dataclasses.dataclass(frozen=True)
 class TimeToAccuracyConfig(StudyConfig):
     """Wall-clock time to a test accuracy, MPI processes on an emulated network.
@@ -362,9 +353,11 @@ class TimeToAccuracyConfig(StudyConfig):
                 netem.parse_rate(str(bw), "bandwidths")
             except netem.NetemError as e:
                 bad("bandwidths", str(e).removeprefix("bandwidths: "))
+        from jaxcomm.netem._link import link_settings
+
         for bw in self.bandwidths:  # the link each job is given (mtu, burst), checked before any starts
             try:
-                link_of(self, bw)
+                link_settings(bw, "0", self.burst, self.mtu)
             except netem.NetemError as e:
                 field = "mtu" if str(e).startswith("--mtu") else "burst"
                 bad(field, str(e).removeprefix("--mtu: ").removeprefix("--burst: "))

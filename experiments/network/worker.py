@@ -683,9 +683,7 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
     and ``timings`` (each with ``qdisc``, the kind of qdisc that counted its window).
     """
     from jaxcomm.netem import link_counters
-    from jaxcomm.netem._link import reshape
-
-    from .config import link_of
+    from jaxcomm.netem._link import link_settings, reshape
 
     n = world.Get_size()
     runs = result["runs"]
@@ -704,13 +702,13 @@ def _time_links(cfg: dict, result: dict, train, world, rank: int, out: Path, t0:
         shape, error = None, None
         if rank == 0:
             try:
-                shape = reshape(bandwidth, burst=cfg.get("burst", "256kb")).describe()
+                shape = reshape(bandwidth, burst=cfg["burst"]).describe()
             except (OSError, ValueError, RuntimeError) as e:  # NetemError, NetemUnavailable, a missing tc
                 error = f"{type(e).__name__}: {e}"
         error = world.bcast(error)  # every rank ends with the reason, none waits for rank 0 forever
         if error is not None:
             raise RuntimeError(f"could not give the link the rate {bandwidth}: {error}")
-        burst_bytes = link_of(cfg, bandwidth).burst_bytes
+        burst_bytes = link_settings(bandwidth, "0", cfg["burst"], cfg["mtu"]).burst_bytes
         # rank 0 counted the link's bytes (the others' curves hold 0): its window lengths, for every rank
         runs_of = {m: [r for r in runs if r["method"] == m] for m in needed}
         least = world.bcast(
